@@ -1,0 +1,7 @@
+"""lightning_pipe: GPipe pipeline parallelism for PyTorch and PyTorch Lightning."""
+
+from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
+from lightning_pipe.pipe import Pipe
+
+__all__ = ["Pipe", "is_checkpointing", "is_recomputing"]
+__version__ = "0.1.0"

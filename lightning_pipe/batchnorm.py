@@ -1,0 +1,101 @@
+"""Deferred BatchNorm: running statistics updated once per mini-batch, as if it had not been split."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_pipe.checkpoint import is_recomputing
+
+__all__ = ["DeferredBatchNorm"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """BatchNorm that normalises each micro-batch by its own statistics but updates the running
+    statistics once per mini-batch, with the statistics of all its micro-batches together.
+
+    Without it, a mini-batch split into ``m`` micro-batches would move the running statistics ``m`` times
+    with micro-batch statistics. The pipeline calls :meth:`commit` after the last micro-batch of a
+    mini-batch; recomputation (checkpointing) does not count twice. State-dict keys are those of
+    ``nn.BatchNorm*d``, so weights load back into the plain module.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, True, device, dtype)
+        factory = {"device": device, "dtype": torch.float32}
+        self.register_buffer("_count", torch.zeros((), **factory), persistent=False)
+        self.register_buffer("_mean", torch.zeros(num_features, **factory), persistent=False)
+        self.register_buffer("_m2", torch.zeros(num_features, **factory), persistent=False)
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    @torch.no_grad()
+    def _track(self, input: Tensor) -> None:
+        # Chan et al.'s pairwise update of mean and sum of squared deviations: accurate in float32.
+        dims = [d for d in range(input.dim()) if d != 1]
+        x = input.detach().float()
+        n_b = x.numel() / x.size(1)
+        mean_b = x.mean(dims)
+        m2_b = ((x - mean_b.view(1, -1, *([1] * (x.dim() - 2)))) ** 2).sum(dims)
+        n_a = self._count.clone()
+        n = n_a + n_b
+        delta = mean_b - self._mean
+        self._mean.add_(delta * (n_b / n))
+        self._m2.add_(m2_b + delta * delta * (n_a * n_b / n))
+        self._count.copy_(n)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalise; in training, also accumulate this micro-batch's statistics."""
+        self._check_input_dim(input)
+        if not self.training:
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
+                                False, 0.0, self.eps)
+        if not is_recomputing():
+            self._track(input)
+        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the accumulated statistics into the running ones (once per mini-batch)."""
+        n = float(self._count)
+        if n == 0:
+            return
+        assert self.running_mean is not None and self.running_var is not None
+        assert self.num_batches_tracked is not None
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        var = self._m2 / (n - 1) if n > 1 else self._m2
+        self.running_mean.mul_(1 - factor).add_(self._mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(var.to(self.running_var.dtype), alpha=factor)
+        self._count.zero_()
+        self._mean.zero_()
+        self._m2.zero_()
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> nn.Module:
+        """Return ``module`` with every BatchNorm that tracks running statistics replaced by a deferred one.
+
+        Parameters and buffers are shared with the replaced layers' values (copied into the new module);
+        ``SyncBatchNorm`` and BatchNorm without running statistics are left as they are.
+        """
+        if isinstance(module, _BatchNorm) and not isinstance(module, (cls, nn.SyncBatchNorm)) \
+                and module.track_running_stats:
+            device = module.running_mean.device if module.running_mean is not None else None
+            deferred = cls(module.num_features, module.eps, module.momentum, module.affine, device=device)
+            deferred.load_state_dict(module.state_dict())
+            deferred.to(module.running_mean.dtype if module.running_mean is not None else torch.float32)
+            deferred.train(module.training)
+            for name in ("_count", "_mean", "_m2"):  # statistics accumulate in float32 whatever the dtype
+                setattr(deferred, name, getattr(deferred, name).float())
+            return deferred
+        for name, child in module.named_children():
+            converted = cls.convert(child)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module

@@ -1,0 +1,266 @@
+"""``Pipe``: an ``nn.Sequential`` split into partitions and trained with a GPipe schedule.
+
+Follow one mini-batch::
+
+    input ─► scatter into m micro-batches ─► stages on worker threads, schedule order ─► gather ─► output
+                                                                                                  │
+    input grad ◄─ gather ◄─ stages' local backward, reverse schedule order ◄─ scatter ◄─ output grad
+
+The output is tied into autograd by :class:`_PipeFunction`, so ``loss.backward()`` drives the pipeline's
+backward; each stage's parameters receive their ``.grad`` from the stage's own local autograd.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Iterator, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.batchnorm import DeferredBatchNorm
+from lightning_pipe.microbatch import Batch, TensorOrTensors, gather, scatter
+from lightning_pipe.pipeline import LocalPipeline, Run, scatter_grads
+from lightning_pipe.skip.layout import inspect_skip_layout
+from lightning_pipe.skip.skippable import verify_skippables
+from lightning_pipe.stage import Stage
+
+__all__ = ["Pipe", "CHECKPOINT_MODES"]
+
+#: The accepted values of ``checkpoint``.
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+Device = Union[torch.device, str, int]
+
+BALANCE_HINT = """balance is required: the number of layers in each partition. To find one automatically:
+
+    from lightning_pipe.balance import balance_by_time
+    partitions = torch.cuda.device_count() or 2
+    sample = torch.empty(128, 3, 224, 224)  # one mini-batch of your inputs
+    balance = balance_by_time(partitions, model, sample)
+    model = Pipe(model, balance, chunks=8)
+"""
+
+
+def checkpoint_stop(mode: str, microbatches: int, training: bool) -> int:
+    """How many leading micro-batches are checkpointed (none in eval mode)."""
+    if not training:
+        return 0
+    return {"always": microbatches, "except_last": microbatches - 1, "never": 0}[mode]
+
+
+def check_checkpoint(checkpoint: str) -> None:
+    """Reject an unknown checkpoint mode, naming the valid ones."""
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))} "
+                         f"(got: {checkpoint!r})")
+
+
+def check_chunks(chunks: Any, what: str = "chunks") -> None:
+    """Reject a micro-batch count that is not a positive integer."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{what} must be a positive integer (got: {chunks!r})")
+
+
+def check_sequential(module: Any, what: str = "module") -> None:
+    """Reject a module that is not an ``nn.Sequential`` of distinct children with unshared parameters."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"{what} must be nn.Sequential to be partitioned (got: {type(module).__name__})")
+    children = list(module.children())
+    if len(children) != len(module) or len({id(c) for c in children}) != len(children):
+        names = [n for n, c in module.named_children() if sum(c is d for d in children) > 1]
+        raise ValueError(f"{what} with duplicate children is not supported (the same layer appears as: "
+                         f"{', '.join(names)}); give each position its own layer")
+    owner: dict[int, str] = {}
+    for name, child in module.named_children():
+        for pname, p in child.named_parameters():
+            other = owner.setdefault(id(p), name)
+            if other != name:
+                raise ValueError(f"{what} shares parameters between layers, which partitions cannot do "
+                                 f"(layers '{other}' and '{name}' share '{pname}'); untie them or keep them "
+                                 "in one layer")
+
+
+def check_balance(module: nn.Sequential, balance: Sequence[int] | None) -> list[int]:
+    """Validate ``balance`` against ``module``; return it as a list."""
+    if balance is None:
+        raise ValueError(BALANCE_HINT)
+    balance = list(balance)
+    if not balance or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in balance):
+        raise ValueError(f"all balance numbers must be positive integers (balance: {balance})")
+    if sum(balance) != len(module):
+        raise ValueError(f"module and sum of balance have different length "
+                         f"(module: {len(module)}, sum of balance: {sum(balance)})")
+    return balance
+
+
+def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """Cut ``module`` into consecutive partitions of ``balance`` layers, keeping the layers' names."""
+    items = list(module.named_children())
+    partitions, start = [], 0
+    for size in balance:
+        partitions.append(nn.Sequential(OrderedDict(items[start:start + size])))
+        start += size
+    return partitions
+
+
+def _default_devices(n: int) -> list[torch.device]:
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")] * n
+
+
+class _PipeFunction(torch.autograd.Function):
+    """Ties the pipeline into autograd: forward runs every stage, backward drives every stage's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, pipe: Pipe, run: Run, microbatches: list[Batch], phony: Tensor,
+                *inputs: Tensor) -> Any:
+        outputs = gather(pipe._pipeline.forward(run, microbatches, save=True))
+        ctx.pipe, ctx.run = pipe, run
+        ctx.input_devices = [t.device for t in inputs]
+        ctx.needs = [t.requires_grad for t in inputs]
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*[t for t in outputs.tensors if not t.requires_grad])
+        run.atomic = outputs.atomic
+        return tuple(t.detach() for t in outputs.tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor | None) -> Any:
+        pipe, run = ctx.pipe, ctx.run
+        if run is None:
+            raise RuntimeError("backward ran twice through the same pipe output; retain_graph is not supported "
+                               "through a pipe (its stages free what they saved); run the forward again")
+        ctx.pipe = ctx.run = None  # free the run's saved state as soon as backward is done
+        inline = next((g.device for g in grad_outputs if g is not None and g.is_cuda), None)
+        grads = pipe._pipeline.backward(run, scatter_grads(grad_outputs, run.sizes),
+                                        inline_device=inline)
+        result: list[Tensor | None] = []
+        for k, (device, needed) in enumerate(zip(ctx.input_devices, ctx.needs)):
+            parts = [g[k] for g in grads]
+            if not needed or any(p is None for p in parts):
+                result.append(None)
+            else:
+                result.append(torch.cat(parts).to(device))  # type: ignore[arg-type]
+        return (None, None, None, None, *result)
+
+
+class Pipe(nn.Module):
+    """Wrap an ``nn.Sequential`` to train it with GPipe pipeline parallelism.
+
+    Args:
+        module: the layers, in order. Children must be distinct and share no parameters.
+        balance: layers per partition, e.g. ``[2, 3]``; ``sum(balance) == len(module)``. See
+            :mod:`lightning_pipe.balance` to compute one.
+        devices: one device per partition (``"cpu"``, ``"cuda:1"``, ``torch.device``); default: every CUDA
+            device in order, or ``"cpu"`` for every partition without a GPU. The output is on the last.
+        chunks: number of micro-batches a mini-batch is split into along dim 0 (fewer if it is smaller).
+        checkpoint: ``'always'``, ``'except_last'`` (every micro-batch but the last) or ``'never'``:
+            which micro-batches drop their activations in forward and recompute them in backward.
+        deferred_batch_norm: update BatchNorm running statistics once per mini-batch, as the unsplit
+            batch would.
+
+    Each partition runs on its own worker thread, so partitions overlap even on CPU. Output and
+    gradients equal those of ``module`` (dropout draws per-micro-batch masks from its own generators,
+    reproducibly; BatchNorm sees micro-batch statistics).
+    """
+
+    def __init__(self, module: nn.Sequential, balance: Sequence[int] | None = None, *,
+                 devices: Sequence[Device] | None = None, chunks: int = 1,
+                 checkpoint: str = "except_last", deferred_batch_norm: bool = False) -> None:
+        super().__init__()
+        check_sequential(module)
+        check_chunks(chunks)
+        check_checkpoint(checkpoint)
+        balance = check_balance(module, balance)
+        verify_skippables(module)
+        if devices is None:
+            devices = _default_devices(len(balance))
+        devices = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+        if len(balance) > len(devices):
+            raise IndexError(f"too few devices to hold given partitions (devices: {len(devices)}, "
+                             f"partitions: {len(balance)})")
+        if deferred_batch_norm:
+            module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
+        self.balance = balance
+        self.devices = devices[: len(balance)]
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
+        parts = split_module(module, balance)
+        for part, device in zip(parts, self.devices):
+            part.to(device)
+        self.partitions = nn.ModuleList(parts)
+        self._pipeline: LocalPipeline | None = None
+
+    # ------------------------------------------------------------------ the Sequential interface
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        if not isinstance(index, int):
+            raise TypeError(f"Pipe indices must be integers (got: {type(index).__name__})")
+        size = len(self)
+        if not -size <= index < size:
+            raise IndexError(f"index {index} is out of range for a pipe of {size} layers")
+        index %= size
+        for partition in self.partitions:
+            if index < len(partition):
+                return partition[index]
+            index -= len(partition)
+        raise AssertionError("unreachable")
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for partition in self.partitions:
+            yield from partition
+
+    # ------------------------------------------------------------------ placement is fixed
+    def to(self, *args: Any, **kwargs: Any) -> Pipe:
+        """Change the dtype only: ``pipe.to(torch.float64)``. Moving to a device raises ``TypeError``."""
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            raise TypeError("a Pipe cannot be moved to one device: its partitions are placed on "
+                            f"{[str(d) for d in self.devices]}; pass devices=... when creating it")
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Pipe:
+        """Not allowed: partitions stay on their devices."""
+        raise TypeError("a Pipe cannot be moved with .cuda(): pass devices=... when creating it")
+
+    def cpu(self) -> Pipe:
+        """Not allowed: partitions stay on their devices."""
+        raise TypeError("a Pipe cannot be moved with .cpu(): pass devices=... when creating it")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_pipeline"] = None  # worker threads are not copied; a copy starts its own
+        return state
+
+    # ------------------------------------------------------------------ forward
+    @property
+    def pipeline(self) -> LocalPipeline:
+        """The stages and their workers, built on first use."""
+        if self._pipeline is None:
+            layout = inspect_skip_layout(list(self.partitions))
+            offsets = [sum(self.balance[:j]) for j in range(len(self.balance))]
+            stages = [
+                Stage(j, p, d, offset=o, exports=layout.exports[j].keys(), imports=layout.imports[j].keys())
+                for j, (p, d, o) in enumerate(zip(self.partitions, self.devices, offsets))
+            ]
+            self._pipeline = LocalPipeline(stages, layout)
+        return self._pipeline
+
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
+        """Run ``input`` (a tensor or a tuple of tensors, batch along dim 0) through the pipeline."""
+        batch = Batch.of(input, "input of the pipe")
+        microbatches = scatter(batch, self.chunks)
+        sizes = [mb.tensors[0].size(0) for mb in microbatches]
+        pipeline = self.pipeline
+        save = torch.is_grad_enabled() and (
+            any(t.requires_grad for t in batch.tensors) or any(p.requires_grad for p in self.parameters()))
+        run = Run(pipeline.stages, sizes, checkpoint_stop(self.checkpoint, len(sizes), self.training))
+        if not save:
+            return gather(pipeline.forward(run, microbatches, save=False)).value
+        phony = torch.empty(0, requires_grad=True)
+        outputs = _PipeFunction.apply(self, run, microbatches, phony, *batch.tensors)
+        return Batch(tuple(outputs), run.atomic).value

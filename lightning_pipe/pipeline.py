@@ -1,0 +1,175 @@
+"""The local pipeline: stages on worker threads, fed micro-batches in schedule order.
+
+Each stage's worker executes its actions in the order of :mod:`lightning_pipe.schedule`; an action waits
+only for the inputs it needs (the previous stage's output of the same micro-batch, the skips popped here),
+so a stage starts micro-batch ``i`` as soon as it is ready, without waiting for a whole clock tick. Tensors
+go from stage to stage through ``outputs``/``grads`` tables and are dropped as soon as they are consumed.
+
+Errors come back as values: an action whose input failed is skipped, every action finishes, and the
+first real error (in schedule order) is raised in the caller with its original traceback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from concurrent.futures import Future
+from functools import partial
+from typing import Any, Callable, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from lightning_pipe.microbatch import Batch
+from lightning_pipe.rng import LazySeed
+from lightning_pipe.schedule import Action, backward_plan, forward_plan
+from lightning_pipe.skip.layout import SkipLayout
+from lightning_pipe.stage import Grads, Stage
+from lightning_pipe.worker import Inline, Worker
+
+__all__: list[str] = []
+
+_run_ids = itertools.count()
+
+
+class _Skipped(Exception):
+    """An action that did not run because one of its inputs failed."""
+
+
+def _wait(future: Future[Any]) -> None:
+    try:
+        future.result()
+    except BaseException:  # noqa: BLE001 - the failing action reports its own error
+        raise _Skipped() from None
+
+
+def drain(futures: Sequence[Future[Any]]) -> None:
+    """Wait for every future; raise the first real error among them (not a skip)."""
+    first: BaseException | None = None
+    for future in futures:
+        try:
+            future.result()
+        except _Skipped:
+            pass
+        except BaseException as exc:  # noqa: BLE001
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+class Run:
+    """One forward through the pipeline and, later, its backward.
+
+    ``checkpoint_stop``: micro-batches below it are checkpointed. When the run is garbage collected
+    (its output freed), whatever stages still keep for it is released.
+    """
+
+    def __init__(self, stages: Sequence[Stage], sizes: Sequence[int], checkpoint_stop: int) -> None:
+        self.id = next(_run_ids)
+        self.sizes = list(sizes)
+        self.checkpoint_stop = checkpoint_stop
+        self.seed = LazySeed()
+        self.failed = False
+        self.atomic = True  # whether the output is one tensor (False: a tuple)
+        for stage in stages:
+            weakref.finalize(self, stage.release, self.id)
+
+
+Executor = Union[Worker, Inline]
+
+
+class LocalPipeline:
+    """Stages of one process, each run by its own worker thread."""
+
+    def __init__(self, stages: Sequence[Stage], layout: SkipLayout) -> None:
+        self.stages = list(stages)
+        self.layout = layout
+        self.workers = [Worker(f"lightning_pipe.stage{j}") for j in range(len(stages))]
+
+    def _submit(self, executors: Sequence[Executor], futures: dict[tuple[int, int], Future[Any]],
+                run: Run, plan: list[list[Action]], task: Callable[..., None]) -> None:
+        for action in itertools.chain.from_iterable(plan):
+            fn = partial(task, run, futures, action.microbatch, action.stage)
+            futures[(action.microbatch, action.stage)] = executors[action.stage].submit(fn)
+        try:
+            drain([futures[(a.microbatch, a.stage)] for a in itertools.chain.from_iterable(plan)])
+        except BaseException:
+            run.failed = True
+            raise
+
+    def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
+        """Run every micro-batch through every stage; return the last stage's outputs."""
+        m, n = len(microbatches), len(self.stages)
+        outputs: dict[Any, Any] = {(i, -1): mb for i, mb in enumerate(microbatches)}
+        futures: dict[tuple[int, int], Future[Any]] = {}
+
+        def task(run: Run, futures: dict[tuple[int, int], Future[Any]], i: int, j: int) -> None:
+            if run.failed:
+                raise _Skipped()
+            if j > 0:
+                _wait(futures[(i, j - 1)])
+            for src in self.layout.imports[j].values():
+                _wait(futures[(i, src)])
+            inputs = outputs.pop((i, j - 1))
+            imports = {key: outputs.pop((i, key)) for key in self.layout.imports[j]}
+            try:
+                out, exports = self.stages[j].forward(
+                    run.id, i, inputs, imports, seed=run.seed, save=save,
+                    checkpoint=i < run.checkpoint_stop, last=i == m - 1)
+            except BaseException:
+                run.failed = True
+                raise
+            outputs[(i, j)] = out
+            outputs.update({(i, key): t for key, t in exports.items()})
+
+        self._submit(self.workers, futures, run, forward_plan(m, n), task)
+        return [outputs.pop((i, n - 1)) for i in range(m)]
+
+    def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool = True,
+                 inline_device: torch.device | None = None) -> list[Grads]:
+        """Backward of every micro-batch from the gradients of the last stage's outputs.
+
+        Returns the gradients of the first stage's inputs per micro-batch. With ``pipelined=False`` each
+        stage runs one backward over all its micro-batches. Stages on ``inline_device`` run on the calling
+        thread (the autograd engine's thread for that CUDA device, which a worker must not wait for).
+        """
+        m, n = len(grad_outputs), len(self.stages)
+        grads: dict[Any, Any] = {(i, n): g for i, g in enumerate(grad_outputs)}
+        executors: list[Executor] = [
+            Inline() if inline_device is not None and s.device == inline_device else w
+            for s, w in zip(self.stages, self.workers)
+        ]
+        futures: dict[tuple[int, int], Future[Any]] = {}
+
+        def task(run: Run, futures: dict[tuple[int, int], Future[Any]], i: int, j: int) -> None:
+            if run.failed:
+                raise _Skipped()
+            mbs = range(m) if i < 0 else (i,)
+            for k in mbs:
+                if j < n - 1:
+                    _wait(futures[(-1 if i < 0 else k, j + 1)])
+                for dst in set(self.layout.exports[j].values()):
+                    _wait(futures[(-1 if i < 0 else k, dst)])
+            items = [(k, grads.pop((k, j + 1)), {key: grads.pop((k, key)) for key in self.layout.exports[j]})
+                     for k in mbs]
+            try:
+                results = self.stages[j].backward(run.id, items)
+            except BaseException:
+                run.failed = True
+                raise
+            for k, (grad_inputs, grad_imports) in zip(mbs, results):
+                grads[(k, j)] = grad_inputs
+                grads.update({(k, key): g for key, g in grad_imports.items()})
+
+        if pipelined:
+            plan = backward_plan(m, n)
+        else:
+            plan = [[Action(j, "B", -1)] for j in reversed(range(n))]
+        self._submit(executors, futures, run, plan, task)
+        return [grads.pop((i, 0)) for i in range(m)]
+
+
+def scatter_grads(grads: Sequence[Tensor | None], sizes: Sequence[int]) -> list[Grads]:
+    """Split output gradients along dim 0 into the micro-batch sizes of a run."""
+    pieces = [g.split(list(sizes)) if g is not None else (None,) * len(sizes) for g in grads]
+    return [tuple(p[i] for p in pieces) for i in range(len(sizes))]

@@ -1,0 +1,202 @@
+"""A stage: one partition on one device, running the forward and backward of its micro-batches.
+
+The stage keeps, per micro-batch, what backward needs: its inputs (leaves that require grad) and either
+its outputs (autograd graph kept) or, for a checkpointed micro-batch, nothing more (the graph is rebuilt by
+recomputation). Backward receives the outputs' gradients, runs local autograd, and returns the inputs'
+gradients for the stage before it::
+
+        grad of outputs ──► [ autograd over this partition ] ──► grad of inputs ──► previous stage
+                                      │
+                                      └─► parameters' .grad (found there by this stage's optimizer)
+
+A stage knows nothing of where its neighbours are: the pipeline moves tensors between stages, whether
+they are a thread or a process away.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Hashable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.batchnorm import DeferredBatchNorm
+from lightning_pipe.checkpoint import checkpointing, recomputing
+from lightning_pipe.microbatch import Batch
+from lightning_pipe.rng import StageRandom, mix_seed
+from lightning_pipe.skip.namespace import SkipKey
+from lightning_pipe.skip.tracker import SkipTracker, use_skip_tracker
+from lightning_pipe.worker import capture_context
+
+__all__: list[str] = []
+
+#: Gradients that flow backward: one per tensor, None where the tensor got none.
+Grads = tuple[Tensor | None, ...]
+
+
+@dataclass
+class _Saved:
+    inputs: tuple[Tensor, ...]
+    imports: dict[SkipKey, Tensor]
+    atomic: bool
+    seed: Callable[[], int]
+    context: Callable[[], ContextManager[None]]  # autocast state of the forward, for recomputation
+    outputs: tuple[Tensor, ...] | None  # None: checkpointed, recompute in backward
+    exports: dict[SkipKey, Tensor] | None
+
+
+def _leaf(t: Tensor, device: torch.device, requires_grad: bool) -> Tensor:
+    t = t.detach().to(device, non_blocking=True)
+    if requires_grad and (t.is_floating_point() or t.is_complex()):
+        t.requires_grad_(True)
+    return t
+
+
+def _handoff(t: Tensor) -> Tensor:
+    """What a stage hands on: detached, carrying only whether it requires grad."""
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+class Stage:
+    """Partition ``index`` of a pipeline, placed on ``device``.
+
+    ``exports`` are the skip keys stashed here and popped by a later stage; ``imports`` those popped here
+    and stashed by an earlier one.
+    """
+
+    def __init__(self, index: int, partition: nn.Sequential, device: torch.device, *, offset: int = 0,
+                 exports: Sequence[SkipKey] = (), imports: Sequence[SkipKey] = ()) -> None:
+        self.index = index
+        self.partition = partition
+        self.device = device
+        self.offset = offset  # index of this partition's first layer in the whole sequence
+        self.exports = frozenset(exports)
+        self.imports = frozenset(imports)
+        self._saved: dict[tuple[Hashable, int], _Saved] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ running the layers
+    def _value(self, leaves: tuple[Tensor, ...], atomic: bool) -> Any:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves) and \
+                getattr(self.partition[0], "inplace", False):
+            # An in-place first layer may not modify a leaf that requires grad: give it a copy.
+            leaves = tuple(t.clone() for t in leaves)
+        return Batch(leaves, atomic).value
+
+    def _run(self, value: Any, imports: Mapping[SkipKey, Tensor], seed: Callable[[], int],
+             microbatch: int) -> tuple[Batch, dict[SkipKey, Tensor]]:
+        tracker = SkipTracker(imports, self.exports)
+        with use_skip_tracker(tracker), StageRandom(lambda: mix_seed(seed(), self.index, microbatch)):
+            for k, (name, layer) in enumerate(self.partition.named_children()):
+                try:
+                    value = layer(value)
+                except BaseException as exc:
+                    if not getattr(exc, "_lightning_pipe_located", False):
+                        exc.add_note(f"raised in partition {self.index}, layer {self.offset + k} "
+                                     f"('{name}': {type(layer).__name__}) on {self.device}")
+                        exc._lightning_pipe_located = True  # type: ignore[attr-defined]
+                    raise
+        missing = sorted(key[1] for key in self.exports - tracker.exported.keys())
+        if missing:
+            raise RuntimeError(f"partition {self.index} did not stash {missing} in this forward; a skippable "
+                               "layer must stash every name a later partition pops, in every forward")
+        return Batch.of(value, f"output of partition {self.index}"), tracker.exported
+
+    def forward(self, run: Hashable, microbatch: int, inputs: Batch, imports: Mapping[SkipKey, Tensor], *,
+                seed: Callable[[], int], save: bool, checkpoint: bool, last: bool
+                ) -> tuple[Batch, dict[SkipKey, Tensor]]:
+        """Run the partition on one micro-batch; with ``save``, keep what backward needs.
+
+        Returned tensors are detached and say by ``requires_grad`` whether a gradient flows back to them.
+        ``last`` marks the last micro-batch of the mini-batch (deferred BatchNorm commits then).
+        """
+        leaves = tuple(_leaf(t, self.device, save and t.requires_grad) for t in inputs.tensors)
+        got = {k: _leaf(t, self.device, save and t.requires_grad) for k, t in imports.items()}
+        context = checkpointing() if save and checkpoint else nullcontext()
+        with context, torch.set_grad_enabled(save and not checkpoint):
+            outputs, exports = self._run(self._value(leaves, inputs.atomic), dict(got), seed, microbatch)
+        if save:
+            kept = None if checkpoint else outputs.tensors
+            with self._lock:
+                self._saved[(run, microbatch)] = _Saved(leaves, got, inputs.atomic, seed, capture_context(), kept,
+                                                        None if checkpoint else exports)
+        if last and self.partition.training:
+            for module in self.partition.modules():
+                if isinstance(module, DeferredBatchNorm):
+                    module.commit()
+        if save and checkpoint:
+            # Run without grad, the outputs cannot tell whether they depend on anything that needs a
+            # gradient; they do if any input or parameter does (backward skips those that turn out not to).
+            needs = any(t.requires_grad for t in (*leaves, *got.values())) or \
+                any(p.requires_grad for p in self.partition.parameters())
+            mark = lambda t: t.detach().requires_grad_(needs and (t.is_floating_point() or t.is_complex()))  # noqa: E731
+        else:
+            mark = _handoff
+        return outputs.with_tensors([mark(t) for t in outputs.tensors]), {k: mark(t) for k, t in exports.items()}
+
+    def _recompute(self, saved: _Saved, microbatch: int) -> tuple[tuple[Tensor, ...], dict[SkipKey, Tensor]]:
+        with saved.context(), recomputing(), torch.enable_grad():
+            outputs, exports = self._run(self._value(saved.inputs, saved.atomic), dict(saved.imports),
+                                         saved.seed, microbatch)
+        return outputs.tensors, exports
+
+    def backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]]
+                 ) -> list[tuple[Grads, dict[SkipKey, Tensor | None]]]:
+        """Backward of micro-batches ``(microbatch, output grads, export grads)`` in one autograd call.
+
+        Returns, per item, the gradients of its inputs and of its imported skips.
+        """
+        # Recomputation must leave no trace in module state (BatchNorm running statistics): buffers are
+        # restored once autograd is done with them (restoring earlier would trip its version checks).
+        with self._lock:
+            recomputes = any(getattr(self._saved.get((run, i)), "outputs", ()) is None for i, _, _ in items)
+        if not recomputes:
+            return self._backward(run, items)
+        buffers = [b.detach().clone() for b in self.partition.buffers()]
+        try:
+            return self._backward(run, items)
+        finally:
+            with torch.no_grad():
+                for b, old in zip(self.partition.buffers(), buffers):
+                    b.copy_(old)
+
+    def _backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]]
+                  ) -> list[tuple[Grads, dict[SkipKey, Tensor | None]]]:
+        tensors: list[Tensor] = []
+        grads: list[Tensor] = []
+        saved_items = []
+        for microbatch, grad_outputs, grad_exports in items:
+            with self._lock:
+                saved = self._saved.pop((run, microbatch), None)
+            if saved is None:
+                raise RuntimeError(
+                    f"partition {self.index} has no saved forward for micro-batch {microbatch}: backward ran "
+                    "twice through the same pipe output, or after the forward was freed (retain_graph is not "
+                    "supported through a pipe; run the forward again)"
+                )
+            saved_items.append(saved)
+            if saved.outputs is None:
+                outputs, exports = self._recompute(saved, microbatch)
+            else:
+                outputs, exports = saved.outputs, saved.exports or {}
+            pairs = list(zip(outputs, grad_outputs)) + [(exports[k], g) for k, g in grad_exports.items()]
+            for t, g in pairs:
+                if g is not None and t.requires_grad:
+                    tensors.append(t)
+                    grads.append(g.to(t.device, non_blocking=True))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        return [
+            (tuple(t.grad if t.requires_grad else None for t in s.inputs),
+             {k: t.grad if t.requires_grad else None for k, t in s.imports.items()})
+            for s in saved_items
+        ]
+
+    def release(self, run: Hashable) -> None:
+        """Drop whatever is still saved for ``run`` (its output was freed without backward)."""
+        with self._lock:
+            for key in [k for k in self._saved if k[0] == run]:
+                del self._saved[key]

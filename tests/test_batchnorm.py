@@ -1,0 +1,59 @@
+"""Deferred BatchNorm: running statistics equal to those of the whole batch through an unsplit BatchNorm."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import Pipe
+from lightning_pipe.batchnorm import DeferredBatchNorm
+
+
+def conv_model(momentum=0.1) -> nn.Sequential:
+    # Only layers that treat samples independently come before the BatchNorm, so the statistics it sees
+    # are exactly the whole batch's: deferral must reproduce them.
+    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6, momentum=momentum), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(6 * 5 * 5, 2))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("chunks,checkpoint", [(1, "never"), (4, "never"), (4, "always"), (3, "except_last")])
+def test_running_stats_match_the_whole_batch(chunks, checkpoint, momentum):
+    plain = conv_model(momentum)
+    piped = Pipe(copy.deepcopy(plain), [1, 4], chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=True)
+    assert isinstance(piped[1], DeferredBatchNorm)
+    for _ in range(3):
+        x = torch.randn(12, 3, 5, 5) * 3 + 1
+        plain(x).sum().backward()
+        piped(x).sum().backward()
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(piped[1], name), getattr(plain[1], name), rtol=1e-4, atol=1e-5,
+                                   msg=name)
+    plain.eval()
+    piped.eval()
+    x = torch.randn(4, 3, 5, 5)
+    torch.testing.assert_close(piped(x), plain(x), rtol=1e-4, atol=1e-5)
+
+
+def test_without_deferral_stats_move_per_micro_batch():
+    plain = conv_model()
+    piped = Pipe(copy.deepcopy(plain), [1, 4], chunks=4)
+    x = torch.randn(12, 3, 5, 5) * 3 + 1
+    plain(x)
+    piped(x)
+    assert not torch.allclose(piped[1].running_var, plain[1].running_var, rtol=1e-3)
+
+
+def test_state_dict_keys_are_those_of_batchnorm():
+    bn = nn.BatchNorm1d(3)
+    deferred = DeferredBatchNorm.convert(nn.Sequential(bn))[0]
+    assert isinstance(deferred, DeferredBatchNorm)
+    assert set(deferred.state_dict()) == set(bn.state_dict())
+    nn.BatchNorm1d(3).load_state_dict(deferred.state_dict())
+
+
+def test_convert_leaves_untracked_and_sync_batchnorm():
+    m = nn.Sequential(nn.BatchNorm1d(3, track_running_stats=False), nn.SyncBatchNorm(3))
+    out = DeferredBatchNorm.convert(m)
+    assert type(out[0]) is nn.BatchNorm1d and type(out[1]) is nn.SyncBatchNorm

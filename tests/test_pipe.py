@@ -1,0 +1,158 @@
+"""Pipe's construction, its Sequential interface, placement, and its errors for bad input."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import Pipe
+
+
+def model(n: int = 4) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+
+
+def test_attributes():
+    pipe = Pipe(model(), [1, 3], devices=["cpu", "cpu"], chunks=2, checkpoint="never")
+    assert pipe.balance == [1, 3]
+    assert pipe.devices == [torch.device("cpu")] * 2
+    assert pipe.chunks == 2 and pipe.checkpoint == "never"
+    assert isinstance(pipe.partitions, nn.ModuleList)
+    assert [len(p) for p in pipe.partitions] == [1, 3]
+    assert all(isinstance(p, nn.Sequential) for p in pipe.partitions)
+
+
+def test_default_devices_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert Pipe(model(), [2, 2]).devices == [torch.device("cpu")] * 2
+
+
+def test_sequential_interface():
+    m = model(5)
+    layers = list(m)
+    pipe = Pipe(m, [2, 3])
+    assert len(pipe) == 5
+    assert list(pipe) == layers
+    assert pipe[0] is layers[0] and pipe[3] is layers[3] and pipe[-1] is layers[-1]
+    with pytest.raises(IndexError, match="index 5 is out of range for a pipe of 5 layers"):
+        pipe[5]
+
+
+def test_layer_names_kept():
+    m = nn.Sequential()
+    m.add_module("first", nn.Linear(2, 2))
+    m.add_module("second", nn.Linear(2, 2))
+    pipe = Pipe(m, [1, 1])
+    assert set(pipe.state_dict()) == {"partitions.0.first.weight", "partitions.0.first.bias",
+                                      "partitions.1.second.weight", "partitions.1.second.bias"}
+
+
+def test_moving_is_refused_but_dtype_works():
+    pipe = Pipe(model(), [2, 2])
+    for move in (lambda: pipe.to("cpu"), lambda: pipe.to(torch.device("cpu"), torch.float64),
+                 lambda: pipe.cuda(), lambda: pipe.cpu()):
+        with pytest.raises(TypeError, match="cannot be moved"):
+            move()
+    pipe.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in pipe.parameters())
+    assert pipe(torch.randn(2, 4, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_tuple_between_partitions():
+    class Split(nn.Module):
+        def forward(self, x):
+            return x, x * 2
+
+    class Join(nn.Module):
+        def forward(self, xs):
+            return xs[0] + xs[1]
+
+    m = nn.Sequential(nn.Linear(3, 3), Split(), Join(), nn.Linear(3, 1))
+    x = torch.randn(6, 3)
+    ref = copy.deepcopy(m)(x)
+    assert torch.allclose(Pipe(m, [2, 2], chunks=3)(x), ref)
+
+
+def test_tuple_input_and_output():
+    class Both(nn.Module):
+        def forward(self, xs):
+            return xs[0] * 2, xs[1] + 1
+
+    m = nn.Sequential(Both(), Both())
+    a, b = torch.randn(4, 2), torch.randn(4)
+    out = Pipe(m, [1, 1], chunks=2)((a, b))
+    assert isinstance(out, tuple) and torch.allclose(out[0], a * 4) and torch.allclose(out[1], b + 2)
+
+
+def test_deepcopy_gets_its_own_workers():
+    pipe = Pipe(model(), [2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    y = pipe(x)
+    clone = copy.deepcopy(pipe)
+    assert clone._pipeline is None
+    assert torch.allclose(clone(x), y)
+
+
+# ---------------------------------------------------------------------- bad input, clear errors
+def test_not_sequential():
+    with pytest.raises(TypeError, match=r"must be nn.Sequential .*got: Linear"):
+        Pipe(nn.Linear(1, 1), [1])
+
+
+def test_duplicate_children():
+    layer = nn.Linear(1, 1)
+    with pytest.raises(ValueError, match="duplicate children"):
+        Pipe(nn.Sequential(layer, layer), [1, 1])
+
+
+def test_shared_parameters():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    with pytest.raises(ValueError, match=r"layers '0' and '1' share 'weight'"):
+        Pipe(nn.Sequential(a, b), [1, 1])
+
+
+def test_balance_errors():
+    with pytest.raises(ValueError, match=r"module: 4, sum of balance: 3"):
+        Pipe(model(), [1, 2])
+    with pytest.raises(ValueError, match=r"positive integers \(balance: \[0, 4\]\)"):
+        Pipe(model(), [0, 4])
+    with pytest.raises(ValueError, match=r"positive integers \(balance: \[-1, 5\]\)"):
+        Pipe(model(), [-1, 5])
+    with pytest.raises(ValueError, match="balance_by_time"):  # a ready snippet of automatic balancing
+        Pipe(model())
+
+
+def test_too_few_devices():
+    with pytest.raises(IndexError, match=r"devices: 1, partitions: 2"):
+        Pipe(model(), [2, 2], devices=["cpu"])
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5, True])
+def test_bad_chunks(chunks):
+    with pytest.raises(ValueError, match=rf"chunks must be a positive integer \(got: {chunks!r}\)"):
+        Pipe(model(), [4], chunks=chunks)
+
+
+def test_bad_checkpoint():
+    with pytest.raises(ValueError, match=r"'always', 'except_last', 'never' \(got: 'sometimes'\)"):
+        Pipe(model(), [4], checkpoint="sometimes")
+
+
+def test_non_tensor_between_partitions():
+    class Bad(nn.Module):
+        def forward(self, x):
+            return {"x": x}
+
+    pipe = Pipe(nn.Sequential(Bad(), nn.Identity()), [1, 1])
+    with pytest.raises(TypeError, match=r"output of partition 0 must be a tensor or a tuple of tensors \(got: dict\)"):
+        pipe(torch.zeros(2, 1))
+
+
+def test_bad_batches():
+    pipe = Pipe(model(), [2, 2], chunks=2)
+    with pytest.raises(ValueError, match="empty batch"):
+        pipe(torch.zeros(0, 4))
+    with pytest.raises(ValueError, match=r"dim 0 sizes: \[2, 3\]"):
+        Pipe(nn.Sequential(nn.Identity()), [1])((torch.zeros(2), torch.zeros(3)))
