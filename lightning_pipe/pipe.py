@@ -111,13 +111,13 @@ def _default_devices(n: int) -> list[torch.device]:
 
 
 class _PipeFunction(torch.autograd.Function):
-    """Ties the pipeline into autograd: forward runs every stage, backward drives every stage's backward."""
+    """Ties a pipeline into autograd: forward runs every stage, backward drives every stage's backward."""
 
     @staticmethod
-    def forward(ctx: Any, pipe: Pipe, run: Run, microbatches: list[Batch], phony: Tensor,
+    def forward(ctx: Any, pipeline: Any, run: Run, microbatches: list[Batch], phony: Tensor,
                 *inputs: Tensor) -> Any:
-        outputs = gather(pipe._pipeline.forward(run, microbatches, save=True))
-        ctx.pipe, ctx.run = pipe, run
+        outputs = gather(pipeline.forward(run, microbatches, save=True))
+        ctx.pipeline, ctx.run = pipeline, run
         ctx.input_devices = [t.device for t in inputs]
         ctx.needs = [t.requires_grad for t in inputs]
         ctx.set_materialize_grads(False)
@@ -126,16 +126,15 @@ class _PipeFunction(torch.autograd.Function):
         return tuple(t.detach() for t in outputs.tensors)
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor | None) -> Any:
-        pipe, run = ctx.pipe, ctx.run
+    def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Any:
+        pipeline, run = ctx.pipeline, ctx.run
         if run is None:
             raise RuntimeError("backward ran twice through the same pipe output; retain_graph is not supported "
                                "through a pipe (its stages free what they saved); run the forward again")
-        ctx.pipe = ctx.run = None  # free the run's saved state as soon as backward is done
+        ctx.pipeline = ctx.run = None  # free the run's saved state as soon as backward is done
         inline = next((g.device for g in grad_outputs if g is not None and g.is_cuda), None)
-        grads = pipe._pipeline.backward(run, scatter_grads(grad_outputs, run.sizes),
-                                        inline_device=inline)
-        result: list[Tensor | None] = []
+        grads = pipeline.backward(run, scatter_grads(grad_outputs, run.sizes), inline_device=inline)
+        result: list[Optional[Tensor]] = []
         for k, (device, needed) in enumerate(zip(ctx.input_devices, ctx.needs)):
             parts = [g[k] for g in grads]
             if not needed or any(p is None for p in parts):
@@ -143,6 +142,26 @@ class _PipeFunction(torch.autograd.Function):
             else:
                 result.append(torch.cat(parts).to(device))  # type: ignore[arg-type]
         return (None, None, None, None, *result)
+
+
+def run_pipeline(pipeline: Any, input: TensorOrTensors, *, chunks: int, checkpoint: str, training: bool,
+                 parameters: Iterator[Tensor]) -> TensorOrTensors:
+    """Scatter ``input`` into micro-batches, run them through ``pipeline`` and gather the output.
+
+    With grad enabled and anything to differentiate, the output is tied into autograd so that its
+    backward drives the pipeline's backward. ``pipeline`` is local (threads) or remote (processes).
+    """
+    batch = Batch.of(input, "input of the pipe")
+    microbatches = scatter(batch, chunks)
+    sizes = [mb.tensors[0].size(0) for mb in microbatches]
+    save = torch.is_grad_enabled() and (
+        any(t.requires_grad for t in batch.tensors) or any(p.requires_grad for p in parameters))
+    run = Run(pipeline.stages, sizes, checkpoint_stop(checkpoint, len(sizes), training))
+    if not save:
+        return gather(pipeline.forward(run, microbatches, save=False)).value
+    phony = torch.empty(0, requires_grad=True)
+    outputs = _PipeFunction.apply(pipeline, run, microbatches, phony, *batch.tensors)
+    return Batch(tuple(outputs), run.atomic).value
 
 
 class Pipe(nn.Module):
@@ -252,15 +271,5 @@ class Pipe(nn.Module):
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Run ``input`` (a tensor or a tuple of tensors, batch along dim 0) through the pipeline."""
-        batch = Batch.of(input, "input of the pipe")
-        microbatches = scatter(batch, self.chunks)
-        sizes = [mb.tensors[0].size(0) for mb in microbatches]
-        pipeline = self.pipeline
-        save = torch.is_grad_enabled() and (
-            any(t.requires_grad for t in batch.tensors) or any(p.requires_grad for p in self.parameters()))
-        run = Run(pipeline.stages, sizes, checkpoint_stop(self.checkpoint, len(sizes), self.training))
-        if not save:
-            return gather(pipeline.forward(run, microbatches, save=False)).value
-        phony = torch.empty(0, requires_grad=True)
-        outputs = _PipeFunction.apply(self, run, microbatches, phony, *batch.tensors)
-        return Batch(tuple(outputs), run.atomic).value
+        return run_pipeline(self.pipeline, input, chunks=self.chunks, checkpoint=self.checkpoint,
+                            training=self.training, parameters=self.parameters())
