@@ -8,8 +8,8 @@ Layers with side effects (counters, running statistics) use these flags to act o
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 __all__ = ["is_checkpointing", "is_recomputing"]
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -10,7 +11,7 @@ from torch import Tensor
 __all__: list[str] = []
 
 #: What flows between partitions: one tensor, or a tuple of tensors.
-TensorOrTensors = Union[Tensor, tuple[Tensor, ...]]
+TensorOrTensors = Union[Tensor, tuple[Tensor, ...]]  # noqa: UP007 - a runtime alias on Python 3.10
 
 
 class Batch:

@@ -13,7 +13,8 @@ backward; each stage's parameters receive their ``.grad`` from the stage's own l
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Iterator, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +31,7 @@ __all__ = ["Pipe", "CHECKPOINT_MODES"]
 #: The accepted values of ``checkpoint``.
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
-Device = Union[torch.device, str, int]
+Device = Union[torch.device, str, int]  # noqa: UP007 - a runtime alias on Python 3.10
 
 BALANCE_HINT = """balance is required: the number of layers in each partition. To find one automatically:
 
@@ -126,7 +127,7 @@ class _PipeFunction(torch.autograd.Function):
         return tuple(t.detach() for t in outputs.tensors)
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Any:
+    def backward(ctx: Any, *grad_outputs: Tensor | None) -> Any:
         pipeline, run = ctx.pipeline, ctx.run
         if run is None:
             raise RuntimeError("backward ran twice through the same pipe output; retain_graph is not supported "
@@ -134,7 +135,7 @@ class _PipeFunction(torch.autograd.Function):
         ctx.pipeline = ctx.run = None  # free the run's saved state as soon as backward is done
         inline = next((g.device for g in grad_outputs if g is not None and g.is_cuda), None)
         grads = pipeline.backward(run, scatter_grads(grad_outputs, run.sizes), inline_device=inline)
-        result: list[Optional[Tensor]] = []
+        result: list[Tensor | None] = []
         for k, (device, needed) in enumerate(zip(ctx.input_devices, ctx.needs)):
             parts = [g[k] for g in grads]
             if not needed or any(p is None for p in parts):

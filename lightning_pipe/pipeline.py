@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -75,7 +76,7 @@ class Run:
             weakref.finalize(self, stage.release, self.id)
 
 
-Executor = Union[Worker, Inline]
+Executor = Union[Worker, Inline]  # noqa: UP007 - a runtime alias on Python 3.10
 
 
 class LocalPipeline:

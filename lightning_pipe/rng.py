@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

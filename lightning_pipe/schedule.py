@@ -14,7 +14,8 @@ actions in this order as soon as their inputs are ready, which is the same sched
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 __all__: list[str] = []
 

@@ -16,9 +16,11 @@ they are a thread or a process away.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn

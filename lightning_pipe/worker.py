@@ -12,8 +12,10 @@ import contextlib
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable, ContextManager
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
 
 import torch
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 

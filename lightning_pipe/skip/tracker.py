@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Iterator, Mapping
 
 from torch import Tensor
 
