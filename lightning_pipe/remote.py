@@ -1,0 +1,473 @@
+"""Stages in other processes: hosted behind ``torch.distributed.rpc``, driven from the driver's pipe.
+
+The driver holds stage 0 and runs the schedule; every other stage lives in its own process. Tensors go
+straight from stage to stage (``deliver`` into the receiver's :class:`Mailbox`), never through the
+driver, and only small control messages come from it::
+
+    driver ──act F(i)──► stage 1 ──act F(i)──► ...        (one RPC per action, in schedule order)
+    stage 0 ══ x_i ══► stage 1 ══ x_i ══► stage 2 ══ y_i ══► driver mailbox
+
+Each stage executes its actions in schedule order on one worker thread, exactly like the local
+pipeline, with the same :class:`~lightning_pipe.stage.Stage` doing the work. A failure anywhere aborts
+the run on every stage (waiting actions wake up and skip), and the driver raises the first real error,
+naming the stage and the process. Every wait is bounded by the RPC timeout, so a lost process becomes an
+error, not a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import pickle
+import threading
+import time
+import traceback
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+
+from lightning_pipe.microbatch import Batch
+from lightning_pipe.pipeline import Run, _Skipped, drain
+from lightning_pipe.rng import LazySeed
+from lightning_pipe.schedule import Action, backward_plan, forward_plan
+from lightning_pipe.skip.layout import SkipLayout
+from lightning_pipe.stage import Grads, Stage
+from lightning_pipe.worker import Worker
+
+__all__: list[str] = []
+
+#: Where a message goes: (pipe key, run id, "F" or "B", micro-batch, receiving stage, sender or skip key).
+Slot = tuple[str, int, str, int, int, Hashable]
+
+
+class Mailbox:
+    """Tensors delivered to this process, waiting for the action that consumes them."""
+
+    def __init__(self) -> None:
+        self._items: dict[Slot, Any] = {}
+        self._cond = threading.Condition()
+        self._aborted: collections.deque[tuple[str, int]] = collections.deque(maxlen=4096)
+
+    def put(self, slot: Slot, value: Any) -> None:
+        """Deliver ``value`` to ``slot``."""
+        with self._cond:
+            if slot[:2] not in self._aborted:
+                self._items[slot] = value
+                self._cond.notify_all()
+
+    def take(self, slot: Slot, timeout: float, describe: Callable[[], str]) -> Any:
+        """Wait for ``slot`` (at most ``timeout`` seconds) and remove it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while slot not in self._items:
+                if slot[:2] in self._aborted:
+                    raise _Skipped()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{describe()} waited {timeout:.1f} s for its input and got none; the "
+                                       "process that should send it is stuck or gone (rpc_timeout_sec bounds "
+                                       "this wait)")
+                self._cond.wait(remaining)
+            return self._items.pop(slot)
+
+    def abort(self, key: str, run: int) -> None:
+        """Wake every wait of run ``run`` (they skip) and drop what was delivered for it."""
+        with self._cond:
+            self._aborted.append((key, run))
+            for slot in [s for s in self._items if s[:2] == (key, run)]:
+                del self._items[slot]
+            self._cond.notify_all()
+
+
+MAILBOX = Mailbox()
+_RUNNERS: dict[str, StageRunner] = {}
+
+
+def _pack(batch_tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[bool]]:
+    # Tensors cross processes detached and on CPU; the flags say which ones need a gradient back.
+    return [t.detach().cpu() for t in batch_tensors], [t.requires_grad for t in batch_tensors]
+
+
+def _unpack(tensors: Sequence[Tensor], flags: Sequence[bool]) -> tuple[Tensor, ...]:
+    return tuple(t.requires_grad_(f) if t.is_floating_point() or t.is_complex() else t
+                 for t, f in zip(tensors, flags))
+
+
+def _deliver(slot: Slot, payload: Any) -> None:
+    MAILBOX.put(slot, payload)
+
+
+class StageRunner:
+    """Runs the actions of stage ``index`` of pipeline ``key`` in this process.
+
+    ``peers[j]`` is the RPC name of the process holding stage ``j``; ``peers[n]`` receives the last
+    stage's outputs (the driver).
+    """
+
+    def __init__(self, key: str, stage: Stage, peers: Sequence[str], layout: SkipLayout, timeout: float) -> None:
+        self.key = key
+        self.stage = stage
+        self.index = stage.index
+        self.peers = list(peers)
+        self.n = len(peers) - 1
+        self.layout = layout
+        self.timeout = timeout
+        self.me = rpc.get_worker_info().name
+        self.worker = Worker(f"lightning_pipe.{key}.stage{self.index}")
+        self._seeds: dict[int, LazySeed] = {}
+        self._failed: collections.deque[int] = collections.deque(maxlen=4096)
+
+    def describe(self) -> str:
+        """The stage and the process, for error messages."""
+        return f"stage {self.index} of pipeline '{self.key}' (process '{self.me}')"
+
+    def _send(self, dst: int, slot: Slot, payload: Any) -> Future[Any] | None:
+        peer = self.peers[dst]
+        if peer == self.me:
+            MAILBOX.put(slot, payload)
+            return None
+        return _to_concurrent(rpc.rpc_async(peer, _deliver, args=(slot, payload), timeout=self.timeout),
+                              lambda: f"{self.describe()} could not send to stage {dst} (process '{peer}')")
+
+    def _take(self, slot: Slot) -> Any:
+        if slot[1] in self._failed:
+            raise _Skipped()
+        src = slot[5]
+        source = f"stage {src}" if isinstance(src, int) else f"the stage stashing '{src[1]}'"
+        return MAILBOX.take(slot, self.timeout,
+                            lambda: f"{self.describe()}, micro-batch {slot[3]} ({slot[2]}) from {source}")
+
+    def forward(self, run: int, i: int, m: int, save: bool, checkpoint_stop: int,
+                inputs: Batch | None = None) -> list[Future[Any]]:
+        """Forward of micro-batch ``i``; sends the outputs on and returns the sends in flight."""
+        j = self.index
+        if inputs is None:
+            tensors, flags, atomic = self._take((self.key, run, "F", i, j, j - 1))
+            inputs = Batch(_unpack(tensors, flags), atomic)
+        imports = {}
+        for skip in self.layout.imports[j]:
+            tensors, flags = self._take((self.key, run, "F", i, j, skip))
+            imports[skip] = _unpack(tensors, flags)[0]
+        seed = self._seeds.setdefault(run, LazySeed())
+        out, exports = self.stage.forward(run, i, inputs, imports, seed=seed, save=save,
+                                          checkpoint=i < checkpoint_stop, last=i == m - 1)
+        sends = [self._send(j + 1, (self.key, run, "F", i, j + 1, j), (*_pack(out.tensors), out.atomic))]
+        for skip, dst in self.layout.exports[j].items():
+            sends.append(self._send(dst, (self.key, run, "F", i, dst, skip), _pack([exports[skip]])))
+        return [s for s in sends if s is not None]
+
+    def backward(self, run: int, microbatches: Sequence[int]) -> list[Future[Any]] | list[Grads]:
+        """Backward of ``microbatches`` (several: one autograd call); sends input grads upstream.
+
+        Stage 0 returns its input gradients instead of sending them.
+        """
+        j = self.index
+        items = []
+        for i in microbatches:
+            grads = self._take((self.key, run, "B", i, j, j + 1))
+            skip_grads = {skip: self._take((self.key, run, "B", i, j, skip))[0] for skip in self.layout.exports[j]}
+            items.append((i, grads, skip_grads))
+        results = self.stage.backward(run, items)
+        if j == 0:
+            return [grad_inputs for grad_inputs, _ in results]
+        sends = []
+        for i, (grad_inputs, grad_imports) in zip(microbatches, results):
+            sends.append(self._send(j - 1, (self.key, run, "B", i, j - 1, j), _cpu(grad_inputs)))
+            for skip, src in self.layout.imports[j].items():
+                sends.append(self._send(src, (self.key, run, "B", i, src, skip), _cpu((grad_imports.get(skip),))))
+        return [s for s in sends if s is not None]
+
+    def named_grads(self) -> dict[str, Tensor | None]:
+        """The gradients of this stage's parameters, by name within the partition."""
+        return {name: None if p.grad is None else p.grad.detach().cpu()
+                for name, p in self.stage.partition.named_parameters()}
+
+    def zero_grad(self) -> None:
+        """Drop this stage's parameter gradients."""
+        self.stage.partition.zero_grad(set_to_none=True)
+
+    def fail(self, run: int) -> None:
+        """Mark ``run`` failed: its queued actions skip and its waits wake up."""
+        self._failed.append(run)
+        MAILBOX.abort(self.key, run)
+
+    def release(self, run: int) -> None:
+        """Forget what is kept for ``run``."""
+        self._seeds.pop(run, None)
+        self.stage.release(run)
+
+
+def _cpu(grads: Sequence[Tensor | None]) -> tuple[Tensor | None, ...]:
+    return tuple(None if g is None else g.detach().cpu() for g in grads)
+
+
+class _Failure:
+    """An action's error, sent back as a value: RPC would turn an exception set on an async function's
+    future into a plain return value, so failures travel explicitly. The exception keeps its type, its
+    message and its notes; its remote traceback comes along as a note."""
+
+    def __init__(self, exc: BaseException) -> None:
+        if not isinstance(exc, _Skipped) and exc.__traceback__ is not None:
+            exc.add_note("Traceback in the stage's process (most recent call last):\n" +
+                         "".join(traceback.format_tb(exc.__traceback__)).rstrip())
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - an exception that cannot cross processes becomes one that can
+            plain = RuntimeError(f"{type(exc).__name__}: {exc}")
+            for note in getattr(exc, "__notes__", []):
+                plain.add_note(note)
+            exc = plain
+        self.exc = exc
+
+
+def _to_concurrent(future: torch.futures.Future, describe: Callable[[], str]) -> Future[Any]:
+    result: Future[Any] = Future()
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            value = f.value()
+            if isinstance(value, _Failure):
+                raise value.exc
+            result.set_result(value)
+        except BaseException as exc:  # noqa: BLE001
+            result.set_exception(_located(exc, describe))
+
+    future.add_done_callback(done)
+    return result
+
+
+def _located(exc: BaseException, describe: Callable[[], str]) -> BaseException:
+    if isinstance(exc, _Skipped) or "_Skipped" in str(exc).split("\n", 1)[0]:
+        return _Skipped()
+    if not getattr(exc, "_lightning_pipe_where", False):
+        exc.add_note(describe())
+        exc._lightning_pipe_where = True  # type: ignore[attr-defined]
+    return exc
+
+
+# ---------------------------------------------------------------------- host-side RPC entry points
+def register(runner: StageRunner) -> None:
+    """Make ``runner`` reachable by its pipeline key in this process."""
+    _RUNNERS[runner.key] = runner
+
+
+def unregister(key: str) -> None:
+    """Forget the runner of pipeline ``key`` in this process."""
+    _RUNNERS.pop(key, None)
+
+
+def _chain(runner: StageRunner, work: Callable[[], list[Future[Any]]]) -> torch.futures.Future:
+    """Run ``work`` on the stage's worker; complete when it and the sends it started are done."""
+    out: torch.futures.Future = torch.futures.Future()
+
+    def finish(f: Future[Any]) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_result(_Failure(exc))
+            return
+        sends = f.result()
+        pending = [len(sends)]
+        if not sends:
+            out.set_result(None)
+            return
+        lock = threading.Lock()
+
+        def sent(s: Future[Any]) -> None:
+            with lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            with lock:
+                if out.done():
+                    return
+                if s.exception() is not None:
+                    out.set_result(_Failure(s.exception()))  # type: ignore[arg-type]
+                elif last:
+                    out.set_result(None)
+
+        for s in sends:
+            s.add_done_callback(sent)
+
+    runner.worker.submit(work).add_done_callback(finish)
+    return out
+
+
+@rpc.functions.async_execution
+def _act(key: str, kind: str, run: int, microbatches: list[int], m: int, save: bool,
+         checkpoint_stop: int) -> torch.futures.Future:
+    runner = _RUNNERS[key]
+    if kind == "F":
+        (i,) = microbatches
+        return _chain(runner, partial(runner.forward, run, i, m, save, checkpoint_stop))
+    return _chain(runner, partial(runner.backward, run, microbatches))  # type: ignore[arg-type]
+
+
+def _abort(key: str, run: int) -> None:
+    runner = _RUNNERS.get(key)
+    if runner is not None:
+        runner.fail(run)
+
+
+def _release(key: str, run: int) -> None:
+    runner = _RUNNERS.get(key)
+    if runner is not None:
+        runner.release(run)
+
+
+def call_runner(key: str, method: str, *args: Any) -> Any:
+    """Call ``method`` of this process's runner of pipeline ``key`` (an RPC entry point)."""
+    return getattr(_RUNNERS[key], method)(*args)
+
+
+def _is_registered(key: str) -> bool:
+    return key in _RUNNERS
+
+
+def wait_registered(peers: Sequence[str], key: str, timeout: float) -> None:
+    """Wait until every process in ``peers`` hosts its stage of pipeline ``key``."""
+    deadline = time.monotonic() + timeout
+    for peer in peers:
+        while not rpc.rpc_sync(peer, _is_registered, args=(key,), timeout=timeout):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process '{peer}' did not set up its stage of pipeline '{key}' within "
+                                   f"{timeout:.0f} s")
+            time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- the driver side
+class _RemoteStageRef:
+    """What a :class:`Run` releases when it is freed: the saved state of a remote stage."""
+
+    def __init__(self, key: str, peer: str) -> None:
+        self.key, self.peer = key, peer
+
+    def release(self, run: int) -> None:
+        try:
+            rpc.rpc_async(self.peer, _release, args=(self.key, run))
+        except Exception:  # noqa: BLE001 - RPC already shut down: nothing is kept any more
+            pass
+
+
+class RemotePipeline:
+    """The driver's view of a pipeline whose stage 0 is here and stages 1..n-1 are in other processes.
+
+    Same interface as :class:`~lightning_pipe.pipeline.LocalPipeline`: :meth:`forward` and
+    :meth:`backward` per :class:`~lightning_pipe.pipeline.Run`.
+    """
+
+    def __init__(self, runner: StageRunner) -> None:
+        if runner.index != 0:
+            raise ValueError(f"the driver must hold stage 0 (got stage {runner.index})")
+        self.runner = runner
+        self.key = runner.key
+        self.n = runner.n
+        # What a Run releases when freed: this process's runner and every remote stage.
+        self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, p) for p in runner.peers[1:self.n]]
+        self._abort_lock = threading.Lock()
+        register(runner)
+
+    def _describe(self, j: int) -> Callable[[], str]:
+        return lambda: f"in stage {j} of pipeline '{self.key}' (process '{self.runner.peers[j]}')"
+
+    def _submit(self, run: Run, plan: list[list[Action]], local: Callable[[Action], Callable[[], Any]],
+                args: Callable[[Action], tuple[Any, ...]]) -> dict[tuple[int, int], Future[Any]]:
+        futures: dict[tuple[int, int], Future[Any]] = {}
+        aborted = [False]
+
+        def on_done(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None and not isinstance(exc, _Skipped) and not aborted[0]:
+                aborted[0] = True
+                self._abort(run)
+
+        sends: list[Future[Any]] = []
+
+        def start(action: Action) -> Any:
+            out = local(action)()
+            if isinstance(out, list):  # sends still in flight: waited for below, not on the worker
+                sends.extend(out)
+            return None
+
+        for action in itertools.chain.from_iterable(plan):
+            if action.stage == 0:
+                future = self.runner.worker.submit(partial(start, action))
+            else:
+                rf = rpc.rpc_async(self.runner.peers[action.stage], _act, args=args(action),
+                                   timeout=self.runner.timeout)
+                future = _to_concurrent(rf, self._describe(action.stage))
+            future.add_done_callback(on_done)
+            futures[(action.microbatch, action.stage)] = future
+        try:
+            drain(list(futures.values()))
+            drain(sends)
+        except BaseException:
+            if not aborted[0]:
+                aborted[0] = True
+                self._abort(run)
+            raise
+        return futures
+
+    def _abort(self, run: Run) -> None:
+        run.failed = True
+        self.runner.fail(run.id)
+        for peer in self.runner.peers[1:self.n]:
+            try:
+                rpc.rpc_async(peer, _abort, args=(self.key, run.id), timeout=self.runner.timeout)
+            except Exception:  # noqa: BLE001 - an unreachable stage is what the error already reports
+                pass
+
+    def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
+        """Run every micro-batch through every stage; return the last stage's outputs."""
+        m, n, key = len(microbatches), self.n, self.key
+        plan = forward_plan(m, n)
+        self._submit(
+            run, plan,
+            lambda a: lambda: self.runner.forward(run.id, a.microbatch, m, save, run.checkpoint_stop,
+                                                  microbatches[a.microbatch]),
+            lambda a: (key, "F", run.id, [a.microbatch], m, save, run.checkpoint_stop),
+        )
+        outputs = []
+        for i in range(m):
+            tensors, flags, atomic = self.runner._take((key, run.id, "F", i, n, n - 1))
+            outputs.append(Batch(_unpack(tensors, flags), atomic))
+        return outputs
+
+    def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool = True,
+                 inline_device: torch.device | None = None) -> list[Grads]:
+        """Backward of every micro-batch from the last stage's output gradients; returns stage 0's input
+        gradients per micro-batch."""
+        m, n, key = len(grad_outputs), self.n, self.key
+        deliveries = [self.runner._send(n - 1, (key, run.id, "B", i, n - 1, n), _cpu(grads))
+                      for i, grads in enumerate(grad_outputs)]
+        plan = backward_plan(m, n) if pipelined else [[Action(j, "B", -1)] for j in reversed(range(n))]
+        result: dict[int, Grads] = {}
+
+        def local(a: Action) -> Callable[[], None]:
+            mbs = list(range(m)) if a.microbatch < 0 else [a.microbatch]
+
+            def run_local() -> None:
+                for i, grads in zip(mbs, self.runner.backward(run.id, mbs)):
+                    result[i] = grads  # type: ignore[assignment]
+            return run_local
+
+        self._submit(run, plan, local,
+                     lambda a: (key, "B", run.id, list(range(m)) if a.microbatch < 0 else [a.microbatch], m,
+                                True, 0))
+        drain([d for d in deliveries if d is not None])
+        return [result[i] for i in range(m)]
+
+    def call(self, stage: int, method: str, *args: Any) -> Any:
+        """Call ``method`` of stage ``stage``'s runner (here for stage 0, by RPC otherwise)."""
+        if stage == 0:
+            return getattr(self.runner, method)(*args)
+        return rpc.rpc_sync(self.runner.peers[stage], call_runner, args=(self.key, method, *args),
+                            timeout=self.runner.timeout)
+
+    def close(self) -> None:
+        """Stop the local worker and forget this pipeline here."""
+        unregister(self.key)
+        self.runner.worker.stop()

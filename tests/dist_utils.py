@@ -1,0 +1,85 @@
+"""Running a function in several local processes, bounded in time, leaving none behind."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple[Any, ...],
+           rpc_timeout: float) -> None:
+    import torch.distributed.rpc as rpc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                         init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=rpc_timeout, num_worker_threads=16))
+        value = fn(rank, world, *args)
+        rpc.shutdown()
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((rank, "error", traceback.format_exc()))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+
+
+def run_processes(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
+                  rpc_timeout: float = 30.0) -> dict[int, Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by RPC; return results by rank.
+
+    Raises the first child's traceback as an AssertionError; every process is ended (by its pid) when
+    this returns, whatever happened.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, rpc_timeout), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if errors and (time.monotonic() > deadline or not any(p.is_alive() for p in procs)):
+                    break  # the others are stuck on the failed one: report the failure
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
+                if dead and not errors and results.empty():
+                    raise AssertionError(f"processes {dead} exited without a result (exit codes: "
+                                         f"{[procs[r].exitcode for r in dead]})") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"processes did not finish within {timeout:.0f} s "
+                                         f"(finished: {sorted(out)})") from None
+                continue
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                deadline = min(deadline, time.monotonic() + 5)  # the others should follow soon
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return out
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()) if not errors else 2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

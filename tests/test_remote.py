@@ -1,0 +1,169 @@
+"""Stages in other processes over torch.distributed.rpc: the same outputs and gradients as one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+from dist_utils import run_processes
+from torch import nn
+
+from lightning_pipe.pipe import run_pipeline, split_module
+from lightning_pipe.remote import RemotePipeline, StageRunner, register, wait_registered
+from lightning_pipe.skip import pop, skippable, stash
+from lightning_pipe.skip.layout import inspect_skip_layout
+from lightning_pipe.stage import Stage
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x * 1.5
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def forward(self, x):
+        skip = yield pop("skip")
+        return x + skip.sin()
+
+
+def build() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), Stash(), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), Pop(), nn.Linear(8, 2))
+
+
+def runner_for(rank: int, world: int, balance: list[int]) -> StageRunner:
+    model = build()
+    parts = split_module(model, balance)
+    layout = inspect_skip_layout(parts)
+    stage = Stage(rank, parts[rank], torch.device("cpu"), offset=sum(balance[:rank]),
+                  exports=layout.exports[rank].keys(), imports=layout.imports[rank].keys())
+    peers = [f"worker{r}" for r in range(world)] + ["worker0"]
+    return StageRunner("test", stage, peers, layout, timeout=20.0)
+
+
+class _SingleBackward:
+    """A pipeline whose backward runs one autograd call per stage (pipelined_backward=False)."""
+
+    def __init__(self, pipeline: RemotePipeline) -> None:
+        self.pipeline = pipeline
+        self.stages = pipeline.stages
+        self.forward = pipeline.forward
+
+    def backward(self, run, grads, **kwargs):
+        return self.pipeline.backward(run, grads, **{**kwargs, "pipelined": False})
+
+
+def _transparency(rank: int, world: int, balance: list[int], configs: list[tuple[int, str, bool]]):
+    runner = runner_for(rank, world, balance)
+    if rank != 0:
+        register(runner)
+        return None
+    pipeline = RemotePipeline(runner)
+    wait_registered([f"worker{r}" for r in range(1, world)], "test", 20)
+    reference = build()
+    checked = 0
+    for chunks, checkpoint, pipelined in configs:
+        x = torch.randn(10, 6)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected = reference(x1)
+        actual = run_pipeline(pipeline if pipelined else _SingleBackward(pipeline), x2, chunks=chunks,
+                              checkpoint=checkpoint, training=True, parameters=iter([]))
+        torch.testing.assert_close(actual, expected)
+        expected.pow(2).sum().backward()
+        actual.pow(2).sum().backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
+        grads = {}
+        for j in range(len(balance)):
+            grads.update(pipeline.call(j, "named_grads"))
+            pipeline.call(j, "zero_grad")
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=f"{name} ({chunks}, {checkpoint})")
+            checked += 1
+        reference.zero_grad()
+        with torch.no_grad():
+            evaluated = run_pipeline(pipeline, x, chunks=chunks, checkpoint=checkpoint, training=False,
+                                     parameters=iter([]))
+        torch.testing.assert_close(evaluated, reference(x))
+    pipeline.close()
+    return checked
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("balance", [[2, 3, 2], [1, 5, 1]])
+def test_remote_stages_match_one_process(balance):
+    configs = [(1, "never", True), (4, "always", True), (3, "except_last", True), (10, "never", True),
+               (4, "always", False), (5, "never", False)]
+    out = run_processes(_transparency, 3, balance, configs, timeout=150)
+    assert out[0] == 6 * len(configs)  # every parameter's gradient was compared, in every configuration
+
+
+class Fails(nn.Module):
+    """Raises in forward or backward on command (``mode`` is set through the stage's partition)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mode = "none"
+
+    def forward(self, x):
+        if self.mode == "forward":
+            raise ValueError("bad shape in the middle")
+        return _Raise.apply(x) if self.mode == "backward" else x
+
+
+class _Raise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ArithmeticError("backward broke in the middle")
+
+
+def _set_mode(mode: str) -> None:
+    from lightning_pipe.remote import _RUNNERS
+
+    _RUNNERS["test"].stage.partition[0].mode = mode
+
+
+def _errors(rank: int, world: int):
+    model = nn.Sequential(nn.Linear(3, 3), Fails(), nn.Linear(3, 3))
+    parts = split_module(model, [1, 1, 1])
+    layout = inspect_skip_layout(parts)
+    stage = Stage(rank, parts[rank], torch.device("cpu"), offset=rank)
+    runner = StageRunner("test", stage, [f"worker{r}" for r in range(world)] + ["worker0"], layout, timeout=20.0)
+    if rank != 0:
+        register(runner)
+        return None
+    pipeline = RemotePipeline(runner)
+    wait_registered(["worker1", "worker2"], "test", 20)
+    seen = {}
+    for mode in ("forward", "backward"):
+        rpc.rpc_sync("worker1", _set_mode, args=(mode,))
+        try:
+            run_pipeline(pipeline, torch.randn(8, 3), chunks=4, checkpoint="never", training=True,
+                         parameters=iter([torch.zeros(1, requires_grad=True)])).sum().backward()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            seen[mode] = (type(exc).__name__, str(exc) + "\n".join(getattr(exc, "__notes__", [])))
+    rpc.rpc_sync("worker1", _set_mode, args=("none",))
+    out = run_pipeline(pipeline, torch.randn(8, 3), chunks=4, checkpoint="never", training=True,
+                       parameters=iter([torch.zeros(1, requires_grad=True)]))
+    out.sum().backward()  # the pipeline works again after the failures
+    pipeline.close()
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_remote_stage_errors_reach_the_driver():
+    seen = run_processes(_errors, 3, timeout=100)[0]
+    kind, message = seen["forward"]
+    assert kind == "ValueError" and "bad shape in the middle" in message
+    assert "stage 1" in message and "worker1" in message and "layer 1" in message
+    kind, message = seen["backward"]
+    assert kind == "ArithmeticError" and "backward broke in the middle" in message
+    assert "stage 1" in message and "worker1" in message
