@@ -2,6 +2,7 @@
 
 from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
 from lightning_pipe.pipe import Pipe
+from lightning_pipe.strategy import PipeStrategy
 
-__all__ = ["Pipe", "is_checkpointing", "is_recomputing"]
+__all__ = ["Pipe", "PipeStrategy", "is_checkpointing", "is_recomputing"]
 __version__ = "0.1.0"

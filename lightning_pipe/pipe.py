@@ -157,7 +157,7 @@ def run_pipeline(pipeline: Any, input: TensorOrTensors, *, chunks: int, checkpoi
     sizes = [mb.tensors[0].size(0) for mb in microbatches]
     save = torch.is_grad_enabled() and (
         any(t.requires_grad for t in batch.tensors) or any(p.requires_grad for p in parameters))
-    run = Run(pipeline.stages, sizes, checkpoint_stop(checkpoint, len(sizes), training))
+    run = Run(pipeline.stages, sizes, checkpoint_stop(checkpoint, len(sizes), training), training)
     if not save:
         return gather(pipeline.forward(run, microbatches, save=False)).value
     phony = torch.empty(0, requires_grad=True)

@@ -26,7 +26,7 @@ from lightning_pipe.rng import LazySeed
 from lightning_pipe.schedule import Action, backward_plan, forward_plan
 from lightning_pipe.skip.layout import SkipLayout
 from lightning_pipe.stage import Grads, Stage
-from lightning_pipe.worker import Inline, Worker
+from lightning_pipe.worker import Inline, Worker, autocast_state
 
 __all__: list[str] = []
 
@@ -65,8 +65,11 @@ class Run:
     (its output freed), whatever stages still keep for it is released.
     """
 
-    def __init__(self, stages: Sequence[Stage], sizes: Sequence[int], checkpoint_stop: int) -> None:
+    def __init__(self, stages: Sequence[Any], sizes: Sequence[int], checkpoint_stop: int,
+                 training: bool = True) -> None:
         self.id = next(_run_ids)
+        self.training = training  # the mode remote stages must be in (local ones follow their module)
+        self.autocast = autocast_state()  # what remote stages must run under (local ones capture it)
         self.sizes = list(sizes)
         self.checkpoint_stop = checkpoint_stop
         self.seed = LazySeed()

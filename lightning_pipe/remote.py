@@ -37,7 +37,7 @@ from lightning_pipe.rng import LazySeed
 from lightning_pipe.schedule import Action, backward_plan, forward_plan
 from lightning_pipe.skip.layout import SkipLayout
 from lightning_pipe.stage import Grads, Stage
-from lightning_pipe.worker import Worker
+from lightning_pipe.worker import Worker, autocast_context
 
 __all__: list[str] = []
 
@@ -142,10 +142,13 @@ class StageRunner:
         return MAILBOX.take(slot, self.timeout,
                             lambda: f"{self.describe()}, micro-batch {slot[3]} ({slot[2]}) from {source}")
 
-    def forward(self, run: int, i: int, m: int, save: bool, checkpoint_stop: int,
-                inputs: Batch | None = None) -> list[Future[Any]]:
-        """Forward of micro-batch ``i``; sends the outputs on and returns the sends in flight."""
+    def forward(self, run: int, i: int, m: int, save: bool, checkpoint_stop: int, training: bool,
+                autocast: list[tuple[str, torch.dtype]], inputs: Batch | None = None) -> list[Future[Any]]:
+        """Forward of micro-batch ``i`` in mode ``training`` under the driver's ``autocast``; sends the
+        outputs on and returns the sends in flight."""
         j = self.index
+        if self.stage.partition.training != training:
+            self.stage.partition.train(training)
         if inputs is None:
             tensors, flags, atomic = self._take((self.key, run, "F", i, j, j - 1))
             inputs = Batch(_unpack(tensors, flags), atomic)
@@ -154,8 +157,9 @@ class StageRunner:
             tensors, flags = self._take((self.key, run, "F", i, j, skip))
             imports[skip] = _unpack(tensors, flags)[0]
         seed = self._seeds.setdefault(run, LazySeed())
-        out, exports = self.stage.forward(run, i, inputs, imports, seed=seed, save=save,
-                                          checkpoint=i < checkpoint_stop, last=i == m - 1)
+        with autocast_context(autocast):
+            out, exports = self.stage.forward(run, i, inputs, imports, seed=seed, save=save,
+                                              checkpoint=i < checkpoint_stop, last=i == m - 1)
         sends = [self._send(j + 1, (self.key, run, "F", i, j + 1, j), (*_pack(out.tensors), out.atomic))]
         for skip, dst in self.layout.exports[j].items():
             sends.append(self._send(dst, (self.key, run, "F", i, dst, skip), _pack([exports[skip]])))
@@ -298,11 +302,11 @@ def _chain(runner: StageRunner, work: Callable[[], list[Future[Any]]]) -> torch.
 
 @rpc.functions.async_execution
 def _act(key: str, kind: str, run: int, microbatches: list[int], m: int, save: bool,
-         checkpoint_stop: int) -> torch.futures.Future:
+         checkpoint_stop: int, training: bool, autocast: list[tuple[str, torch.dtype]]) -> torch.futures.Future:
     runner = _RUNNERS[key]
     if kind == "F":
         (i,) = microbatches
-        return _chain(runner, partial(runner.forward, run, i, m, save, checkpoint_stop))
+        return _chain(runner, partial(runner.forward, run, i, m, save, checkpoint_stop, training, autocast))
     return _chain(runner, partial(runner.backward, run, microbatches))  # type: ignore[arg-type]
 
 
@@ -367,7 +371,7 @@ class RemotePipeline:
         self.n = runner.n
         # What a Run releases when freed: this process's runner and every remote stage.
         self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, p) for p in runner.peers[1:self.n]]
-        self._abort_lock = threading.Lock()
+        self.pipelined = True  # backward micro-batch by micro-batch (False: one backward per stage)
         register(runner)
 
     def _describe(self, j: int) -> Callable[[], str]:
@@ -427,8 +431,9 @@ class RemotePipeline:
         self._submit(
             run, plan,
             lambda a: lambda: self.runner.forward(run.id, a.microbatch, m, save, run.checkpoint_stop,
-                                                  microbatches[a.microbatch]),
-            lambda a: (key, "F", run.id, [a.microbatch], m, save, run.checkpoint_stop),
+                                                  run.training, [], microbatches[a.microbatch]),
+            lambda a: (key, "F", run.id, [a.microbatch], m, save, run.checkpoint_stop, run.training,
+                       run.autocast),
         )
         outputs = []
         for i in range(m):
@@ -436,11 +441,14 @@ class RemotePipeline:
             outputs.append(Batch(_unpack(tensors, flags), atomic))
         return outputs
 
-    def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool = True,
+    def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
                  inline_device: torch.device | None = None) -> list[Grads]:
         """Backward of every micro-batch from the last stage's output gradients; returns stage 0's input
-        gradients per micro-batch."""
+        gradients per micro-batch. ``pipelined=False``: each stage runs one backward over all its
+        micro-batches (default: :attr:`pipelined`)."""
         m, n, key = len(grad_outputs), self.n, self.key
+        if pipelined is None:
+            pipelined = self.pipelined
         deliveries = [self.runner._send(n - 1, (key, run.id, "B", i, n - 1, n), _cpu(grads))
                       for i, grads in enumerate(grad_outputs)]
         plan = backward_plan(m, n) if pipelined else [[Action(j, "B", -1)] for j in reversed(range(n))]
@@ -456,7 +464,7 @@ class RemotePipeline:
 
         self._submit(run, plan, local,
                      lambda a: (key, "B", run.id, list(range(m)) if a.microbatch < 0 else [a.microbatch], m,
-                                True, 0))
+                                True, 0, run.training, []))
         drain([d for d in deliveries if d is not None])
         return [result[i] for i in range(m)]
 

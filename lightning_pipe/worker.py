@@ -43,6 +43,20 @@ def capture_context() -> Callable[[], ContextManager[None]]:
     return enter
 
 
+def autocast_state() -> list[tuple[str, torch.dtype]]:
+    """The autocast device types enabled in this thread, with their dtypes (to re-enter in another process)."""
+    return [(device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)]
+
+
+def autocast_context(state: list[tuple[str, torch.dtype]]) -> ContextManager[None]:
+    """Enter the autocast ``state`` recorded by :func:`autocast_state`."""
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack
+
+
 _STOP = object()
 
 

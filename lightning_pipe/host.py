@@ -1,0 +1,172 @@
+"""The stage side of ``PipeStrategy``: a process hosting one partition, its optimizers and its gradients.
+
+A stage worker never runs the Lightning loop. Its driver configures it over RPC (the partition arrives
+with the driver's weights), then drives it: pipeline actions through the partition's
+:class:`~lightning_pipe.remote.StageRunner`, and, once per step, the calls below (optimizer steps with the
+driver's hyper-parameters, zeroing, gradient norms for global clipping, averaging over replicas, state for
+checkpoints).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch import Tensor, nn
+
+from lightning_pipe import optim
+from lightning_pipe.dataparallel import average_gradients
+from lightning_pipe.remote import StageRunner, register, unregister
+from lightning_pipe.skip.layout import SkipLayout
+from lightning_pipe.stage import Stage
+
+__all__: list[str] = []
+
+_HOSTS: dict[str, StageHost] = {}
+
+
+class StageHost:
+    """Partition ``index`` of pipeline ``key`` in this process, with what training it needs.
+
+    ``prefix`` turns the partition's parameter names (``"3.weight"``) into the LightningModule's
+    (``"sequential_module.3.weight"``), the names every message uses.
+    """
+
+    def __init__(self, key: str, index: int, partition: nn.Sequential, offset: int, device: torch.device,
+                 peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str) -> None:
+        self.key = key
+        self.prefix = prefix
+        self.partition = partition.to(device)
+        self.stage = Stage(index, self.partition, device, offset=offset, exports=layout.exports[index].keys(),
+                           imports=layout.imports[index].keys())
+        self.runner = StageRunner(key, self.stage, peers, layout, timeout)
+        self.params = {prefix + n: p for n, p in self.partition.named_parameters()}
+        self.optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
+        register(self.runner)
+
+    # ------------------------------------------------------------------ optimizers
+    def build_optimizers(self, specs: Sequence[optim.OptimizerSpec | None]) -> None:
+        """Build this stage's part of each of the driver's optimizers (``None``: no parameter here)."""
+        self.optimizers = {}
+        for k, spec in enumerate(specs):
+            if spec is not None:
+                names = [n for g in spec.groups for n in g["names"]]
+                self.optimizers[k] = (optim.build(spec, self.params), names)
+
+    def step(self, k: int, hyperparameters: list[dict[str, Any]]) -> None:
+        """Step optimizer ``k`` with the driver's current hyper-parameters."""
+        if k in self.optimizers:
+            optimizer, _ = self.optimizers[k]
+            optim.apply_hyperparameters(optimizer, hyperparameters)
+            optimizer.step()
+
+    def zero_grad(self, k: int | None, set_to_none: bool = True) -> None:
+        """Zero the gradients of optimizer ``k``'s parameters (``None``: of every parameter)."""
+        if k is None:
+            self.partition.zero_grad(set_to_none=set_to_none)
+        elif k in self.optimizers:
+            self.optimizers[k][0].zero_grad(set_to_none=set_to_none)
+
+    def _grads(self, k: int) -> list[Tensor]:
+        if k not in self.optimizers:
+            return []
+        return [p.grad for g in self.optimizers[k][0].param_groups for p in g["params"] if p.grad is not None]
+
+    def grad_norm(self, k: int, norm_type: float) -> float:
+        """The ``norm_type`` norm of optimizer ``k``'s gradients here (for the global norm)."""
+        grads = self._grads(k)
+        if not grads:
+            return 0.0
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads])
+        return float(norms.max() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type))
+
+    def scale_grads(self, k: int, coefficient: float) -> None:
+        """Multiply optimizer ``k``'s gradients by ``coefficient`` (global-norm clipping)."""
+        for g in self._grads(k):
+            g.detach().mul_(coefficient)
+
+    def clamp_grads(self, k: int, value: float) -> None:
+        """Clamp optimizer ``k``'s gradients to ``[-value, value]``."""
+        for g in self._grads(k):
+            g.detach().clamp_(-value, value)
+
+    def average_gradients(self, k: int) -> None:
+        """Average optimizer ``k``'s gradients here with the same stage of every other replica."""
+        if dist.is_initialized() and k in self.optimizers:
+            # The default group of a stage worker is its stage's data-parallel group.
+            average_gradients([p for g in self.optimizers[k][0].param_groups for p in g["params"]])
+
+    def optimizer_state(self, k: int) -> dict[str, dict[str, Any]]:
+        """Per-parameter state of optimizer ``k``, by name."""
+        if k not in self.optimizers:
+            return {}
+        optimizer, names = self.optimizers[k]
+        return optim.state_by_name(optimizer, names)
+
+    def load_optimizer_state(self, k: int, states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Load per-parameter state (by name) into optimizer ``k``."""
+        if k in self.optimizers:
+            optimizer, names = self.optimizers[k]
+            optim.load_state_by_name(optimizer, names, states)
+
+    # ------------------------------------------------------------------ module state
+    def state_dict(self) -> dict[str, Tensor]:
+        """The partition's state, by the LightningModule's names, on CPU."""
+        return {self.prefix + n: t.detach().cpu() for n, t in self.partition.state_dict().items()}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Load the partition's state from entries named as in the LightningModule."""
+        own = {n[len(self.prefix):]: t for n, t in state.items() if n.startswith(self.prefix)}
+        self.partition.load_state_dict(own)
+
+    def set_requires_grad(self, flags: Mapping[str, bool]) -> None:
+        """Follow the driver's ``requires_grad`` of this stage's parameters (frozen layers)."""
+        for name, flag in flags.items():
+            self.params[name].requires_grad_(flag)
+
+    def close(self) -> None:
+        """Stop serving this pipeline here."""
+        unregister(self.key)
+        self.runner.worker.stop()
+
+
+def configure(key: str, index: int, partition: nn.Sequential, offset: int, device: str, peers: Sequence[str],
+              layout: SkipLayout, timeout: float, prefix: str) -> None:
+    """Host partition ``index`` of pipeline ``key`` here (an RPC entry point, called by the driver)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))  # collectives (NCCL) use the current device
+    old = _HOSTS.pop(key, None)
+    if old is not None:
+        old.close()
+    _HOSTS[key] = StageHost(key, index, partition, offset, torch.device(device), peers, layout, timeout, prefix)
+
+
+def call(key: str, method: str, *args: Any) -> Any:
+    """Call ``method`` of this process's host of pipeline ``key`` (an RPC entry point)."""
+    host = _HOSTS.get(key)
+    if host is None:
+        raise RuntimeError(f"this process hosts no stage of pipeline '{key}'")
+    return getattr(host, method)(*args)
+
+
+class HostGroup:
+    """The driver's handle on the remote stages of its pipeline ``key`` (stages 1..n-1 at ``peers``)."""
+
+    def __init__(self, key: str, peers: Sequence[str], timeout: float) -> None:
+        self.key = key
+        self.peers = list(peers)
+        self.timeout = timeout
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every remote stage at once; return their results in stage order."""
+        futures = [rpc.rpc_async(peer, call, args=(self.key, method, *args), timeout=self.timeout)
+                   for peer in self.peers]
+        return [f.wait() for f in futures]
+
+    def call_stage(self, stage: int, method: str, *args: Any) -> Any:
+        """Call ``method`` on remote stage ``stage`` (1-based, as in the pipeline)."""
+        return rpc.rpc_sync(self.peers[stage - 1], call, args=(self.key, method, *args), timeout=self.timeout)

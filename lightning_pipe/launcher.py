@@ -1,0 +1,192 @@
+"""Process life cycle: one RPC session per process, and a launcher under which stage workers serve.
+
+Every process of a ``PipeStrategy`` job joins, once for its whole life:
+
+- a default process group that is its *stage data-parallel group* (stage ``i`` of every replica),
+  rendezvoused through one world store with a per-stage prefix: the drivers' default group is exactly
+  Lightning's world, a stage worker's is exactly the group whose gradients it averages;
+- ``torch.distributed.rpc`` over all processes.
+
+Drivers run the user's script and the Lightning loop; at exit they shut RPC down (a barrier with every
+process). Stage workers never run the loop: at their first launch they block in that same shutdown
+barrier while RPC threads serve their stage, then exit the process without returning to the script.
+A failing driver aborts every other process; processes started by our launcher exit if it dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+from lightning_pipe.topology import Topology
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from lightning_pipe.strategy import PipeStrategy
+
+__all__: list[str] = []
+
+log = logging.getLogger("lightning_pipe")
+
+_PARENT_ENV = "LIGHTNING_PIPE_LAUNCHER_PID"
+
+
+class _Session:
+    """This process's place in the job: set once, shared by every Trainer and strategy in it."""
+
+    topology: Topology | None = None
+    rank: int = -1
+    failed = False
+    rpc_down = False
+
+
+SESSION = _Session()
+
+
+def worker_name(rank: int) -> str:
+    """The RPC name of process ``rank``."""
+    return f"worker{rank}"
+
+
+def start_session(topology: Topology, rank: int, main_address: str, main_port: int, *, backend: str,
+                  pg_timeout: timedelta, rpc_timeout: float, rpc_threads: int = 16) -> None:
+    """Join the stage process group and RPC (once per process; later calls must agree)."""
+    if SESSION.topology is not None:
+        if (SESSION.topology, SESSION.rank) != (topology, rank):
+            raise RuntimeError(f"this process already runs as rank {SESSION.rank} of {SESSION.topology}; a "
+                               f"later Trainer asked for rank {rank} of {topology}: use the same devices, "
+                               "num_nodes and balance for every Trainer of one script")
+        return
+    os.environ["MASTER_ADDR"] = main_address
+    os.environ["MASTER_PORT"] = str(main_port)
+    stage = topology.stage_of(rank)
+    # One store for the world (torchrun's agent store, or one hosted by rank 0); per-stage prefixes keep the
+    # stage groups apart. Separate init_method="env://" rendezvous would race for the port and can silently
+    # pair processes of different stages.
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=topology.world, timeout=pg_timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"lightning_pipe/stage{stage}", store),
+                            rank=topology.replica_of(rank), world_size=topology.replicas, timeout=pg_timeout)
+    # RPC rendezvouses on its own (init_rpc changes the timeout of the store it is given).
+    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=rpc_timeout,
+                                              num_worker_threads=rpc_threads)
+    rpc.init_rpc(worker_name(rank), rank=rank, world_size=topology.world, rpc_backend_options=options)
+    SESSION.topology, SESSION.rank = topology, rank
+    _start_orphan_watchdog()
+    if topology.is_driver(rank):
+        previous = sys.excepthook
+
+        def hook(*exc_info: Any) -> None:  # an uncaught error: no barrier at exit, the others are aborted
+            SESSION.failed = True
+            previous(*exc_info)
+
+        sys.excepthook = hook
+        atexit.register(_driver_exit)
+
+
+def _driver_exit() -> None:
+    try:
+        rpc.shutdown(graceful=not SESSION.failed)  # graceful: a barrier with every process
+        SESSION.rpc_down = True
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - at exit there is nobody else to tell
+        print(f"[lightning_pipe rank {SESSION.rank}] RPC shutdown failed: {exc!r}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def _start_orphan_watchdog() -> None:
+    """Processes started by our launcher exit if the launching process (global rank 0) disappears."""
+    parent = os.environ.get(_PARENT_ENV)
+    if parent is None or int(parent) != os.getppid():
+        return  # not a child of our launcher (rank 0 itself, torchrun, SLURM: their agents do this)
+
+    def watch() -> None:
+        while not SESSION.rpc_down:  # once past the shutdown barrier the launcher may exit first
+            threading.Event().wait(1.0)
+            if os.getppid() != int(parent) and not SESSION.rpc_down:
+                print(f"[lightning_pipe rank {SESSION.rank}] the launching process died; exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="lightning_pipe.watchdog").start()
+
+
+def _abort_process(reason: str) -> None:
+    print(f"[lightning_pipe rank {SESSION.rank}] aborting: {reason}", file=sys.stderr, flush=True)
+    threading.Timer(0.2, os._exit, args=(1,)).start()  # let the RPC reply go out first
+
+
+def abort_world(reason: str) -> None:
+    """Tell every other process to exit with status 1 (best effort), and mark this one failed."""
+    topology = SESSION.topology
+    if topology is None or SESSION.failed:
+        return
+    SESSION.failed = True
+    futures = []
+    for rank in range(topology.world):
+        if rank != SESSION.rank:
+            try:
+                futures.append(rpc.rpc_async(worker_name(rank), _abort_process,
+                                             args=(f"rank {SESSION.rank} failed: {reason}",), timeout=2))
+            except Exception:  # noqa: BLE001 - a process already gone needs no telling
+                pass
+    for future in futures:
+        try:
+            future.wait()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def serve_until_shutdown() -> None:
+    """A stage worker's life after setup: RPC threads serve while this thread waits in the shutdown barrier,
+    which passes when every driver has finished; then the process exits (this never returns)."""
+    code = 0
+    try:
+        rpc.shutdown(graceful=True)
+        SESSION.rpc_down = True
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001
+        print(f"[lightning_pipe rank {SESSION.rank}] shutdown failed: {exc!r}", file=sys.stderr, flush=True)
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class PipeLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, except that stage workers serve RPC instead of running the loop."""
+
+    def __init__(self, strategy: PipeStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None,
+               **kwargs: Any) -> Any:
+        def role(*a: Any, **kw: Any) -> Any:
+            self._strategy.start_session()
+            if self._strategy.is_driver:
+                return function(*a, **kw)
+            serve_until_shutdown()  # never returns: a worker must not continue into the user's script
+            return None
+
+        return super().launch(role, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _call_children_scripts(self) -> None:
+        os.environ[_PARENT_ENV] = str(os.getpid())
+        super()._call_children_scripts()

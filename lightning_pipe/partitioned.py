@@ -1,0 +1,73 @@
+"""The driver's stand-in for the sequential body: stage 0's layers for real, the others as placeholders.
+
+After partitioning, the LightningModule's ``sequential_module`` is a :class:`PipelinedSequential`. It keeps
+every layer under its original name, so ``named_parameters()`` (and parameter groups built from it),
+``ModelSummary`` and ``state_dict`` keys are those of the unpipelined model. Layers of remote stages stay
+as parameter-shaped placeholders on the ``meta`` device, holding no memory; moving or casting the module
+(``.to()``, ``.cuda()``, ``.half()``) touches only the real layers. Its forward runs the whole pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_pipe.microbatch import TensorOrTensors
+from lightning_pipe.pipe import run_pipeline
+
+__all__: list[str] = []
+
+
+class PipelinedSequential(nn.Module):
+    """An ``nn.Sequential`` body split into stages: forward goes through ``pipeline``.
+
+    ``owner[name]`` is the stage of each layer (by child name); layers of stage 0 are real, the others
+    placeholders on the meta device.
+    """
+
+    def __init__(self, body: nn.Sequential, owner: dict[str, int], pipeline: Any, *, chunks: int,
+                 checkpoint: str) -> None:
+        super().__init__()
+        for name, layer in body.named_children():
+            if owner[name] != 0:
+                layer = layer.to("meta")
+            self.add_module(name, layer)
+        self.owner = owner
+        self.pipeline = pipeline
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.before_forward: Callable[[], None] | None = None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PipelinedSequential:
+        for name, child in self.named_children():
+            if self.owner[name] == 0:
+                child._apply(fn, recurse)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def local_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """Stage 0's parameters, by their names in this module."""
+        for name, child in self.named_children():
+            if self.owner[name] == 0:
+                for pname, p in child.named_parameters():
+                    yield f"{name}.{pname}", p
+
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
+        """Run ``input`` through every stage of the pipeline."""
+        if self.before_forward is not None:
+            self.before_forward()
+        return run_pipeline(self.pipeline, input, chunks=self.chunks, checkpoint=self.checkpoint,
+                            training=self.training, parameters=self.parameters())
+
+    def extra_repr(self) -> str:
+        stages = max(self.owner.values()) + 1
+        return f"stages={stages}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+
+
+def is_placeholder(t: Tensor) -> bool:
+    """Whether ``t`` stands for a tensor that lives in a remote stage."""
+    return t.is_meta

@@ -1,0 +1,568 @@
+"""``PipeStrategy``: trains a LightningModule's sequential body as a pipeline, one stage per process.
+
+Follow one training batch on the driver (stage 0 of a replica)::
+
+    training_step ─► self.sequential_module(x)         a PipelinedSequential: the pipeline's forward
+                        ├─ stage 0 here, stages 1.. in their processes (lightning_pipe.remote)
+    loss.backward() ─► the pipeline's backward          every stage's .grad filled by local autograd
+    optimizer_step ─► average over replicas             drivers here, stage workers by RPC (same time)
+                   ─► clip by the global norm           every stage's gradients (precision plugin)
+                   ─► optimizer.step()                  the driver's, then every stage's mirror with the
+                                                        driver's hyper-parameters (lightning_pipe.optim)
+
+Lightning sees only the drivers: ``world_size`` is the number of replicas, ``global_rank`` the replica
+index, and the default process group of a driver holds exactly the drivers (lightning_pipe.launcher).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import os
+import weakref
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from lightning_fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only
+from pytorch_lightning.core.optimizer import _init_optimizers_and_lr_schedulers
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+from pytorch_lightning.trainer.states import TrainerFn
+from torch import nn
+from typing_extensions import override
+
+from lightning_pipe import host, optim
+from lightning_pipe.balance import balance_by_size, balance_by_time
+from lightning_pipe.batchnorm import DeferredBatchNorm
+from lightning_pipe.dataparallel import average_gradients
+from lightning_pipe.launcher import SESSION, PipeLauncher, abort_world, start_session, worker_name
+from lightning_pipe.partitioned import PipelinedSequential
+from lightning_pipe.pipe import check_balance, check_checkpoint, check_chunks, check_sequential, split_module
+from lightning_pipe.remote import RemotePipeline, StageRunner
+from lightning_pipe.skip.layout import inspect_skip_layout
+from lightning_pipe.skip.skippable import verify_skippables
+from lightning_pipe.stage import Stage
+from lightning_pipe.topology import Topology
+
+__all__ = ["PipeStrategy"]
+
+log = logging.getLogger("lightning_pipe")
+
+BALANCE_MODES = ("balance_by_size", "balance_by_time")
+_pipeline_ids = itertools.count()
+
+
+class _MirroredOptimizer:
+    """Mixed into the driver's optimizers: ``step`` and ``zero_grad`` act on every stage."""
+
+    _lp_hosts: host.HostGroup
+    _lp_index: int
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = super().step(closure)  # type: ignore[misc]
+        self._lp_hosts.call("step", self._lp_index, optim.hyperparameters(self))  # type: ignore[arg-type]
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+        self._lp_hosts.call("zero_grad", self._lp_index, set_to_none)
+
+
+class _GlobalClipping:
+    """Mixed into the precision plugin: gradient clipping sees every stage's gradients, not just stage 0's."""
+
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        hosts = getattr(optimizer, "_lp_hosts", None)
+        if hosts is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norms = [float(torch.linalg.vector_norm(g.detach(), 2.0)) for g in grads]
+        norms += hosts.call("grad_norm", optimizer._lp_index, 2.0)  # type: ignore[attr-defined]
+        total = math.sqrt(sum(n * n for n in norms))
+        coefficient = clip_val / (total + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        if coefficient < 1.0:
+            for g in grads:
+                g.detach().mul_(coefficient)
+            hosts.call("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
+        return None
+
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
+        hosts = getattr(optimizer, "_lp_hosts", None)
+        if hosts is not None:
+            hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
+
+
+def _mix_in(obj: Any, mixin: type, prefix: str) -> None:
+    """Give ``obj`` a class that puts ``mixin`` before its own (as Lightning does for LightningOptimizer)."""
+    cls = type(obj)
+    if not isinstance(obj, mixin):
+        obj.__class__ = type(prefix + cls.__name__, (mixin, cls), {"__module__": cls.__module__})
+
+
+def _mirror(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer`` step and zero every stage.
+
+    An LR scheduler wraps ``optimizer.step`` on the instance, bound to the class's function at that time;
+    that wrapper would bypass the mirrored ``step`` and leave remote stages unstepped, so it is replaced by
+    one that keeps the scheduler's bookkeeping and calls the mirrored ``step``.
+    """
+    _mix_in(optimizer, _MirroredOptimizer, "Pipe")
+    if "step" not in vars(optimizer):
+        return
+    owner = weakref.ref(optimizer)
+    mirrored = type(optimizer).step
+
+    @functools.wraps(mirrored)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        opt = owner()
+        assert opt is not None
+        opt._opt_called = True  # type: ignore[attr-defined] - what the scheduler's wrapper records
+        return mirrored(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]
+
+
+class PipeStrategy(DDPStrategy):
+    """Pipeline parallelism for a LightningModule whose layers live in an ``nn.Sequential`` body.
+
+    ::
+
+        class Model(LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.sequential_module = nn.Sequential(...)
+
+        Trainer(accelerator="gpu", devices=4, strategy=PipeStrategy(balance=[2, 2], microbatches=8))
+
+    Each stage of the body runs in its own process on its own device; with more processes than stages the
+    pipeline is replicated and gradients are averaged (data parallel x pipeline parallel).
+
+    Args:
+        balance: layers per stage; its length is the number of stages, which must divide devices x nodes
+            (the quotient is the number of replicas). ``None``: one stage per device of a node, the split
+            found by ``balance_mode`` from the module's ``example_input_array``.
+        microbatches: micro-batches each batch is split into (along dim 0).
+        checkpoint: ``'always'``, ``'except_last'`` or ``'never'``: which micro-batches recompute their
+            activations in backward instead of storing them.
+        balance_mode: ``'balance_by_size'`` (memory) or ``'balance_by_time'`` (compute), for ``balance=None``.
+        pipelined_backward: run backward micro-batch by micro-batch, stages overlapping (``False``: one
+            backward per stage over all its micro-batches; same gradients).
+        rpc_timeout_sec: how long any RPC or wait for a stage may take before the step fails with an error
+            naming the stage and process.
+        module_name: the attribute of the LightningModule holding the ``nn.Sequential`` body.
+        deferred_batch_norm: update BatchNorm running statistics once per batch, as without micro-batches.
+        **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
+            ``timeout``, ``cluster_environment``, ...). Models are not wrapped in DDP: each stage averages its
+            own gradients.
+    """
+
+    strategy_name = "pipe"
+
+    def __init__(self, balance: list[int] | None = None, microbatches: int = 8, checkpoint: str = "except_last",
+                 balance_mode: str = "balance_by_size", pipelined_backward: bool = True,
+                 rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
+                 deferred_batch_norm: bool = False, accelerator: Any = None,
+                 parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
+                 checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
+        if balance is not None:
+            if not isinstance(balance, (list, tuple)) or not balance or any(
+                    isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in balance):
+                raise ValueError(f"balance must be a list of positive integers, one per stage (balance: {balance!r})")
+            balance = list(balance)
+        check_chunks(microbatches, "microbatches")
+        check_checkpoint(checkpoint)
+        if balance_mode not in BALANCE_MODES:
+            raise ValueError(f"balance_mode must be one of {', '.join(map(repr, BALANCE_MODES))} "
+                             f"(got: {balance_mode!r})")
+        if not isinstance(rpc_timeout_sec, (int, float)) or not rpc_timeout_sec > 0:
+            raise ValueError(f"rpc_timeout_sec must be a positive number of seconds (got: {rpc_timeout_sec!r})")
+        if not isinstance(module_name, str) or not module_name.isidentifier():
+            raise ValueError(f"module_name must be the name of an attribute (got: {module_name!r})")
+        if kwargs.get("start_method", "popen") != "popen":
+            raise ValueError(f"PipeStrategy starts processes as scripts (start_method='popen'); got "
+                             f"start_method={kwargs['start_method']!r}")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, **kwargs)
+        self.balance = balance
+        self.microbatches = microbatches
+        self.checkpoint = checkpoint
+        self.balance_mode = balance_mode
+        self.pipelined_backward = pipelined_backward
+        self.rpc_timeout_sec = float(rpc_timeout_sec)
+        self.module_name = module_name
+        self.deferred_batch_norm = deferred_batch_norm
+        self._topology: Topology | None = None
+        self._rank = -1
+        self._pipeline: RemotePipeline | None = None
+        self._hosts: host.HostGroup | None = None
+        self._owner: dict[str, int] = {}
+        self._requires_grad: list[tuple[bool, ...]] = []
+
+    # ------------------------------------------------------------------ what Lightning sees: the drivers
+    @property
+    def topology(self) -> Topology:
+        """The layout of processes into replicas and stages."""
+        if self._topology is None:
+            raise RuntimeError("the process layout is not known before the Trainer sets the strategy up")
+        return self._topology
+
+    @property
+    def stages(self) -> int:
+        """The number of pipeline stages."""
+        return len(self.balance) if self.balance is not None else self.num_processes
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process drives a pipeline (runs the Lightning loop and holds stage 0)."""
+        return self.topology.is_driver(self._rank)
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        if self._topology is None:
+            return super().global_rank
+        return self._topology.replica_of(self._rank)
+
+    @property
+    @override
+    def world_size(self) -> int:
+        if self._topology is None:
+            return super().world_size
+        return self._topology.replicas
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        if self._topology is None:
+            return super().is_global_zero
+        return self._rank == 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.topology.replicas, "rank": self.topology.replica_of(self._rank)}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the weights of remote stages are loaded into their processes, which setup configures
+
+    @override
+    def set_world_ranks(self) -> None:
+        # The cluster environment keeps the view of all processes (the launcher and torchrun/SLURM use it);
+        # Lightning's properties above show only the drivers.
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        self._rank = self.cluster_environment.global_rank()
+        self._topology = Topology(self.cluster_environment.world_size(), self.stages)
+        topology = self._topology
+        rank_zero_only.rank = topology.replica_of(self._rank) if topology.is_driver(self._rank) else self._rank
+
+    # ------------------------------------------------------------------ processes
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = PipeLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def start_session(self) -> None:
+        """Join this process's stage group and RPC (once per process)."""
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        start_session(self.topology, self._rank, self.cluster_environment.main_address,
+                      self.cluster_environment.main_port, backend=self._get_process_group_backend(),
+                      pg_timeout=self._timeout or default_pg_timeout, rpc_timeout=self.rpc_timeout_sec)
+
+    @override
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self._process_group_backend = self._get_process_group_backend()
+        self.start_session()
+
+    # ------------------------------------------------------------------ partitioning
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self._partition(self.lightning_module)
+        _mix_in(self.precision_plugin, _GlobalClipping, "Pipe")
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _body(self, module: pl.LightningModule) -> nn.Module:
+        body = getattr(module, self.module_name, None)
+        if body is None:
+            raise AttributeError(
+                f"{type(module).__name__} has no attribute '{self.module_name}': PipeStrategy partitions the "
+                f"nn.Sequential held there. Put the layers in self.{self.module_name} = nn.Sequential(...), or "
+                "pass PipeStrategy(module_name=...) naming the attribute that holds them")
+        return body
+
+    def _partition(self, module: pl.LightningModule) -> None:
+        body = self._body(module)
+        if isinstance(body, PipelinedSequential):
+            return  # already split (a later fit/validate/test/predict of the same module)
+        check_sequential(body, f"{type(module).__name__}.{self.module_name}")
+        if self.deferred_batch_norm:
+            DeferredBatchNorm.convert(body)
+        verify_skippables(body)
+        balance = self.balance if self.balance is not None else self._infer_balance(module, body)
+        check_balance(body, balance)
+        if len(balance) != self.stages:
+            raise ValueError(f"balance has {len(balance)} stages but the job has {self.stages} per pipeline "
+                             f"(balance: {balance}, devices per node: {self.num_processes})")
+        self._broadcast_state(module)  # every replica starts from replica 0's weights
+        topology, rank = self.topology, self._rank
+        replica = topology.replica_of(rank)
+        key = f"r{replica}p{next(_pipeline_ids)}"
+        ranks = topology.pipeline(replica)
+        peers = [worker_name(r) for r in ranks] + [worker_name(rank)]
+        parts = split_module(body, balance)
+        layout = inspect_skip_layout(parts)
+        offsets = list(itertools.accumulate([0] + balance[:-1]))
+        prefix = self.module_name + "."
+        futures = []
+        for j in range(1, len(parts)):
+            device = self.parallel_devices[ranks[j] % self.num_processes] if self.parallel_devices else "cpu"
+            futures.append(rpc.rpc_async(peers[j], host.configure, timeout=self.rpc_timeout_sec, args=(
+                key, j, parts[j], offsets[j], str(device), peers, layout, self.rpc_timeout_sec, prefix)))
+        for j, future in enumerate(futures, start=1):
+            try:
+                future.wait()
+            except Exception as exc:
+                exc.add_note(f"while setting up stage {j} in process '{peers[j]}'")
+                raise
+        stage = Stage(0, parts[0], self.root_device, exports=layout.exports[0].keys(),
+                      imports=layout.imports[0].keys())
+        self._pipeline = RemotePipeline(StageRunner(key, stage, peers, layout, self.rpc_timeout_sec))
+        self._pipeline.pipelined = self.pipelined_backward
+        self._hosts = host.HostGroup(key, peers[1:len(parts)], self.rpc_timeout_sec)
+        self._owner = {name: j for j, part in enumerate(parts) for name, _ in part.named_children()}
+        pipelined = PipelinedSequential(body, self._owner, self._pipeline, chunks=self.microbatches,
+                                        checkpoint=self.checkpoint)
+        pipelined.before_forward = self._sync_requires_grad
+        setattr(module, self.module_name, pipelined)
+        self._requires_grad = self._requires_grad_flags()
+        log.info("[rank %d] pipeline %s: balance %s on ranks %s", rank, key, balance, ranks)
+
+    def _infer_balance(self, module: pl.LightningModule, body: nn.Sequential) -> list[int]:
+        balance: list[int] | None = None
+        if self.is_global_zero:
+            example = module.example_input_array
+            if example is None:
+                raise ValueError(
+                    f"PipeStrategy(balance=None) infers the split from {type(module).__name__}.example_input_array, "
+                    "which is not set: set self.example_input_array to one batch of inputs in __init__, or pass "
+                    f"balance=[...] with {self.stages} entries summing to {len(body)}")
+            captured: list[Any] = []
+            handle = body.register_forward_pre_hook(lambda _, args: captured.append(args[0]))
+            was_training = module.training
+            try:
+                module.eval()
+                with torch.no_grad():
+                    if isinstance(example, Mapping):
+                        module(**example)
+                    elif isinstance(example, tuple):
+                        module(*example)
+                    else:
+                        module(example)
+            finally:
+                handle.remove()
+                module.train(was_training)
+            if not captured:
+                raise ValueError(f"{type(module).__name__}.forward(example_input_array) did not call "
+                                 f"self.{self.module_name}; pass balance=[...] explicitly")
+            if self.balance_mode == "balance_by_time":
+                balance = balance_by_time(self.stages, body, captured[0], device=self.root_device)
+            else:
+                balance = balance_by_size(self.stages, body, captured[0], chunks=self.microbatches,
+                                          device=self.root_device)
+            log.info("inferred balance %s (%s)", balance, self.balance_mode)
+        return self.broadcast(balance)
+
+    def _broadcast_state(self, module: nn.Module) -> None:
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                buffer = tensor.detach().to(self.root_device)
+                dist.broadcast(buffer, src=0)
+                tensor.copy_(buffer)
+
+    def _requires_grad_flags(self) -> list[tuple[bool, ...]]:
+        body = self._body(self.lightning_module)
+        flags: list[list[bool]] = [[] for _ in range(self.stages)]
+        for name, child in body.named_children():
+            flags[self._owner[name]].extend(p.requires_grad for p in child.parameters())
+        return [tuple(f) for f in flags]
+
+    def _sync_requires_grad(self) -> None:
+        """Freezing or unfreezing layers of remote stages on the driver reaches their processes."""
+        if self._hosts is None:
+            return
+        flags = self._requires_grad_flags()
+        if flags == self._requires_grad:
+            return
+        body = self._body(self.lightning_module)
+        for j in range(1, self.stages):
+            if flags[j] != self._requires_grad[j]:
+                named = {f"{self.module_name}.{n}": p.requires_grad for n, p in body.named_parameters()
+                         if self._owner[n.split(".", 1)[0]] == j}
+                self._hosts.call_stage(j, "set_requires_grad", named)
+        self._requires_grad = flags
+
+    def _stage_of(self, name: str) -> int:
+        """The stage that holds LightningModule parameter ``name`` (everything outside the body: 0)."""
+        prefix = self.module_name + "."
+        if not name.startswith(prefix):
+            return 0
+        return self._owner.get(name[len(prefix):].split(".", 1)[0], 0)
+
+    # ------------------------------------------------------------------ optimizers
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        assert self.lightning_module is not None and self._hosts is not None
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        per_stage: list[list[optim.OptimizerSpec | None]] = [[] for _ in range(self.stages)]
+        for k, optimizer in enumerate(optimizers):
+            for j, spec in enumerate(optim.specs_for_stages(optimizer, names, self._stage_of, self.stages)):
+                per_stage[j].append(spec)
+            optimizer._lp_hosts = self._hosts  # type: ignore[attr-defined]
+            optimizer._lp_index = k  # type: ignore[attr-defined]
+            optimizer._lp_names = optim.flat_names(optimizer, names)  # type: ignore[attr-defined]
+            _mirror(optimizer)
+        futures = [rpc.rpc_async(peer, host.call, args=(self._hosts.key, "build_optimizers", per_stage[j]),
+                                 timeout=self.rpc_timeout_sec)
+                   for j, peer in enumerate(self._hosts.peers, start=1)]
+        for future in futures:
+            future.wait()
+        # Assigned after the classes changed: Lightning wraps them in LightningOptimizers built from it.
+        self.optimizers = optimizers
+        self.lr_scheduler_configs = schedulers
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        raw = getattr(optimizer, "_optimizer", optimizer)
+
+        def closure_then_average() -> Any:
+            # Inside the precision plugin's closure: after backward, before clipping and the step.
+            result = closure()
+            self._average_gradients(raw)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+
+    def _average_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.world_size == 1 or self._hosts is None:
+            return
+        k = getattr(optimizer, "_lp_index", 0)
+        futures = [rpc.rpc_async(peer, host.call, args=(self._hosts.key, "average_gradients", k),
+                                 timeout=self.rpc_timeout_sec) for peer in self._hosts.peers]
+        average_gradients([p for g in optimizer.param_groups for p in g["params"] if not p.is_meta])
+        for future in futures:
+            future.wait()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = self.lightning_module.state_dict()
+        if self._hosts is not None and self.is_global_zero:
+            for remote in self._hosts.call("state_dict"):
+                state.update(remote)
+        return state
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        state = raw.state_dict()
+        if self._hosts is None or not self.is_global_zero or not hasattr(raw, "_lp_index"):
+            return state
+        remote: dict[str, Any] = {}
+        for part in self._hosts.call("optimizer_state", raw._lp_index):
+            remote.update(part)
+        return optim.merge(state, raw._lp_names, remote, lambda name: self._stage_of(name) == 0)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        if not self.is_global_zero:
+            return
+        path = os.fspath(filepath)
+        if "://" in path:  # a remote filesystem: no rename to rely on
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # Written beside the target, then renamed over it: a crash mid-write leaves the previous file intact.
+        temporary = f"{path}.tmp{os.getpid()}"
+        try:
+            self.checkpoint_io.save_checkpoint(checkpoint, temporary, storage_options=storage_options)
+            os.replace(temporary, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(temporary)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        local = {k: v for k, v in state.items() if self._stage_of(k) == 0}
+        missing, unexpected = self.lightning_module.load_state_dict(local, strict=False)
+        missing = [k for k in missing if self._stage_of(k) == 0]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"error loading the checkpoint's state_dict into {type(self.lightning_module).__name__} "
+                               f"(missing keys: {missing}, unexpected keys: {unexpected})")
+        if self._hosts is not None:
+            for j in range(1, self.stages):
+                self._hosts.call_stage(j, "load_state_dict",
+                                       {k: v for k, v in state.items() if self._stage_of(k) == j})
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            raw = getattr(optimizer, "_optimizer", optimizer)
+            own, remote = optim.split(state, raw._lp_names, self._stage_of)
+            raw.load_state_dict(own)
+            _optimizers_to_device([raw], self.root_device)
+            assert self._hosts is not None
+            for j, states in remote.items():
+                self._hosts.call_stage(j, "load_optimizer_state", raw._lp_index, states)
+
+    # ------------------------------------------------------------------ no DDP wrapper
+    @override
+    def configure_ddp(self) -> None:
+        pass  # each stage averages its own gradients (optimizer_step); nothing wraps the model
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if SESSION.topology is not None and not isinstance(exception, KeyboardInterrupt):
+            abort_world(f"{type(exception).__name__}: {exception}")
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("pipe", cls, description="Pipeline parallelism over torch.distributed.rpc",
+                                   override=True)
+
+
+PipeStrategy.register_strategies(StrategyRegistry)
+

@@ -1,0 +1,163 @@
+"""A configurable LightningModule trained plain or through PipeStrategy, for the strategy's tests.
+
+    python train.py '{"devices": 2, "balance": [2, 2], ...}' OUT_DIR
+
+writes OUT_DIR/final.ckpt (the consolidated checkpoint) and OUT_DIR/result.json from the main process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+DEFAULTS: dict[str, Any] = {
+    "devices": 2, "balance": [2, 2], "microbatches": 4, "checkpoint": "except_last", "pipelined_backward": True,
+    "optimizer": "sgd", "scheduler": None, "accumulate": 1, "clip": None, "clip_algorithm": "norm",
+    "manual": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
+    "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
+    "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05,
+}
+
+
+def make_body(config: dict[str, Any]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    width = config["width"]
+    for i in range(config["layers"]):
+        block: list[nn.Module] = [nn.Linear(width, width), nn.Tanh()]
+        if config["dropout"] and i % 2:
+            block.append(nn.Dropout(config["dropout"]))
+        layers.append(nn.Sequential(*block))
+    return nn.Sequential(*layers)
+
+
+class Model(pl.LightningModule):
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.config = {**DEFAULTS, **(config or {})}
+        self.save_hyperparameters({"config": self.config})
+        torch.manual_seed(self.config["seed"])
+        self.sequential_module = make_body(self.config)
+        self.head = nn.Linear(self.config["width"], 1)  # outside the body: stays on the driver
+        self.automatic_optimization = not self.config["manual"]
+        self.metric = torchmetrics.MeanSquaredError()
+        self.example_input_array = torch.zeros(4, self.config["width"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.sequential_module(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        out = self(x)
+        loss = nn.functional.mse_loss(out, y)
+        if self.config["log_metric"]:
+            self.metric(out, y)
+            self.log("train_mse", self.metric, sync_dist=True)
+            self.log("train_loss", loss, sync_dist=True)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            if self.config["clip"]:
+                self.clip_gradients(opt, gradient_clip_val=self.config["clip"], gradient_clip_algorithm="norm")
+            opt.step()
+            sched = self.lr_schedulers()
+            if sched is not None:
+                sched.step()
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        c = self.config
+        if c["optimizer"] == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=c["lr"], momentum=0.9)
+        else:  # adamw with parameter groups by name: no weight decay on biases
+            decay = [p for n, p in self.named_parameters() if not n.endswith("bias")]
+            no_decay = [p for n, p in self.named_parameters() if n.endswith("bias")]
+            opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                     {"params": no_decay, "weight_decay": 0.0}], lr=0.01)
+        if c["scheduler"] == "onecycle":
+            total = self.trainer.estimated_stepping_batches
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=int(total))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if c["scheduler"] == "step":
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)}
+        return opt
+
+
+def data(config: dict[str, Any]) -> TensorDataset:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(config["samples"], config["width"], generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return TensorDataset(x, y)
+
+
+def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Trainer:
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from lightning_pipe import PipeStrategy
+
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu", max_epochs=config["epochs"], max_steps=config["max_steps"], logger=False,
+        enable_progress_bar=False, enable_model_summary=not plain, precision=config["precision"],
+        accumulate_grad_batches=config["accumulate"], default_root_dir=out, num_sanity_val_steps=0,
+        limit_val_batches=2 if config["validate"] else 0, deterministic=True,
+    )
+    if not config["manual"] and config["clip"]:
+        kwargs.update(gradient_clip_val=config["clip"], gradient_clip_algorithm=config["clip_algorithm"])
+    callbacks = []
+    if config["save_every"]:
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_train_steps=config["save_every"],
+                                         save_top_k=-1, save_last=True))
+    kwargs["enable_checkpointing"] = bool(callbacks)
+    if plain:
+        return pl.Trainer(devices=1, callbacks=callbacks, **kwargs)
+    strategy: Any = config["strategy"]
+    if strategy == "pipe":
+        strategy = PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
+                                checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],
+                                rpc_timeout_sec=60)
+    return pl.Trainer(devices=config["devices"], strategy=strategy, callbacks=callbacks, **kwargs)
+
+
+def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningModule:
+    config = {**DEFAULTS, **config}
+    pl.seed_everything(config["seed"], workers=True)
+    model = Model(config)
+    trainer = trainer_for(config, out, plain)
+    dataset = data(config)
+    if plain:
+        # Under a distributed strategy Lightning gives training loaders a shuffling DistributedSampler seeded
+        # by seed_everything; one device drawing the same permutation sees the union of every replica's batch.
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
+        loader = DataLoader(dataset, batch_size=config["batch_size"], sampler=sampler)
+    else:
+        loader = DataLoader(dataset, batch_size=config["batch_size"], shuffle=False)
+    trainer.fit(model, loader, loader if config["validate"] else None, ckpt_path=config["resume"])
+    trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    if trainer.is_global_zero:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step,
+                       "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
+    return model
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,54 @@
+"""Running the strategy's test script as a real multi-process job, bounded in time, and comparing weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+REPO = Path(__file__).parent.parent
+
+
+def run_script(script: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
+               expect_ok: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``scripts/<script>`` (which launches its own worker processes) in a new session; on timeout the
+    whole session, and only it, is killed. Fails with the output when the job fails and ``expect_ok``."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{script} did not finish within {timeout:.0f} s:\n{out[-6000:]}") from None
+    finally:
+        try:  # whatever the outcome, nothing of this job outlives the test
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{script} failed with status {proc.returncode}:\n{out[-6000:]}")
+    return result
+
+
+def train(config: dict[str, Any], out: Path, **kwargs: Any) -> dict[str, Any]:
+    """Train ``config`` through PipeStrategy in its own processes; return the main process's result."""
+    out.mkdir(parents=True, exist_ok=True)
+    run_script("train.py", json.dumps(config), str(out), **kwargs)
+    return json.loads((out / "result.json").read_text())
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                        rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=name)
