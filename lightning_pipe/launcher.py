@@ -189,4 +189,5 @@ class PipeLauncher(_SubprocessScriptLauncher):
     @override
     def _call_children_scripts(self) -> None:
         os.environ[_PARENT_ENV] = str(os.getpid())
+        self._strategy.share_cores()  # before the children start, so their thread pools start at that size
         super()._call_children_scripts()

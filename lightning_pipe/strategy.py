@@ -280,9 +280,22 @@ class PipeStrategy(DDPStrategy):
         assert self.cluster_environment is not None
         self._launcher = PipeLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
 
+    def share_cores(self) -> None:
+        """On CPU, give each of this node's processes its share of the cores, unless OMP_NUM_THREADS is set.
+
+        As torchrun does: processes that each start a thread pool as large as the machine fight for its
+        cores (seen: steps 5x slower with 2 processes on 2 cores).
+        """
+        if self.root_device.type != "cpu":
+            return
+        if "OMP_NUM_THREADS" not in os.environ:
+            os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.num_processes))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
     def start_session(self) -> None:
         """Join this process's stage group and RPC (once per process)."""
         self.set_world_ranks()
+        self.share_cores()
         assert self.cluster_environment is not None
         start_session(self.topology, self._rank, self.cluster_environment.main_address,
                       self.cluster_environment.main_port, backend=self._get_process_group_backend(),

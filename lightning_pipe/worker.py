@@ -60,7 +60,10 @@ def autocast_context(state: list[tuple[str, torch.dtype]]) -> ContextManager[Non
 _STOP = object()
 
 
-def _loop(tasks: queue.SimpleQueue[Any]) -> None:
+def _loop(tasks: queue.SimpleQueue[Any], threads: int) -> None:
+    # OpenMP keeps its thread count per thread and a new thread starts from the machine's default; PyTorch
+    # re-applies torch.set_num_threads only in threads it starts itself, so a worker applies it here.
+    torch.set_num_threads(threads)
     while True:
         item = tasks.get()
         if item is _STOP:
@@ -91,7 +94,8 @@ class Worker:
         """Queue ``fn`` to run on this worker under the caller's grad and autocast state."""
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=_loop, args=(self._tasks,), name=self.name, daemon=True)
+                self._thread = threading.Thread(target=_loop, args=(self._tasks, torch.get_num_threads()),
+                                                name=self.name, daemon=True)
                 self._thread.start()
                 weakref.finalize(self, self._tasks.put, _STOP)
         future: Future[Any] = Future()

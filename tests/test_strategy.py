@@ -43,3 +43,36 @@ def test_same_weights_as_one_device(name, tmp_path):
     assert_same_weights(loaded.state_dict(), expected)
     replicas = config.get("devices", 2) // len(config.get("balance", [2, 2]))
     assert result["world_size"] == replicas  # Lightning sees the replicas, not the processes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_checkpoint_holds_the_plain_optimizer_state(optimizer, tmp_path):
+    """The consolidated optimizer state is the one the unpipelined model's optimizer would have."""
+    config = {"optimizer": optimizer, "balance": [1, 3], "scheduler": "step"}
+    train(config, tmp_path / "pipe")
+    plain_weights(config, tmp_path / "plain")
+    piped = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)
+    plain = torch.load(tmp_path / "plain" / "final.ckpt", weights_only=False)
+    (got,), (want,) = piped["optimizer_states"], plain["optimizer_states"]
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys() and len(want["state"]) == 10  # every parameter, stage 1's too
+    for index, state in want["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index} {key}")
+    assert piped["lr_schedulers"] == plain["lr_schedulers"]
+
+
+@pytest.mark.timeout(300)
+def test_resume_continues_exactly(tmp_path):
+    """Stop after epoch 1, resume from its checkpoint: the same weights as the uninterrupted run."""
+    config = {"optimizer": "adamw", "scheduler": "step", "epochs": 3, "save_every": "epoch", "balance": [3, 1]}
+    train(config, tmp_path / "full")
+    resumed = {**config, "resume": str(tmp_path / "full" / "ckpts" / "epoch=0.ckpt")}
+    result = train(resumed, tmp_path / "resumed")
+    assert result["global_step"] == 24
+    full = script.Model.load_from_checkpoint(tmp_path / "full" / "final.ckpt", map_location="cpu")
+    again = script.Model.load_from_checkpoint(tmp_path / "resumed" / "final.ckpt", map_location="cpu")
+    assert_same_weights(again.state_dict(), full.state_dict(), rtol=1e-6, atol=1e-7)
+    first = script.Model.load_from_checkpoint(tmp_path / "full" / "ckpts" / "epoch=0.ckpt", map_location="cpu")
+    assert not torch.allclose(first.head.weight, full.head.weight)  # the resumed run did train further

@@ -123,9 +123,12 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     if not config["manual"] and config["clip"]:
         kwargs.update(gradient_clip_val=config["clip"], gradient_clip_algorithm=config["clip_algorithm"])
     callbacks = []
-    if config["save_every"]:
+    if config["save_every"] == "epoch":
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_epochs=1, save_top_k=-1,
+                                         save_last=True, filename="{epoch}"))
+    elif config["save_every"]:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_train_steps=config["save_every"],
-                                         save_top_k=-1, save_last=True))
+                                         save_top_k=-1, save_last=True, filename="{step}"))
     kwargs["enable_checkpointing"] = bool(callbacks)
     if plain:
         return pl.Trainer(devices=1, callbacks=callbacks, **kwargs)
