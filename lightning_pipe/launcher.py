@@ -24,6 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import pytorch_lightning as pl
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -32,8 +33,6 @@ from typing_extensions import override
 from lightning_pipe.topology import Topology
 
 if TYPE_CHECKING:
-    import pytorch_lightning as pl
-
     from lightning_pipe.strategy import PipeStrategy
 
 __all__: list[str] = []
@@ -177,6 +176,11 @@ class PipeLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None,
                **kwargs: Any) -> Any:
+        model = args[0] if args and isinstance(args[0], pl.LightningModule) else None
+        model = model or getattr(trainer, "lightning_module", None)
+        if model is not None:
+            self._strategy.check_model(model)  # before any process starts (here) or on every rank (torchrun)
+
         def role(*a: Any, **kw: Any) -> Any:
             self._strategy.start_session()
             if self._strategy.is_driver:

@@ -98,6 +98,14 @@ def _unpack(tensors: Sequence[Tensor], flags: Sequence[bool]) -> tuple[Tensor, .
                  for t, f in zip(tensors, flags))
 
 
+def where(name: str) -> str:
+    """``"rank 3, process 'worker3'"``: how errors name a process."""
+    try:
+        return f"rank {rpc.get_worker_info(name).id}, process '{name}'"
+    except Exception:  # noqa: BLE001 - RPC already down: the name is all there is
+        return f"process '{name}'"
+
+
 def _deliver(slot: Slot, payload: Any) -> None:
     MAILBOX.put(slot, payload)
 
@@ -124,7 +132,7 @@ class StageRunner:
 
     def describe(self) -> str:
         """The stage and the process, for error messages."""
-        return f"stage {self.index} of pipeline '{self.key}' (process '{self.me}')"
+        return f"stage {self.index} of pipeline '{self.key}' ({where(self.me)})"
 
     def _send(self, dst: int, slot: Slot, payload: Any) -> Future[Any] | None:
         peer = self.peers[dst]
@@ -132,7 +140,7 @@ class StageRunner:
             MAILBOX.put(slot, payload)
             return None
         return _to_concurrent(rpc.rpc_async(peer, _deliver, args=(slot, payload), timeout=self.timeout),
-                              lambda: f"{self.describe()} could not send to stage {dst} (process '{peer}')")
+                              lambda: f"{self.describe()} could not send to stage {dst} ({where(peer)})")
 
     def _take(self, slot: Slot) -> Any:
         if slot[1] in self._failed:
@@ -375,7 +383,7 @@ class RemotePipeline:
         register(runner)
 
     def _describe(self, j: int) -> Callable[[], str]:
-        return lambda: f"in stage {j} of pipeline '{self.key}' (process '{self.runner.peers[j]}')"
+        return lambda: f"in stage {j} of pipeline '{self.key}' ({where(self.runner.peers[j])})"
 
     def _submit(self, run: Run, plan: list[list[Action]], local: Callable[[Action], Callable[[], Any]],
                 args: Callable[[Action], tuple[Any, ...]]) -> dict[tuple[int, int], Future[Any]]:

@@ -38,6 +38,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from pytorch_lightning.core.optimizer import _init_optimizers_and_lr_schedulers
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -331,19 +332,34 @@ class PipeStrategy(DDPStrategy):
                 "pass PipeStrategy(module_name=...) naming the attribute that holds them")
         return body
 
+    def check_model(self, module: pl.LightningModule) -> None:
+        """Reject a LightningModule this strategy cannot split, with what to change (run before any process
+        is started where Lightning starts them, and on every process otherwise)."""
+        body = self._body(module)
+        if isinstance(body, PipelinedSequential):
+            return
+        check_sequential(body, f"{type(module).__name__}.{self.module_name}")
+        verify_skippables(body)
+        if self.balance is not None:
+            check_balance(body, self.balance)
+        elif module.example_input_array is None:
+            raise ValueError(
+                f"PipeStrategy(balance=None) infers the split from {type(module).__name__}.example_input_array, "
+                "which is not set: set self.example_input_array to one batch of inputs in __init__, or pass "
+                f"balance=[...] with {self.stages} entries summing to {len(body)}")
+        elif len(body) < self.stages:
+            raise ValueError(f"too few layers to split into one stage per device (layers: {len(body)}, "
+                             f"stages: {self.stages}); pass balance=[...] and fewer devices")
+
     def _partition(self, module: pl.LightningModule) -> None:
         body = self._body(module)
         if isinstance(body, PipelinedSequential):
             return  # already split (a later fit/validate/test/predict of the same module)
-        check_sequential(body, f"{type(module).__name__}.{self.module_name}")
+        self.check_model(module)
         if self.deferred_batch_norm:
             DeferredBatchNorm.convert(body)
-        verify_skippables(body)
         balance = self.balance if self.balance is not None else self._infer_balance(module, body)
         check_balance(body, balance)
-        if len(balance) != self.stages:
-            raise ValueError(f"balance has {len(balance)} stages but the job has {self.stages} per pipeline "
-                             f"(balance: {balance}, devices per node: {self.num_processes})")
         self._broadcast_state(module)  # every replica starts from replica 0's weights
         topology, rank = self.topology, self._rank
         replica = topology.replica_of(rank)
@@ -382,11 +398,6 @@ class PipeStrategy(DDPStrategy):
         balance: list[int] | None = None
         if self.is_global_zero:
             example = module.example_input_array
-            if example is None:
-                raise ValueError(
-                    f"PipeStrategy(balance=None) infers the split from {type(module).__name__}.example_input_array, "
-                    "which is not set: set self.example_input_array to one batch of inputs in __init__, or pass "
-                    f"balance=[...] with {self.stages} entries summing to {len(body)}")
             captured: list[Any] = []
             handle = body.register_forward_pre_hook(lambda _, args: captured.append(args[0]))
             was_training = module.training
@@ -410,7 +421,8 @@ class PipeStrategy(DDPStrategy):
             else:
                 balance = balance_by_size(self.stages, body, captured[0], chunks=self.microbatches,
                                           device=self.root_device)
-            log.info("inferred balance %s (%s)", balance, self.balance_mode)
+            rank_zero_info(f"PipeStrategy: inferred balance {balance} ({self.balance_mode}); pass balance=... "
+                           "to fix it")
         return self.broadcast(balance)
 
     def _broadcast_state(self, module: nn.Module) -> None:

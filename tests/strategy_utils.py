@@ -18,9 +18,11 @@ REPO = Path(__file__).parent.parent
 
 def run_script(script: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
                expect_ok: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``scripts/<script>`` (which launches its own worker processes) in a new session; on timeout the
+    """Run ``scripts/<script>`` (or a repository path with a "/", which launches its own worker processes) in a
+    new session; on timeout the
     whole session, and only it, is killed. Fails with the output when the job fails and ``expect_ok``."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], cwd=REPO, text=True,
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / script if "/" not in script else REPO / script), *args],
+                            cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
     try:

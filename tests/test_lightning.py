@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from scripts import train as script
@@ -25,3 +27,32 @@ def test_fit_validate_test_predict_in_one_script(tmp_path):
     assert "train_mse" in out["fit"] and out["fit"]["train_mse"] > 0
     # Replica 0 predicts its share of the samples (every other one), through the pipeline.
     torch.testing.assert_close(out["predict"], full[0::2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_lightning_cli_yaml_config(tmp_path):
+    """`trainer.strategy.class_path: lightning_pipe.PipeStrategy` with init_args from the example's YAML."""
+    result = run_script("examples/mlp.py", "fit", "--config", "configs/mlp/cpu.yaml", "--trainer.max_epochs=1",
+                        "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
+                        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+                        timeout=240)
+    assert "PipelinedSequential" in result.stdout  # the body was split (ModelSummary names its type)
+    (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    state = torch.load(ckpt, weights_only=False)
+    assert state["global_step"] == 4
+    assert state["hyper_parameters"]["depth"] == 8
+    assert sum(k.startswith("sequential_module.") for k in state["state_dict"]) == 16  # both stages' layers
+
+
+@pytest.mark.timeout(300)
+def test_strategy_by_name_infers_the_balance(tmp_path):
+    """strategy="pipe": default arguments, one stage per device, balance found from example_input_array."""
+    result = run_script("examples/mlp.py", "fit", "--config", "configs/mlp/cpu.yaml", "--trainer.strategy=pipe",
+                        "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+                        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+                        timeout=240)
+    found = re.search(r"inferred balance \[(\d+), (\d+)\] \(balance_by_size\)", result.stdout)
+    assert found, result.stdout[-3000:]
+    assert int(found[1]) + int(found[2]) == 8 and int(found[1]) > 0 and int(found[2]) > 0
+    (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 2

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed.rpc as rpc
@@ -163,7 +161,7 @@ def test_remote_stage_errors_reach_the_driver():
     seen = run_processes(_errors, 3, timeout=100)[0]
     kind, message = seen["forward"]
     assert kind == "ValueError" and "bad shape in the middle" in message
-    assert "stage 1" in message and "worker1" in message and "layer 1" in message
+    assert "stage 1" in message and "(rank 1, process 'worker1')" in message and "layer 1" in message
     kind, message = seen["backward"]
     assert kind == "ArithmeticError" and "backward broke in the middle" in message
     assert "stage 1" in message and "worker1" in message

@@ -1,0 +1,69 @@
+"""A job whose model is wrong or whose stage 1 fails mid-training, for the tests of errors.
+
+    python fail.py WHAT OUT_DIR     WHAT: forward | backward | no_body | not_sequential | bad_balance | no_example
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train import Model, data  # noqa: E402
+
+from lightning_pipe import PipeStrategy  # noqa: E402
+
+
+class Breaks(nn.Module):
+    """Raises in forward or backward from the third training step on."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        if self.where == "forward" and self.calls > 2 * 4:  # 4 micro-batches a step
+            raise ValueError(f"shape mismatch in layer 3 (input shape: {tuple(x.shape)})")
+        return _Backward.apply(x) if self.where == "backward" and self.calls > 2 * 4 else x
+
+
+class _Backward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("non-finite gradient in layer 3")
+
+
+def main(what: str, out: str) -> None:
+    model = Model({"samples": 64, "batch_size": 8})
+    balance = [2, 2]
+    if what in ("forward", "backward"):
+        model.sequential_module = nn.Sequential(*list(model.sequential_module)[:3], Breaks(what))
+    elif what == "no_body":
+        del model.sequential_module
+    elif what == "not_sequential":
+        model.sequential_module = nn.ModuleList(list(model.sequential_module))
+    elif what == "bad_balance":
+        balance = [2, 3]
+    elif what == "no_example":
+        model.example_input_array = None
+        balance = None
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
+                         strategy=PipeStrategy(balance=balance, microbatches=4, rpc_timeout_sec=20))
+    trainer.fit(model, DataLoader(data(model.config), batch_size=8))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,66 @@
+"""PipeStrategy refuses bad input with one clear message, and a failing stage ends the whole job."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import pytorch_lightning as pl
+from strategy_utils import run_script
+
+from lightning_pipe import PipeStrategy
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"balance": [2, 0]}, r"positive integers, one per stage \(balance: \[2, 0\]\)"),
+    ({"balance": "2,2"}, r"positive integers, one per stage \(balance: '2,2'\)"),
+    ({"microbatches": 0}, r"microbatches must be a positive integer \(got: 0\)"),
+    ({"checkpoint": "sometimes"}, r"checkpoint must be one of 'always', 'except_last', 'never' \(got: 'sometimes'\)"),
+    ({"balance_mode": "by_magic"}, r"balance_mode must be one of .*\(got: 'by_magic'\)"),
+    ({"rpc_timeout_sec": 0}, r"rpc_timeout_sec must be a positive number of seconds \(got: 0\)"),
+    ({"module_name": "not a name"}, r"module_name must be the name of an attribute \(got: 'not a name'\)"),
+    ({"start_method": "spawn"}, r"start_method='popen'.*got start_method='spawn'"),
+])
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PipeStrategy(**kwargs)
+
+
+def test_devices_not_a_multiple_of_stages_fails_before_processes_start():
+    with pytest.raises(ValueError, match=r"devices x nodes: 3, stages: 2"):
+        pl.Trainer(accelerator="cpu", devices=3, strategy=PipeStrategy(balance=[1, 1]), logger=False)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what,error", [
+    ("no_body", "Model has no attribute 'sequential_module'"),
+    ("not_sequential", "Model.sequential_module must be nn.Sequential to be partitioned (got: ModuleList)"),
+    ("bad_balance", "module and sum of balance have different length (module: 4, sum of balance: 5)"),
+    ("no_example", "Model.example_input_array, which is not set"),
+])
+def test_bad_model_fails_before_processes_start(what, error, tmp_path):
+    started = time.monotonic()
+    result = run_script("fail.py", what, str(tmp_path), timeout=90, expect_ok=False)
+    assert result.returncode != 0
+    assert error in result.stdout
+    assert result.stdout.count(error) == 1, result.stdout[-4000:]  # one message, not one per process
+    assert "[rank: 1]" not in result.stdout  # no other process was ever started
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where,error", [
+    ("forward", "ValueError: shape mismatch in layer 3 (input shape: (2, 16))"),
+    ("backward", "FloatingPointError: non-finite gradient in layer 3"),
+])
+def test_failing_stage_ends_every_process(where, error, tmp_path):
+    started = time.monotonic()
+    result = run_script("fail.py", where, str(tmp_path), timeout=90, expect_ok=False)
+    assert result.returncode != 0
+    assert error in result.stdout, result.stdout[-4000:]
+    assert "stage 1 of pipeline" in result.stdout and "(rank 1, process 'worker1')" in result.stdout
+    if where == "forward":
+        assert "layer 3 ('3': Breaks)" in result.stdout
+    # Every process ended by itself, promptly: the output pipe, which all of them hold, closed well before
+    # the timeout (at which run_script would kill them).
+    assert time.monotonic() - started < 60
