@@ -131,7 +131,7 @@ class StageHost:
     def close(self) -> None:
         """Stop serving this pipeline here."""
         unregister(self.key)
-        self.runner.worker.stop()
+        self.runner.stop()
 
 
 def configure(key: str, index: int, partition: nn.Sequential, offset: int, device: str, peers: Sequence[str],

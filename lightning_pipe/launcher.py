@@ -78,8 +78,10 @@ def start_session(topology: Topology, rank: int, main_address: str, main_port: i
     dist.init_process_group(backend, store=dist.PrefixStore(f"lightning_pipe/stage{stage}", store),
                             rank=topology.replica_of(rank), world_size=topology.replicas, timeout=pg_timeout)
     # RPC rendezvouses on its own (init_rpc changes the timeout of the store it is given).
+    # The "uv" (TCP) transport: TensorPipe's shared-memory transport busy-polls, costing each idle process
+    # about a quarter of a core, which stages computing on CPU cannot spare.
     options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=rpc_timeout,
-                                              num_worker_threads=rpc_threads)
+                                              num_worker_threads=rpc_threads, _transports=["uv"])
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=topology.world, rpc_backend_options=options)
     SESSION.topology, SESSION.rank = topology, rank
     _start_orphan_watchdog()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from functools import partial
 from typing import Any, Union
 
@@ -44,18 +44,30 @@ def _wait(future: Future[Any]) -> None:
         raise _Skipped() from None
 
 
-def drain(futures: Sequence[Future[Any]]) -> None:
-    """Wait for every future; raise the first real error among them (not a skip)."""
+def drain(futures: Sequence[Future[Any]], *, grace: float | None = None) -> None:
+    """Wait for every future; raise the first real error among them (not a skip), in their order.
+
+    With ``grace``, once any future fails the others get at most ``grace`` more seconds: a stuck process
+    must not keep the error from the caller.
+    """
+    if grace is None:
+        wait(futures)
+    else:
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        if pending:
+            wait(pending, timeout=grace)
     first: BaseException | None = None
     for future in futures:
-        try:
-            future.result()
-        except _Skipped:
-            pass
-        except BaseException as exc:  # noqa: BLE001
+        if not future.done():
+            continue  # still running after a failure: the failure says what went wrong
+        exc = future.exception()
+        if exc is not None and not isinstance(exc, _Skipped):
             first = first or exc
     if first is not None:
         raise first
+    if not all(f.done() for f in futures):
+        raise TimeoutError(f"{sum(not f.done() for f in futures)} of {len(futures)} pipeline tasks did not finish "
+                           f"within {grace} s after the others stopped")
 
 
 class Run:

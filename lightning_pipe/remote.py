@@ -17,7 +17,6 @@ error, not a hang.
 from __future__ import annotations
 
 import collections
-import itertools
 import pickle
 import threading
 import time
@@ -34,7 +33,7 @@ from torch import Tensor
 from lightning_pipe.microbatch import Batch
 from lightning_pipe.pipeline import Run, _Skipped, drain
 from lightning_pipe.rng import LazySeed
-from lightning_pipe.schedule import Action, backward_plan, forward_plan
+from lightning_pipe.schedule import Action, backward_plan, forward_plan, stage_order
 from lightning_pipe.skip.layout import SkipLayout
 from lightning_pipe.stage import Grads, Stage
 from lightning_pipe.worker import Worker, autocast_context
@@ -127,6 +126,7 @@ class StageRunner:
         self.timeout = timeout
         self.me = rpc.get_worker_info().name
         self.worker = Worker(f"lightning_pipe.{key}.stage{self.index}")
+        self.sender = Worker(f"lightning_pipe.{key}.stage{self.index}.send")
         self._seeds: dict[int, LazySeed] = {}
         self._failed: collections.deque[int] = collections.deque(maxlen=4096)
 
@@ -135,12 +135,20 @@ class StageRunner:
         return f"stage {self.index} of pipeline '{self.key}' ({where(self.me)})"
 
     def _send(self, dst: int, slot: Slot, payload: Any) -> Future[Any] | None:
+        """Deliver ``payload`` to stage ``dst``: from the sender thread, so that serialising and writing it
+        does not hold up this stage's next micro-batch."""
         peer = self.peers[dst]
         if peer == self.me:
             MAILBOX.put(slot, payload)
             return None
-        return _to_concurrent(rpc.rpc_async(peer, _deliver, args=(slot, payload), timeout=self.timeout),
-                              lambda: f"{self.describe()} could not send to stage {dst} ({where(peer)})")
+        sent: Future[Any] = Future()
+
+        def send() -> None:
+            future = rpc.rpc_async(peer, _deliver, args=(slot, payload), timeout=self.timeout)
+            _chain_into(future, sent, lambda: f"{self.describe()} could not send to stage {dst} ({where(peer)})")
+
+        self.sender.submit(send)
+        return sent
 
     def _take(self, slot: Slot) -> Any:
         if slot[1] in self._failed:
@@ -194,6 +202,20 @@ class StageRunner:
                 sends.append(self._send(src, (self.key, run, "B", i, src, skip), _cpu((grad_imports.get(skip),))))
         return [s for s in sends if s is not None]
 
+    def run_actions(self, kind: str, run: int, groups: Sequence[Sequence[int]], m: int, save: bool,
+                    checkpoint_stop: int, training: bool, autocast: list[tuple[str, torch.dtype]]
+                    ) -> list[Future[Any]]:
+        """This stage's share of one step, in schedule order: forward (``"F"``) of each micro-batch, or
+        backward (``"B"``) of each group of micro-batches. Returns the sends still in flight."""
+        sends: list[Future[Any]] = []
+        for group in groups:
+            if kind == "F":
+                (i,) = group
+                sends += self.forward(run, i, m, save, checkpoint_stop, training, autocast)
+            else:
+                sends += self.backward(run, group)  # type: ignore[arg-type]
+        return sends
+
     def named_grads(self) -> dict[str, Tensor | None]:
         """The gradients of this stage's parameters, by name within the partition."""
         return {name: None if p.grad is None else p.grad.detach().cpu()
@@ -207,6 +229,11 @@ class StageRunner:
         """Mark ``run`` failed: its queued actions skip and its waits wake up."""
         self._failed.append(run)
         MAILBOX.abort(self.key, run)
+
+    def stop(self) -> None:
+        """Let this stage's threads finish their queued work and exit."""
+        self.worker.stop()
+        self.sender.stop()
 
     def release(self, run: int) -> None:
         """Forget what is kept for ``run``."""
@@ -237,8 +264,8 @@ class _Failure:
         self.exc = exc
 
 
-def _to_concurrent(future: torch.futures.Future, describe: Callable[[], str]) -> Future[Any]:
-    result: Future[Any] = Future()
+def _chain_into(future: torch.futures.Future, result: Future[Any], describe: Callable[[], str]) -> None:
+    """Complete ``result`` with the outcome of an RPC ``future`` (a sent failure becomes its exception)."""
 
     def done(f: torch.futures.Future) -> None:
         try:
@@ -250,6 +277,11 @@ def _to_concurrent(future: torch.futures.Future, describe: Callable[[], str]) ->
             result.set_exception(_located(exc, describe))
 
     future.add_done_callback(done)
+
+
+def _to_concurrent(future: torch.futures.Future, describe: Callable[[], str]) -> Future[Any]:
+    result: Future[Any] = Future()
+    _chain_into(future, result, describe)
     return result
 
 
@@ -309,13 +341,11 @@ def _chain(runner: StageRunner, work: Callable[[], list[Future[Any]]]) -> torch.
 
 
 @rpc.functions.async_execution
-def _act(key: str, kind: str, run: int, microbatches: list[int], m: int, save: bool,
-         checkpoint_stop: int, training: bool, autocast: list[tuple[str, torch.dtype]]) -> torch.futures.Future:
+def _act(key: str, kind: str, run: int, groups: list[list[int]], m: int, save: bool, checkpoint_stop: int,
+         training: bool, autocast: list[tuple[str, torch.dtype]]) -> torch.futures.Future:
     runner = _RUNNERS[key]
-    if kind == "F":
-        (i,) = microbatches
-        return _chain(runner, partial(runner.forward, run, i, m, save, checkpoint_stop, training, autocast))
-    return _chain(runner, partial(runner.backward, run, microbatches))  # type: ignore[arg-type]
+    return _chain(runner, partial(runner.run_actions, kind, run, groups, m, save, checkpoint_stop, training,
+                                  autocast))
 
 
 def _abort(key: str, run: int) -> None:
@@ -385,43 +415,45 @@ class RemotePipeline:
     def _describe(self, j: int) -> Callable[[], str]:
         return lambda: f"in stage {j} of pipeline '{self.key}' ({where(self.runner.peers[j])})"
 
-    def _submit(self, run: Run, plan: list[list[Action]], local: Callable[[Action], Callable[[], Any]],
-                args: Callable[[Action], tuple[Any, ...]]) -> dict[tuple[int, int], Future[Any]]:
-        futures: dict[tuple[int, int], Future[Any]] = {}
-        aborted = [False]
+    def _submit(self, run: Run, plan: list[list[Action]], local: Callable[[list[list[int]]], Any],
+                args: Callable[[list[list[int]]], tuple[Any, ...]]) -> None:
+        """Give every stage its actions of ``plan`` at once (one message per stage, not per action) and
+        wait for all of them; after a failure, wait at most the RPC timeout for the others."""
+        futures: list[Future[Any]] = []
+        sends: list[Future[Any]] = []
+        aborted = threading.Event()
 
         def on_done(f: Future[Any]) -> None:
             exc = f.exception()
-            if exc is not None and not isinstance(exc, _Skipped) and not aborted[0]:
-                aborted[0] = True
+            if exc is not None and not isinstance(exc, _Skipped) and not aborted.is_set():
+                aborted.set()
                 self._abort(run)
 
-        sends: list[Future[Any]] = []
-
-        def start(action: Action) -> Any:
-            out = local(action)()
-            if isinstance(out, list):  # sends still in flight: waited for below, not on the worker
+        def start(groups: list[list[int]]) -> None:
+            out = local(groups)
+            if isinstance(out, list):  # sends in flight: waited for below, not on the worker
                 sends.extend(out)
-            return None
 
-        for action in itertools.chain.from_iterable(plan):
-            if action.stage == 0:
-                future = self.runner.worker.submit(partial(start, action))
+        for j in range(self.n):
+            groups = [[a.microbatch] if a.microbatch >= 0 else list(range(len(run.sizes)))
+                      for a in stage_order(plan, j)]
+            if j == 0:
+                future = self.runner.worker.submit(partial(start, groups))
             else:
-                rf = rpc.rpc_async(self.runner.peers[action.stage], _act, args=args(action),
-                                   timeout=self.runner.timeout)
-                future = _to_concurrent(rf, self._describe(action.stage))
+                # No RPC timeout on the whole share: each of its waits is bounded instead, and a lost
+                # process fails the call at once.
+                rf = rpc.rpc_async(self.runner.peers[j], _act, args=args(groups), timeout=0)
+                future = _to_concurrent(rf, self._describe(j))
             future.add_done_callback(on_done)
-            futures[(action.microbatch, action.stage)] = future
+            futures.append(future)
         try:
-            drain(list(futures.values()))
+            drain(futures, grace=self.runner.timeout)
             drain(sends)
         except BaseException:
-            if not aborted[0]:
-                aborted[0] = True
+            if not aborted.is_set():
+                aborted.set()
                 self._abort(run)
             raise
-        return futures
 
     def _abort(self, run: Run) -> None:
         run.failed = True
@@ -435,14 +467,17 @@ class RemotePipeline:
     def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
         """Run every micro-batch through every stage; return the last stage's outputs."""
         m, n, key = len(microbatches), self.n, self.key
-        plan = forward_plan(m, n)
-        self._submit(
-            run, plan,
-            lambda a: lambda: self.runner.forward(run.id, a.microbatch, m, save, run.checkpoint_stop,
-                                                  run.training, [], microbatches[a.microbatch]),
-            lambda a: (key, "F", run.id, [a.microbatch], m, save, run.checkpoint_stop, run.training,
-                       run.autocast),
-        )
+
+        def local(groups: list[list[int]]) -> list[Future[Any]]:
+            sends: list[Future[Any]] = []
+            for (i,) in groups:
+                sends += self.runner.forward(run.id, i, m, save, run.checkpoint_stop, run.training, [],
+                                             microbatches[i])
+            return sends
+
+        self._submit(run, forward_plan(m, n), local,
+                     lambda groups: (key, "F", run.id, groups, m, save, run.checkpoint_stop, run.training,
+                                     run.autocast))
         outputs = []
         for i in range(m):
             tensors, flags, atomic = self.runner._take((key, run.id, "F", i, n, n - 1))
@@ -462,17 +497,13 @@ class RemotePipeline:
         plan = backward_plan(m, n) if pipelined else [[Action(j, "B", -1)] for j in reversed(range(n))]
         result: dict[int, Grads] = {}
 
-        def local(a: Action) -> Callable[[], None]:
-            mbs = list(range(m)) if a.microbatch < 0 else [a.microbatch]
-
-            def run_local() -> None:
-                for i, grads in zip(mbs, self.runner.backward(run.id, mbs)):
+        def local(groups: list[list[int]]) -> None:
+            for group in groups:
+                for i, grads in zip(group, self.runner.backward(run.id, group)):
                     result[i] = grads  # type: ignore[assignment]
-            return run_local
 
         self._submit(run, plan, local,
-                     lambda a: (key, "B", run.id, list(range(m)) if a.microbatch < 0 else [a.microbatch], m,
-                                True, 0, run.training, []))
+                     lambda groups: (key, "B", run.id, groups, m, True, 0, run.training, []))
         drain([d for d in deliveries if d is not None])
         return [result[i] for i in range(m)]
 
@@ -486,4 +517,4 @@ class RemotePipeline:
     def close(self) -> None:
         """Stop the local worker and forget this pipeline here."""
         unregister(self.key)
-        self.runner.worker.stop()
+        self.runner.stop()

@@ -26,7 +26,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: An
     try:
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
                      rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-                         init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=rpc_timeout, num_worker_threads=16))
+                         init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=rpc_timeout, num_worker_threads=16,
+                         _transports=["uv"]))
         value = fn(rank, world, *args)
         rpc.shutdown()
         results.put((rank, "ok", value))

@@ -1,0 +1,279 @@
+"""Training throughput of our RPC engine vs torch.distributed.pipelining's ScheduleGPipe, 2 CPU processes, side by side.
+
+The same model (``layers`` x Linear(width, width) + ReLU, cut into two halves), the same batch, the same loss
+(mean of the squared output) and the same micro-batch count run on 2 processes with one intra-op thread each:
+
+    ours:   the driver (process 0) holds stage 0 and drives the GPipe schedule; process 1 holds stage 1.
+            RemotePipeline + run_pipeline(checkpoint='never') over TensorPipe RPC. The last stage's output
+            goes back to the driver, which computes the loss there and sends its gradient back.
+    theirs: PipelineStage + ScheduleGPipe(stage, n_microbatches, loss_fn) over a gloo process group; the
+            loss is computed on the last stage (process 1), nothing returns to process 0.
+
+Each round spawns a fresh 2-process job per engine (order alternating), times ``--steps`` training steps after
+``--warmup`` ones on process 0, and the medians over all rounds are compared. Parameters are never updated,
+so every step does the same work; gradients accumulate in both engines alike.
+
+    python benchmarks/bench_vs_pipelining.py [--width 1024] [--layers 8] [--batch 512] [--chunks 8]
+                                             [--rounds 3] [--steps 4] [--transport default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+RPC_TIMEOUT = 120.0
+
+
+def build(layers: int, width: int) -> nn.Sequential:
+    torch.manual_seed(0)  # the same weights in every process and engine
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def halves(args: argparse.Namespace) -> list[nn.Sequential]:
+    from lightning_pipe.pipe import split_module
+
+    model = build(args.layers, args.width)
+    n = len(model)
+    return split_module(model, [n // 2, n - n // 2])
+
+
+def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(args.batch, args.width, generator=g), torch.zeros(args.batch, args.width)
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean of the squared output (the target is zeros; ScheduleGPipe's loss_fn takes one)."""
+    return (output - target).square().mean()
+
+
+def _grad_norm(part: nn.Sequential) -> float:
+    grad = part[0].weight.grad
+    return float("nan") if grad is None else grad.norm().item()
+
+
+# ---------------------------------------------------------------------- ours: RemotePipeline over RPC
+def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
+    import torch.distributed.rpc as rpc
+
+    from lightning_pipe.pipe import run_pipeline
+    from lightning_pipe.remote import RemotePipeline, StageRunner, register, wait_registered
+    from lightning_pipe.skip.layout import inspect_skip_layout
+    from lightning_pipe.stage import Stage
+
+    kwargs: dict[str, Any] = {} if args.transport == "default" else {"_transports": [args.transport]}
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                     init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=RPC_TIMEOUT, num_worker_threads=16,
+                     **kwargs))
+    parts = halves(args)
+    layout = inspect_skip_layout(parts)
+    stage = Stage(rank, parts[rank], torch.device("cpu"), offset=0 if rank == 0 else len(parts[0]))
+    peers = ["worker0", "worker1", "worker0"]
+    runner = StageRunner("bench", stage, peers, layout, timeout=RPC_TIMEOUT)
+    if rank != 0:
+        register(runner)
+        rpc.shutdown(timeout=args.timeout)  # waits until the driver is done
+        return None
+    pipeline = RemotePipeline(runner)
+    wait_registered(["worker1"], "bench", RPC_TIMEOUT)
+    x, y = batch(args)
+
+    def step() -> float:
+        out = run_pipeline(pipeline, x, chunks=args.chunks, checkpoint="never", training=True,
+                           parameters=parts[0].parameters())
+        loss = loss_fn(out, y)
+        loss.backward()
+        return loss.item()
+
+    first_loss = step()
+    first_grad = _grad_norm(parts[0])
+    for _ in range(args.warmup - 1):
+        step()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    pipeline.close()
+    rpc.shutdown(timeout=args.timeout)
+    return {"times": times, "loss": first_loss, "grad": first_grad}
+
+
+# ---------------------------------------------------------------------- theirs: ScheduleGPipe over gloo
+def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
+    try:
+        part = halves(args)[rank]
+        stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, args.chunks, loss_fn=loss_fn)  # scale_grads: mean over micro-batches
+        x, y = batch(args)
+        losses: list[torch.Tensor] = []
+
+        def step() -> None:
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=losses)
+
+        step()
+        # The whole batch's mean = the mean of the micro-batches' means (equal micro-batch sizes).
+        first_loss = torch.stack(losses).mean().item() if rank == 1 else None
+        first_grad = _grad_norm(part) if rank == 0 else None
+        for _ in range(args.warmup - 1):
+            step()
+        dist.barrier()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        dist.barrier()
+        return {"times": times, "loss": first_loss, "grad": first_grad}
+    finally:
+        dist.destroy_process_group()
+
+
+def _entry(engine: str, rank: int, port: int, results: Any, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.filterwarnings("ignore", message="You are using a Backend")  # said by rpc.shutdown's barrier
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", (_ours if engine == "ours" else _theirs)(rank, port, args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+
+
+# ---------------------------------------------------------------------- the launcher
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(engine: str, args: argparse.Namespace) -> dict[int, Any]:
+    """Run ``engine`` in 2 spawned processes; return results by rank. Both processes are ended (by pid)
+    before this returns, whatever happened."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(engine, r, port, results, args), daemon=True) for r in range(2)]
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + args.timeout
+    try:
+        for p in procs:
+            p.start()
+        while len(out) + len(errors) < len(procs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{engine}: processes did not finish within {args.timeout:.0f} s (finished: "
+                                   f"{sorted(out)})" + ("\n" + "\n".join(errors) if errors else ""))
+            try:
+                rank, status, value = results.get(timeout=min(1.0, remaining))
+            except queue.Empty:
+                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
+                if gone or errors:  # the other may be stuck on the failed one: wait a little, not forever
+                    deadline = min(deadline, time.monotonic() + 5)
+                continue
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise RuntimeError(f"{engine}: a benchmark process failed:\n" + "\n".join(errors))
+        return out
+    finally:
+        for p in procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+            if p.is_alive():
+                os.kill(p.pid, 9)
+                p.join(timeout=5)
+        results.close()
+        results.cancel_join_thread()
+
+
+# ---------------------------------------------------------------------- report
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8, help="Linear+ReLU blocks, split in two halves")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=8, help="micro-batches")
+    parser.add_argument("--rounds", type=int, default=3, help="jobs per engine, alternating")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per job")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per job (at least 1)")
+    parser.add_argument("--transport", default="default", choices=["default", "uv", "shm"],
+                        help="TensorPipe transport for ours (default: TensorPipe's choice, shm between local "
+                             "processes)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per job before it is killed")
+    args = parser.parse_args()
+    if args.warmup < 1 or args.batch % args.chunks:
+        parser.error("--warmup must be >= 1 and --batch a multiple of --chunks (equal micro-batches)")
+
+    print(f"model: {args.layers} x (Linear({args.width}, {args.width}) + ReLU), 2 stages of "
+          f"{args.layers // 2} and {args.layers - args.layers // 2} blocks; batch {args.batch}, {args.chunks} "
+          f"micro-batches; loss = mean(output**2); 2 processes, 1 intra-op thread each")
+    print(f"ours:   RemotePipeline over TensorPipe RPC (transport: {args.transport}); loss on the driver "
+          "(process 0): the last stage's output travels back to it and the output gradient travels out")
+    print("theirs: torch.distributed.pipelining PipelineStage + ScheduleGPipe over gloo; loss on the last "
+          "stage (process 1), grads scaled by 1/n_microbatches (= the whole batch's mean loss)")
+    print(f"{args.rounds} rounds x {args.steps} timed steps (after {args.warmup} warm-up) per engine, "
+          "order alternating, timed on process 0; median over all steps\n")
+    start = time.perf_counter()
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    checks: dict[str, tuple[float, float]] = {}
+    for r in range(args.rounds):
+        order = ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")
+        line = []
+        for engine in order:
+            out = launch(engine, args)
+            times[engine] += out[0]["times"]
+            if engine not in checks:
+                loss = out[0]["loss"] if engine == "ours" else out[1]["loss"]
+                checks[engine] = (loss, out[0]["grad"])
+            line.append(f"{engine} {args.batch / statistics.median(out[0]['times']):7.1f} samples/s")
+        print(f"round {r + 1}: " + "   ".join(line))
+
+    print("\nsame work? first step, same weights and batch:")
+    for engine in ("ours", "theirs"):
+        loss, grad = checks[engine]
+        print(f"  {engine:<7} loss {loss:.9e}   |grad| of stage 0's first weight {grad:.9e}")
+    rel = abs(checks["ours"][0] - checks["theirs"][0]) / abs(checks["theirs"][0])
+    print(f"  loss relative difference {rel:.1e}")
+
+    ours, theirs = statistics.median(times["ours"]), statistics.median(times["theirs"])
+    print(f"\n{'engine':<8}{'step':>10}{'samples/s':>12}")
+    print(f"{'ours':<8}{ours * 1e3:>8.1f}ms{args.batch / ours:>12.1f}")
+    print(f"{'theirs':<8}{theirs * 1e3:>8.1f}ms{args.batch / theirs:>12.1f}")
+    print(f"throughput ours/theirs: {theirs / ours:.3f}   (target >= 1.0)")
+    print(f"wall time of the benchmark: {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
