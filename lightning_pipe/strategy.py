@@ -335,6 +335,10 @@ class PipeStrategy(DDPStrategy):
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process
         is started where Lightning starts them, and on every process otherwise)."""
+        precision = getattr(self.precision_plugin, "precision", None)
+        if precision in ("16-mixed", "16"):
+            raise ValueError(f"PipeStrategy does not support precision={precision!r}: its gradient scaler would "
+                             "have to check every stage's gradients for overflow. Use precision='bf16-mixed'")
         body = self._body(module)
         if isinstance(body, PipelinedSequential):
             return

@@ -21,6 +21,7 @@ CASES = {
     "clip-value-single-backward": {"clip": 0.01, "clip_algorithm": "value", "pipelined_backward": False},
     "manual-optimization": {"manual": True, "clip": 0.05, "scheduler": "step"},
     "2replicas-x-2stages": {"devices": 4, "batch_size": 4},
+    "plateau-scheduler": {"scheduler": "plateau", "log_metric": True, "epochs": 3},
 }
 
 
@@ -43,6 +44,9 @@ def test_same_weights_as_one_device(name, tmp_path):
     assert_same_weights(loaded.state_dict(), expected)
     replicas = config.get("devices", 2) // len(config.get("balance", [2, 2]))
     assert result["world_size"] == replicas  # Lightning sees the replicas, not the processes
+    if config.get("scheduler") == "plateau":  # the case proves something only if the LR did move
+        lr = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)["optimizer_states"][0]
+        assert lr["param_groups"][0]["lr"] < 0.05
 
 
 @pytest.mark.timeout(300)
@@ -76,3 +80,28 @@ def test_resume_continues_exactly(tmp_path):
     assert_same_weights(again.state_dict(), full.state_dict(), rtol=1e-6, atol=1e-7)
     first = script.Model.load_from_checkpoint(tmp_path / "full" / "ckpts" / "epoch=0.ckpt", map_location="cpu")
     assert not torch.allclose(first.head.weight, full.head.weight)  # the resumed run did train further
+
+
+@pytest.mark.timeout(300)
+def test_bf16_mixed_reaches_every_stage(tmp_path):
+    """Autocast runs in the remote stages too: the same weights as plain bf16-mixed training, and not those
+    of float32 training."""
+    config = {"precision": "bf16-mixed", "microbatches": 1, "balance": [1, 3], "epochs": 1}
+    train(config, tmp_path / "pipe")
+    bf16 = plain_weights(config, tmp_path / "plain")
+    fp32 = plain_weights({**config, "precision": "32-true"}, tmp_path / "fp32")
+    loaded = script.Model.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu").state_dict()
+    assert_same_weights(loaded, bf16, rtol=1e-4, atol=1e-5)
+    remote = "sequential_module.3.0.weight"  # a layer of stage 1, in the other process
+    assert (bf16[remote] - fp32[remote]).abs().max() > 1e-4  # the test can tell bf16 from float32
+
+
+def test_fp16_mixed_is_refused_with_what_to_use():
+    # On CPU Lightning itself turns "16-mixed" into "bf16-mixed"; on GPUs the plugin reaches the strategy.
+    from pytorch_lightning.plugins import MixedPrecision
+
+    from lightning_pipe import PipeStrategy
+
+    strategy = PipeStrategy(balance=[2, 2], precision_plugin=MixedPrecision("16-mixed", "cpu"))
+    with pytest.raises(ValueError, match=r"precision='16-mixed'.*Use precision='bf16-mixed'"):
+        strategy.check_model(script.Model({}))

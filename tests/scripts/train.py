@@ -97,6 +97,9 @@ class Model(pl.LightningModule):
             total = self.trainer.estimated_stepping_batches
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=int(total))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if c["scheduler"] == "plateau":
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "train_loss"}}
         if c["scheduler"] == "step":
             return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)}
         return opt
