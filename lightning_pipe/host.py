@@ -89,6 +89,14 @@ class StageHost:
         for g in self._grads(k):
             g.detach().mul_(coefficient)
 
+    def unscale_grads(self, k: int, inv_scale: float) -> bool:
+        """Undo loss scaling on optimizer ``k``'s gradients; return whether any is not finite (fp16 AMP)."""
+        found = False
+        for g in self._grads(k):
+            g.detach().mul_(inv_scale)
+            found = found or not bool(torch.isfinite(g).all())
+        return found
+
     def clamp_grads(self, k: int, value: float) -> None:
         """Clamp optimizer ``k``'s gradients to ``[-value, value]``."""
         for g in self._grads(k):

@@ -79,8 +79,23 @@ class _MirroredOptimizer:
         self._lp_hosts.call("zero_grad", self._lp_index, set_to_none)
 
 
-class _GlobalClipping:
-    """Mixed into the precision plugin: gradient clipping sees every stage's gradients, not just stage 0's."""
+class _PipePrecision:
+    """Mixed into the precision plugin: gradient clipping and fp16 loss scaling see every stage's gradients,
+    not just stage 0's."""
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        # Called after backward and the driver's unscaling, before clipping and scaler.step: remote stages
+        # unscale too, and an overflow on any stage must skip the step everywhere and lower the scale.
+        scaler = getattr(self, "scaler", None)
+        hosts = getattr(optimizer, "_lp_hosts", None)
+        if scaler is not None and hosts is not None and scaler.is_enabled():
+            found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
+            if found is not None:  # the driver unscaled (this was not a skipped backward)
+                overflow = hosts.call("unscale_grads", optimizer._lp_index, 1.0 / float(scaler.get_scale()))
+                if any(overflow):
+                    device = next(iter(found), torch.device("cpu"))
+                    found[device] = found.get(device, torch.zeros((), device=device)) + 1.0
+        super()._after_closure(model, optimizer)  # type: ignore[misc]
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         hosts = getattr(optimizer, "_lp_hosts", None)
@@ -108,7 +123,10 @@ def _mix_in(obj: Any, mixin: type, prefix: str) -> None:
     """Give ``obj`` a class that puts ``mixin`` before its own (as Lightning does for LightningOptimizer)."""
     cls = type(obj)
     if not isinstance(obj, mixin):
-        obj.__class__ = type(prefix + cls.__name__, (mixin, cls), {"__module__": cls.__module__})
+        # The qualified name stays the original's: Lightning keys checkpoint entries by it (the precision
+        # plugin's scaler state is saved under "MixedPrecision", and must load back under that key).
+        obj.__class__ = type(prefix + cls.__name__, (mixin, cls),
+                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def _mirror(optimizer: torch.optim.Optimizer) -> None:
@@ -315,7 +333,7 @@ class PipeStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._partition(self.lightning_module)
-        _mix_in(self.precision_plugin, _GlobalClipping, "Pipe")
+        _mix_in(self.precision_plugin, _PipePrecision, "Pipe")
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -335,10 +353,6 @@ class PipeStrategy(DDPStrategy):
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process
         is started where Lightning starts them, and on every process otherwise)."""
-        precision = getattr(self.precision_plugin, "precision", None)
-        if precision in ("16-mixed", "16"):
-            raise ValueError(f"PipeStrategy does not support precision={precision!r}: its gradient scaler would "
-                             "have to check every stage's gradients for overflow. Use precision='bf16-mixed'")
         body = self._body(module)
         if isinstance(body, PipelinedSequential):
             return

@@ -96,12 +96,57 @@ def test_bf16_mixed_reaches_every_stage(tmp_path):
     assert (bf16[remote] - fp32[remote]).abs().max() > 1e-4  # the test can tell bf16 from float32
 
 
-def test_fp16_mixed_is_refused_with_what_to_use():
-    # On CPU Lightning itself turns "16-mixed" into "bf16-mixed"; on GPUs the plugin reaches the strategy.
+@pytest.mark.timeout(300)
+def test_fp16_with_gradient_scaler_matches_one_device(tmp_path):
+    """16-mixed with a GradScaler (CPU here, as on GPUs): remote stages unscale and report overflow, so the
+    scale moves and steps are skipped exactly as on one device."""
+    # One micro-batch: fp16 rounds smaller matrix products differently (~1e-4), which would blur the check.
+    config = {"precision": "16-mixed-scaler", "balance": [1, 3], "optimizer": "adamw", "microbatches": 1}
+    train(config, tmp_path / "pipe")
+    expected = plain_weights(config, tmp_path / "plain")
+    loaded = script.Model.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu").state_dict()
+    assert_same_weights(loaded, expected)
+    piped = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)
+    plain = torch.load(tmp_path / "plain" / "final.ckpt", weights_only=False)
+    # The scale started at 2**20 and moved (overflows halved it, quiet steps doubled it), identically.
+    assert piped["MixedPrecision"]["scale"] == plain["MixedPrecision"]["scale"] != 2.0**20
+
+
+def test_overflow_on_a_remote_stage_skips_the_step():
+    """Only a remote stage overflows: the driver's scaler must still skip the step and lower the scale."""
     from pytorch_lightning.plugins import MixedPrecision
 
-    from lightning_pipe import PipeStrategy
+    from lightning_pipe.strategy import _mix_in, _PipePrecision
 
-    strategy = PipeStrategy(balance=[2, 2], precision_plugin=MixedPrecision("16-mixed", "cpu"))
-    with pytest.raises(ValueError, match=r"precision='16-mixed'.*Use precision='bf16-mixed'"):
-        strategy.check_model(script.Model({}))
+    class Hosts:
+        def __init__(self):
+            self.calls = []
+
+        def call(self, method, *args):
+            self.calls.append((method, *args))
+            return [True]  # the remote stage found an inf
+
+    class NoTrainer(MixedPrecision):
+        def _after_closure(self, model, optimizer):  # Lightning's hooks and clipping need a Trainer
+            self.base_ran = True
+
+    plugin = NoTrainer("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    _mix_in(plugin, _PipePrecision, "Pipe")
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    optimizer._lp_hosts, optimizer._lp_index = Hosts(), 0
+    before = layer.weight.detach().clone()
+    plugin.scaler.scale(layer(torch.ones(1, 2)).sum()).backward()
+    plugin.scaler.unscale_(optimizer)
+    found = plugin.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    assert sum(v.item() for v in found.values()) == 0  # the driver's own gradients are finite
+
+    plugin._after_closure(None, optimizer)
+
+    assert plugin.base_ran
+    assert optimizer._lp_hosts.calls == [("unscale_grads", 0, 1.0 / 1024.0)]
+    assert sum(v.item() for v in found.values()) == 1
+    plugin.scaler.step(optimizer)
+    plugin.scaler.update()
+    assert torch.equal(layer.weight, before)  # the step was skipped
+    assert plugin.scaler.get_scale() == 512.0  # and the scale lowered

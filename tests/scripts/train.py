@@ -117,9 +117,15 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
 
     from lightning_pipe import PipeStrategy
 
+    precision: dict[str, Any] = {"precision": config["precision"]}
+    if config["precision"] == "16-mixed-scaler":  # fp16 with a gradient scaler, as on GPUs, here on CPU
+        from pytorch_lightning.plugins import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
     kwargs: dict[str, Any] = dict(
         accelerator="cpu", max_epochs=config["epochs"], max_steps=config["max_steps"], logger=False,
-        enable_progress_bar=False, enable_model_summary=not plain, precision=config["precision"],
+        enable_progress_bar=False, enable_model_summary=not plain, **precision,
         accumulate_grad_batches=config["accumulate"], default_root_dir=out, num_sanity_val_steps=0,
         limit_val_batches=2 if config["validate"] else 0, deterministic=True,
     )
