@@ -13,19 +13,15 @@ layers in the driver, alternating step by step with the RPC engine. checkpoint='
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import queue
-import socket
 import statistics
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
+from processes import run_processes
 from torch import nn
 
 from lightning_pipe import Pipe
@@ -131,68 +127,6 @@ def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
     return times, cpu_used
 
 
-def _entry(rank: int, world: int, port: int, results: Any, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        results.put((rank, "ok", _job(rank, world, port, args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", traceback.format_exc()))
-        results.close()
-        results.join_thread()
-        os._exit(1)
-
-
-# ---------------------------------------------------------------------- the launcher
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world: int, args: argparse.Namespace, timeout: float) -> dict[int, Any]:
-    """Run ``_job`` in ``world`` spawned processes; return results by rank. Every process is ended (by pid)
-    before this returns, whatever happened."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, results, args), daemon=True) for r in range(world)]
-    out: dict[int, Any] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.start()
-        while len(out) + len(errors) < world:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"processes did not finish within {timeout:.0f} s (finished: {sorted(out)})"
-                                   + ("\n" + "\n".join(errors) if errors else ""))
-            try:
-                rank, status, value = results.get(timeout=min(1.0, remaining))
-            except queue.Empty:
-                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
-                if gone or errors:  # the others may be stuck on the failed one: wait a little, not forever
-                    deadline = min(deadline, time.monotonic() + 5)
-                continue
-            if status == "ok":
-                out[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-        if errors:
-            raise RuntimeError("a benchmark process failed:\n" + "\n".join(errors))
-        return out
-    finally:
-        for p in procs:
-            if p.pid is None:
-                continue
-            p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
-            if p.is_alive():
-                os.kill(p.pid, 9)
-                p.join(timeout=5)
-        results.close()
-        results.cancel_join_thread()
-
-
 # ---------------------------------------------------------------------- report
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -201,8 +135,8 @@ def main() -> None:
     parser.add_argument("--t-fwd-ms", type=float, default=20.0, help="sleep per layer forward, per micro-batch")
     parser.add_argument("--t-bwd-ms", type=float, default=20.0, help="sleep per layer backward, per micro-batch")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per engine (after one warm-up)")
-    parser.add_argument("--transport", default="default", choices=["default", "uv", "shm"],
-                        help="TensorPipe transport (default: TensorPipe's choice, shm between local processes)")
+    parser.add_argument("--transport", default="uv", choices=["default", "uv", "shm"],
+                        help="TensorPipe transport: uv (TCP, as PipeStrategy), shm, or default (TensorPipe picks)")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds before every process is killed")
     args = parser.parse_args()
 
@@ -217,7 +151,7 @@ def main() -> None:
     print(f"local: Pipe, {p} worker threads in the driver process; alternating step by step with rpc, "
           f"median of {args.steps} steps after 1 warm-up")
     start = time.perf_counter()
-    times, cpu_used = launch(p, args, args.timeout)[0]
+    times, cpu_used = run_processes(_job, p, args, timeout=args.timeout, label="rpc overhead")[0]
     ticks = m + p - 1
     bounds = (ticks * t_f, ticks * t_b, ticks * (t_f + t_b))
     print(f"\n{'engine':<7}{'forward':>10}{'backward':>10}{'step':>10}{'bound':>10}{'step/bound':>12}"

@@ -21,17 +21,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
-import os
-import queue
-import socket
 import statistics
 import time
-import traceback
 import warnings
 from typing import Any
 
 import torch
+from processes import run_processes
 from torch import nn
 
 RPC_TIMEOUT = 120.0
@@ -154,68 +150,10 @@ def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
         dist.destroy_process_group()
 
 
-def _entry(engine: str, rank: int, port: int, results: Any, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace) -> Any:
     warnings.filterwarnings("ignore", message="You are using a Backend")  # said by rpc.shutdown's barrier
     torch.set_num_threads(1)
-    try:
-        results.put((rank, "ok", (_ours if engine == "ours" else _theirs)(rank, port, args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", traceback.format_exc()))
-        results.close()
-        results.join_thread()
-        os._exit(1)
-
-
-# ---------------------------------------------------------------------- the launcher
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(engine: str, args: argparse.Namespace) -> dict[int, Any]:
-    """Run ``engine`` in 2 spawned processes; return results by rank. Both processes are ended (by pid)
-    before this returns, whatever happened."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(engine, r, port, results, args), daemon=True) for r in range(2)]
-    out: dict[int, Any] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + args.timeout
-    try:
-        for p in procs:
-            p.start()
-        while len(out) + len(errors) < len(procs):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{engine}: processes did not finish within {args.timeout:.0f} s (finished: "
-                                   f"{sorted(out)})" + ("\n" + "\n".join(errors) if errors else ""))
-            try:
-                rank, status, value = results.get(timeout=min(1.0, remaining))
-            except queue.Empty:
-                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
-                if gone or errors:  # the other may be stuck on the failed one: wait a little, not forever
-                    deadline = min(deadline, time.monotonic() + 5)
-                continue
-            if status == "ok":
-                out[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-        if errors:
-            raise RuntimeError(f"{engine}: a benchmark process failed:\n" + "\n".join(errors))
-        return out
-    finally:
-        for p in procs:
-            if p.pid is None:
-                continue
-            p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
-            if p.is_alive():
-                os.kill(p.pid, 9)
-                p.join(timeout=5)
-        results.close()
-        results.cancel_join_thread()
+    return (_ours if engine == "ours" else _theirs)(rank, port, args)
 
 
 # ---------------------------------------------------------------------- report
@@ -228,9 +166,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="jobs per engine, alternating")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per job")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per job (at least 1)")
-    parser.add_argument("--transport", default="default", choices=["default", "uv", "shm"],
-                        help="TensorPipe transport for ours (default: TensorPipe's choice, shm between local "
-                             "processes)")
+    parser.add_argument("--transport", default="uv", choices=["default", "uv", "shm"],
+                        help="TensorPipe transport for ours: uv (TCP, what PipeStrategy uses), shm, or default "
+                             "(TensorPipe picks)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per job before it is killed")
     args = parser.parse_args()
     if args.warmup < 1 or args.batch % args.chunks:
@@ -252,7 +190,7 @@ def main() -> None:
         order = ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")
         line = []
         for engine in order:
-            out = launch(engine, args)
+            out = run_processes(_job, 2, engine, args, timeout=args.timeout, label=engine)
             times[engine] += out[0]["times"]
             if engine not in checks:
                 loss = out[0]["loss"] if engine == "ours" else out[1]["loss"]

@@ -597,7 +597,9 @@ class PipeStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if SESSION.topology is not None and not isinstance(exception, KeyboardInterrupt):
+        if SESSION.topology is not None:
+            # Every other process exits (an interrupt included: under torchrun or SLURM nobody else ends
+            # them), and this one leaves RPC without the graceful shutdown barrier that waits for all.
             abort_world(f"{type(exception).__name__}: {exception}")
 
     @classmethod
