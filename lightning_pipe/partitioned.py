@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_pipe.microbatch import TensorOrTensors
+from lightning_pipe.microbatch import Batch, TensorOrTensors
 from lightning_pipe.pipe import run_pipeline
 
 __all__: list[str] = []
@@ -39,6 +40,7 @@ class PipelinedSequential(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.before_forward: Callable[[], None] | None = None
+        self._warned_small = False
 
     def _apply(self, fn: Any, recurse: bool = True) -> PipelinedSequential:
         for name, child in self.named_children():
@@ -60,6 +62,12 @@ class PipelinedSequential(nn.Module):
         """Run ``input`` through every stage of the pipeline."""
         if self.before_forward is not None:
             self.before_forward()
+        size = Batch.of(input, "input of the pipeline").tensors[0].size(0) if self.chunks > 1 else self.chunks
+        if size < self.chunks and not self._warned_small:
+            self._warned_small = True
+            rank_zero_warn(f"a batch of {size} samples was split into {size} micro-batches, fewer than "
+                           f"microbatches={self.chunks}: stages overlap less. Use batches of at least "
+                           f"{self.chunks} samples (or drop_last=True), or fewer micro-batches")
         return run_pipeline(self.pipeline, input, chunks=self.chunks, checkpoint=self.checkpoint,
                             training=self.training, parameters=self.parameters())
 

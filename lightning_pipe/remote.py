@@ -154,7 +154,10 @@ class StageRunner:
         if slot[1] in self._failed:
             raise _Skipped()
         src = slot[5]
-        source = f"stage {src}" if isinstance(src, int) else f"the stage stashing '{src[1]}'"
+        if isinstance(src, int):
+            source = f"stage {src} ({where(self.peers[src])})" if src < self.n else "the driver"
+        else:
+            source = f"the stage stashing '{src[1]}'"
         return MAILBOX.take(slot, self.timeout,
                             lambda: f"{self.describe()}, micro-batch {slot[3]} ({slot[2]}) from {source}")
 

@@ -17,13 +17,15 @@ index, and the default process group of a driver holds exactly the drivers (ligh
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import itertools
 import logging
 import math
 import os
 import weakref
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -39,7 +41,7 @@ from pytorch_lightning.core.optimizer import _init_optimizers_and_lr_schedulers
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_pipe import host, optim
@@ -525,6 +527,57 @@ class PipeStrategy(DDPStrategy):
         average_gradients([p for g in optimizer.param_groups for p in g["params"] if not p.is_meta])
         for future in futures:
             future.wait()
+
+    # ------------------------------------------------------------------ the whole model in one place
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[pl.LightningModule]:
+        """On the main process, the LightningModule holding the whole unpipelined body, every stage's
+        current weights included (remote layers are rebuilt on CPU); the pipeline is back afterwards.
+
+        ::
+
+            with trainer.strategy.gathered() as model:
+                torch.save(model, "whole.pt")      # or export, push, inspect ...
+
+        Only the main process may enter it (the other stages' weights are fetched from its pipeline).
+        """
+        if not self.is_global_zero:
+            raise RuntimeError("PipeStrategy.gathered() gathers the model on the main process only (global "
+                               f"rank 0); this is replica {self.global_rank}: guard it with trainer.is_global_zero")
+        module = self.lightning_module
+        body = self._body(module)
+        if not isinstance(body, PipelinedSequential) or self._hosts is None:
+            yield module
+            return
+        remote: dict[str, Tensor] = {}
+        for part in self._hosts.call("state_dict"):
+            remote.update(part)
+        prefix = self.module_name + "."
+        layers = []
+        for name, layer in body.named_children():
+            if self._owner[name] != 0:
+                layer = copy.deepcopy(layer).to_empty(device="cpu")
+                own = {k[len(prefix) + len(name) + 1:]: v for k, v in remote.items()
+                       if k.startswith(f"{prefix}{name}.")}
+                layer.load_state_dict(own)
+            layers.append((name, layer))
+        setattr(module, self.module_name, nn.Sequential(OrderedDict(layers)))
+        try:
+            yield module
+        finally:
+            setattr(module, self.module_name, body)
+
+    def rpc_save_model(self, trainer: pl.Trainer, save_model_fn: Callable[[pl.Trainer, str], Any],
+                       filepath: str) -> None:
+        """Have the main process gather every stage and call ``save_model_fn(trainer, filepath)`` with the
+        whole unpipelined model in ``trainer.lightning_module`` (the other processes do nothing).
+
+        ``trainer.save_checkpoint`` needs no such help: its checkpoints are consolidated already.
+        """
+        if self.is_global_zero:
+            with self.gathered():
+                save_model_fn(trainer, filepath)
+        self.barrier("rpc_save_model")
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -27,6 +27,13 @@ def test_fit_validate_test_predict_in_one_script(tmp_path):
     assert "train_mse" in out["fit"] and out["fit"]["train_mse"] > 0
     # Replica 0 predicts its share of the samples (every other one), through the pipeline.
     torch.testing.assert_close(out["predict"], full[0::2], rtol=1e-5, atol=1e-6)
+    # ModelCheckpoint(monitor=..., save_top_k=1) recorded a best model (the drivers agree on every decision).
+    assert out["best"].endswith(".ckpt") and out["best_score"] > 0
+    script.Model.load_from_checkpoint(out["best"], map_location="cpu")
+    # rpc_save_model gave the save function the whole unpipelined model, with every stage's weights.
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(whole[name], value, msg=name)
 
 
 @pytest.mark.timeout(300)
@@ -37,6 +44,7 @@ def test_lightning_cli_yaml_config(tmp_path):
                         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
                         timeout=240)
     assert "PipelinedSequential" in result.stdout  # the body was split (ModelSummary names its type)
+    assert "119 K     Total params" in result.stdout  # and ModelSummary counted every stage's parameters
     (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     state = torch.load(ckpt, weights_only=False)
     assert state["global_step"] == 4

@@ -64,3 +64,20 @@ def test_failing_stage_ends_every_process(where, error, tmp_path):
     # Every process ended by itself, promptly: the output pipe, which all of them hold, closed well before
     # the timeout (at which run_script would kill them).
     assert time.monotonic() - started < 60
+
+
+def test_batch_smaller_than_microbatches_warns_with_the_values():
+    """The last batch of an epoch may be small: it trains correctly, and the user hears why it is slower."""
+    import torch
+    from torch import nn
+
+    from lightning_pipe import Pipe
+    from lightning_pipe.partitioned import PipelinedSequential
+
+    body = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    local = Pipe(body, [1, 1], chunks=4).pipeline
+    module = PipelinedSequential(body, {"0": 0, "1": 0}, local, chunks=4, checkpoint="never")
+    with pytest.warns(UserWarning, match=r"a batch of 3 samples was split into 3 micro-batches, fewer than "
+                                         r"microbatches=4"):
+        out = module(torch.ones(3, 2))
+    torch.testing.assert_close(out, body(torch.ones(3, 2)))

@@ -10,6 +10,7 @@ import sys
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -19,11 +20,12 @@ from lightning_pipe import PipeStrategy  # noqa: E402
 
 
 def main(out: str) -> None:
-    config = {"log_metric": True, "validate": True, "epochs": 1, "samples": 32, "batch_size": 4}
+    config = {"log_metric": True, "validate": True, "epochs": 2, "samples": 32, "batch_size": 4}
     pl.seed_everything(7)
     model = Model(config)
+    best = ModelCheckpoint(dirpath=os.path.join(out, "best"), monitor="val_loss", save_top_k=1)
     trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=PipeStrategy(balance=[2, 2], microbatches=2),
-                         max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         max_epochs=2, logger=False, enable_progress_bar=False, callbacks=[best],
                          default_root_dir=out, num_sanity_val_steps=0)
     loader = DataLoader(data(model.config), batch_size=4)
     trainer.fit(model, loader, loader)
@@ -32,8 +34,11 @@ def main(out: str) -> None:
     tested = trainer.test(model, loader, verbose=False)
     predicted = trainer.predict(model, loader)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    trainer.strategy.rpc_save_model(
+        trainer, lambda t, path: torch.save(t.lightning_module.state_dict(), path), os.path.join(out, "whole.pt"))
     if trainer.is_global_zero:
-        torch.save({"fit": fit_metrics, "validate": validated, "test": tested,
+        torch.save({"fit": fit_metrics, "best": best.best_model_path, "best_score": float(best.best_model_score),
+                    "validate": validated, "test": tested,
                     "predict": torch.cat(predicted), "world_size": trainer.world_size}, os.path.join(out, "phases.pt"))
 
 
