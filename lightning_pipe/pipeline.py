@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from functools import partial
 from typing import Any, Union
 
@@ -44,18 +44,26 @@ def _wait(future: Future[Any]) -> None:
         raise _Skipped() from None
 
 
-def drain(futures: Sequence[Future[Any]], *, grace: float | None = None) -> None:
+def drain(futures: Sequence[Future[Any]], *, grace: float | None = None, ready: Future[Any] | None = None,
+          describe: Callable[[int], str] | None = None) -> None:
     """Wait for every future; raise the first real error among them (not a skip), in their order.
 
-    With ``grace``, once any future fails the others get at most ``grace`` more seconds: a stuck process
-    must not keep the error from the caller.
+    With ``grace``, nothing waits unboundedly: once any future fails, the others get at most ``grace``
+    more seconds; once ``ready`` is done (the caller has what it needs), so do the rest, after which those
+    still running are reported as not answering.
     """
     if grace is None:
         wait(futures)
     else:
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        if pending:
-            wait(pending, timeout=grace)
+        pending = set(futures)
+        while pending:
+            bounded = ready is not None and ready.done()
+            done, pending = wait(pending, timeout=grace if bounded else None, return_when=FIRST_COMPLETED)
+            if any(f.exception() is not None for f in done):
+                wait(pending, timeout=grace)  # the others were told to stop: they get ``grace``
+                break
+            if bounded and not done:
+                break  # nothing finished within ``grace`` although the caller has what it needs
     first: BaseException | None = None
     for future in futures:
         if not future.done():
@@ -65,9 +73,11 @@ def drain(futures: Sequence[Future[Any]], *, grace: float | None = None) -> None
             first = first or exc
     if first is not None:
         raise first
-    if not all(f.done() for f in futures):
-        raise TimeoutError(f"{sum(not f.done() for f in futures)} of {len(futures)} pipeline tasks did not finish "
-                           f"within {grace} s after the others stopped")
+    silent = [k for k, f in enumerate(futures) if not f.done()]
+    if silent:
+        names = ", ".join(describe(k) if describe else f"task {k}" for k in silent)
+        raise TimeoutError(f"no answer within {grace:.1f} s from {names} although the rest of the step is "
+                           "done: its process is stuck (rpc_timeout_sec bounds this wait)")
 
 
 class Run:

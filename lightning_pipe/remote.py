@@ -150,7 +150,7 @@ class StageRunner:
         self.sender.submit(send)
         return sent
 
-    def _take(self, slot: Slot) -> Any:
+    def _take(self, slot: Slot, timeout: float | None = None) -> Any:
         if slot[1] in self._failed:
             raise _Skipped()
         src = slot[5]
@@ -158,7 +158,7 @@ class StageRunner:
             source = f"stage {src} ({where(self.peers[src])})" if src < self.n else "the driver"
         else:
             source = f"the stage stashing '{src[1]}'"
-        return MAILBOX.take(slot, self.timeout,
+        return MAILBOX.take(slot, timeout or self.timeout,
                             lambda: f"{self.describe()}, micro-batch {slot[3]} ({slot[2]}) from {source}")
 
     def forward(self, run: int, i: int, m: int, save: bool, checkpoint_stop: int, training: bool,
@@ -292,7 +292,10 @@ def _located(exc: BaseException, describe: Callable[[], str]) -> BaseException:
     if isinstance(exc, _Skipped) or "_Skipped" in str(exc).split("\n", 1)[0]:
         return _Skipped()
     if not getattr(exc, "_lightning_pipe_where", False):
-        exc.add_note(describe())
+        text = str(exc)
+        lost = any(sign in text for sign in ("EOF", "end of file", "Connection reset", "pipe closed",
+                                             "Connection refused"))
+        exc.add_note(describe() + (": its process exited or was killed" if lost else ""))
         exc._lightning_pipe_where = True  # type: ignore[attr-defined]
     return exc
 
@@ -419,9 +422,15 @@ class RemotePipeline:
         return lambda: f"in stage {j} of pipeline '{self.key}' ({where(self.runner.peers[j])})"
 
     def _submit(self, run: Run, plan: list[list[Action]], local: Callable[[list[list[int]]], Any],
-                args: Callable[[list[list[int]]], tuple[Any, ...]]) -> None:
-        """Give every stage its actions of ``plan`` at once (one message per stage, not per action) and
-        wait for all of them; after a failure, wait at most the RPC timeout for the others."""
+                args: Callable[[list[list[int]]], tuple[Any, ...]],
+                collect: Callable[[], Any] | None = None) -> Any:
+        """Give every stage its actions of ``plan`` at once (one message per stage, not per action), run
+        ``collect`` (the driver's own waits, each bounded) meanwhile, and wait for every stage.
+
+        Nothing waits unboundedly: a failure aborts the others, who then get at most the RPC timeout to
+        stop; once the driver has what it needs (stage 0 done, ``collect`` returned), stages still busy get
+        the RPC timeout to finish before they are reported as not answering.
+        """
         futures: list[Future[Any]] = []
         sends: list[Future[Any]] = []
         aborted = threading.Event()
@@ -443,20 +452,28 @@ class RemotePipeline:
             if j == 0:
                 future = self.runner.worker.submit(partial(start, groups))
             else:
-                # No RPC timeout on the whole share: each of its waits is bounded instead, and a lost
-                # process fails the call at once.
+                # No RPC timeout on the whole share: its waits are bounded one by one, a lost process fails
+                # the call at once, and a silent one is caught below.
                 rf = rpc.rpc_async(self.runner.peers[j], _act, args=args(groups), timeout=0)
                 future = _to_concurrent(rf, self._describe(j))
             future.add_done_callback(on_done)
             futures.append(future)
+        collected = None
         try:
-            drain(futures, grace=self.runner.timeout)
+            if collect is not None:
+                try:
+                    collected = collect()
+                except _Skipped:
+                    pass  # a stage failed: the error is in its future
+            drain(futures, grace=self.runner.timeout, ready=futures[0],
+                  describe=lambda j: f"stage {j} of pipeline '{self.key}' ({where(self.runner.peers[j])})")
             drain(sends)
         except BaseException:
             if not aborted.is_set():
                 aborted.set()
                 self._abort(run)
             raise
+        return collected
 
     def _abort(self, run: Run) -> None:
         run.failed = True
@@ -478,14 +495,20 @@ class RemotePipeline:
                                              microbatches[i])
             return sends
 
-        self._submit(run, forward_plan(m, n), local,
-                     lambda groups: (key, "F", run.id, groups, m, save, run.checkpoint_stop, run.training,
-                                     run.autocast))
-        outputs = []
-        for i in range(m):
-            tensors, flags, atomic = self.runner._take((key, run.id, "F", i, n, n - 1))
-            outputs.append(Batch(_unpack(tensors, flags), atomic))
-        return outputs
+        def collect() -> list[Batch]:
+            # A little longer than the stages' own waits, so that the stage that noticed a silent neighbour
+            # first reports it (more precisely than "no output").
+            outputs = []
+            for i in range(m):
+                tensors, flags, atomic = self.runner._take((key, run.id, "F", i, n, n - 1),
+                                                           timeout=1.5 * self.runner.timeout)
+                outputs.append(Batch(_unpack(tensors, flags), atomic))
+            return outputs
+
+        return self._submit(run, forward_plan(m, n), local,
+                            lambda groups: (key, "F", run.id, groups, m, save, run.checkpoint_stop,
+                                            run.training, run.autocast),
+                            collect)
 
     def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
                  inline_device: torch.device | None = None) -> list[Grads]:

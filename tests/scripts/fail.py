@@ -1,12 +1,16 @@
 """A job whose model is wrong or whose stage 1 fails mid-training, for the tests of errors.
 
-    python fail.py WHAT OUT_DIR     WHAT: forward | backward | no_body | not_sequential | bad_balance | no_example
+    python fail.py WHAT OUT_DIR     WHAT: forward | backward | kill | hang | interrupt (stage 1 fails, dies,
+                                    stops answering, or training runs until interrupted) | no_body |
+                                    not_sequential | bad_balance | no_example (a model that cannot be split)
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 import pytorch_lightning as pl
 import torch
@@ -30,6 +34,13 @@ class Breaks(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.calls += 1
+        if self.where == "kill" and self.calls > 2 * 4:
+            os.kill(os.getpid(), signal.SIGKILL)  # the stage's process dies mid-step
+        if self.where == "hang" and self.calls > 2 * 4:
+            time.sleep(3600)  # the stage's process stops answering
+        if self.where == "interrupt" and self.calls == 2 * 4 + 1:
+            open(os.environ["LP_MARK"], "w").close()  # tell the test training is under way
+            time.sleep(0.5)
         if self.where == "forward" and self.calls > 2 * 4:  # 4 micro-batches a step
             raise ValueError(f"shape mismatch in layer 3 (input shape: {tuple(x.shape)})")
         return _Backward.apply(x) if self.where == "backward" and self.calls > 2 * 4 else x
@@ -48,7 +59,7 @@ class _Backward(torch.autograd.Function):
 def main(what: str, out: str) -> None:
     model = Model({"samples": 64, "batch_size": 8})
     balance = [2, 2]
-    if what in ("forward", "backward"):
+    if what in ("forward", "backward", "kill", "hang", "interrupt"):
         model.sequential_module = nn.Sequential(*list(model.sequential_module)[:3], Breaks(what))
     elif what == "no_body":
         del model.sequential_module
@@ -61,7 +72,8 @@ def main(what: str, out: str) -> None:
         balance = None
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
-                         strategy=PipeStrategy(balance=balance, microbatches=4, rpc_timeout_sec=20))
+                         strategy=PipeStrategy(balance=balance, microbatches=4,
+                                               rpc_timeout_sec=float(os.environ.get("LP_TIMEOUT", 20))))
     trainer.fit(model, DataLoader(data(model.config), batch_size=8))
 
 
