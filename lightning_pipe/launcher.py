@@ -70,6 +70,11 @@ def start_session(topology: Topology, rank: int, main_address: str, main_port: i
         return
     os.environ["MASTER_ADDR"] = main_address
     os.environ["MASTER_PORT"] = str(main_port)
+    if main_address in ("127.0.0.1", "localhost", "::1"):
+        # A job on one machine: RPC (TensorPipe) and collectives (gloo) listen on loopback only, even where
+        # the host name resolves to an outside address.
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     stage = topology.stage_of(rank)
     # One store for the world (torchrun's agent store, or one hosted by rank 0); per-stage prefixes keep the
     # stage groups apart. Separate init_method="env://" rendezvous would race for the port and can silently

@@ -3,6 +3,7 @@ error that says where, and leaves no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -55,3 +56,30 @@ def test_interrupting_the_driver_ends_every_process(tmp_path):
             pass
     assert proc.returncode != 0
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in out  # Lightning's own handling ran
+
+
+@pytest.mark.timeout(300)
+def test_crash_while_saving_keeps_the_last_good_checkpoint_and_resume_is_exact(tmp_path):
+    """The main process dies between writing epoch 1's checkpoint and renaming it into place."""
+    import torch
+    from scripts import train as script
+    from strategy_utils import assert_same_weights, train
+
+    config = {"optimizer": "adamw", "scheduler": "step", "epochs": 3, "save_every": "epoch", "balance": [2, 2]}
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    # Saves: epoch=0.ckpt, last.ckpt (epoch 0), then epoch=1.ckpt: the third rename never happens.
+    result = run_script("train.py", json.dumps(config), str(crashed), timeout=120, expect_ok=False,
+                        env={"LP_CRASH_AT_SAVE": "3"})
+    assert result.returncode != 0
+    ckpts = crashed / "ckpts"
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["epoch=0.ckpt", "last.ckpt"]
+    assert [p.name for p in ckpts.iterdir() if ".tmp" in p.name]  # the half-written file, under another name
+    last = torch.load(ckpts / "last.ckpt", weights_only=True)  # intact, and loadable without unpickling code
+    assert last["epoch"] == 0 and last["global_step"] == 8
+
+    train({**config, "resume": str(ckpts / "last.ckpt")}, tmp_path / "resumed")
+    train(config, tmp_path / "full")
+    full = script.Model.load_from_checkpoint(tmp_path / "full" / "final.ckpt", map_location="cpu")
+    resumed = script.Model.load_from_checkpoint(tmp_path / "resumed" / "final.ckpt", map_location="cpu")
+    assert_same_weights(resumed.state_dict(), full.state_dict(), rtol=1e-6, atol=1e-7)

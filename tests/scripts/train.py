@@ -149,8 +149,26 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     return pl.Trainer(devices=config["devices"], strategy=strategy, callbacks=callbacks, **kwargs)
 
 
+def crash_at_save(n: int) -> None:
+    """Kill this process (SIGKILL: nothing runs after) when the n-th written checkpoint is about to be
+    renamed into place: the moment a crash would leave a half-written file behind."""
+    import signal
+
+    real, calls = os.replace, [0]
+
+    def replace(src: Any, dst: Any) -> None:
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(src, dst)
+
+    os.replace = replace  # type: ignore[assignment]
+
+
 def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningModule:
     config = {**DEFAULTS, **config}
+    if os.environ.get("LP_CRASH_AT_SAVE"):
+        crash_at_save(int(os.environ["LP_CRASH_AT_SAVE"]))
     pl.seed_everything(config["seed"], workers=True)
     model = Model(config)
     trainer = trainer_for(config, out, plain)
@@ -162,7 +180,8 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
         loader = DataLoader(dataset, batch_size=config["batch_size"], sampler=sampler)
     else:
         loader = DataLoader(dataset, batch_size=config["batch_size"], shuffle=False)
-    trainer.fit(model, loader, loader if config["validate"] else None, ckpt_path=config["resume"])
+    trainer.fit(model, loader, loader if config["validate"] else None, ckpt_path=config["resume"],
+                weights_only=True if config["resume"] else None)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     if trainer.is_global_zero:
         with open(os.path.join(out, "result.json"), "w") as f:
