@@ -92,6 +92,7 @@ class Run:
         self.id = next(_run_ids)
         self.training = training  # the mode remote stages must be in (local ones follow their module)
         self.autocast = autocast_state()  # what remote stages must run under (local ones capture it)
+        self.anomaly = torch.is_anomaly_enabled()  # autograd's anomaly detection, a per-process switch
         self.sizes = list(sizes)
         self.checkpoint_stop = checkpoint_stop
         self.seed = LazySeed()

@@ -206,17 +206,19 @@ class StageRunner:
         return [s for s in sends if s is not None]
 
     def run_actions(self, kind: str, run: int, groups: Sequence[Sequence[int]], m: int, save: bool,
-                    checkpoint_stop: int, training: bool, autocast: list[tuple[str, torch.dtype]]
-                    ) -> list[Future[Any]]:
+                    checkpoint_stop: int, training: bool, autocast: list[tuple[str, torch.dtype]],
+                    anomaly: bool = False) -> list[Future[Any]]:
         """This stage's share of one step, in schedule order: forward (``"F"``) of each micro-batch, or
-        backward (``"B"``) of each group of micro-batches. Returns the sends still in flight."""
+        backward (``"B"``) of each group of micro-batches, with the driver's anomaly detection. Returns the
+        sends still in flight."""
         sends: list[Future[Any]] = []
-        for group in groups:
-            if kind == "F":
-                (i,) = group
-                sends += self.forward(run, i, m, save, checkpoint_stop, training, autocast)
-            else:
-                sends += self.backward(run, group)  # type: ignore[arg-type]
+        with torch.autograd.set_detect_anomaly(anomaly):
+            for group in groups:
+                if kind == "F":
+                    (i,) = group
+                    sends += self.forward(run, i, m, save, checkpoint_stop, training, autocast)
+                else:
+                    sends += self.backward(run, group)  # type: ignore[arg-type]
         return sends
 
     def named_grads(self) -> dict[str, Tensor | None]:
@@ -348,10 +350,10 @@ def _chain(runner: StageRunner, work: Callable[[], list[Future[Any]]]) -> torch.
 
 @rpc.functions.async_execution
 def _act(key: str, kind: str, run: int, groups: list[list[int]], m: int, save: bool, checkpoint_stop: int,
-         training: bool, autocast: list[tuple[str, torch.dtype]]) -> torch.futures.Future:
+         training: bool, autocast: list[tuple[str, torch.dtype]], anomaly: bool) -> torch.futures.Future:
     runner = _RUNNERS[key]
     return _chain(runner, partial(runner.run_actions, kind, run, groups, m, save, checkpoint_stop, training,
-                                  autocast))
+                                  autocast, anomaly))
 
 
 def _abort(key: str, run: int) -> None:
@@ -507,7 +509,7 @@ class RemotePipeline:
 
         return self._submit(run, forward_plan(m, n), local,
                             lambda groups: (key, "F", run.id, groups, m, save, run.checkpoint_stop,
-                                            run.training, run.autocast),
+                                            run.training, run.autocast, run.anomaly),
                             collect)
 
     def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
@@ -529,7 +531,7 @@ class RemotePipeline:
                     result[i] = grads  # type: ignore[assignment]
 
         self._submit(run, plan, local,
-                     lambda groups: (key, "B", run.id, groups, m, True, 0, run.training, []))
+                     lambda groups: (key, "B", run.id, groups, m, True, 0, run.training, [], run.anomaly))
         drain([d for d in deliveries if d is not None])
         return [result[i] for i in range(m)]
 

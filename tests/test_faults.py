@@ -83,3 +83,13 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint_and_resume_is_exact(t
     full = script.Model.load_from_checkpoint(tmp_path / "full" / "final.ckpt", map_location="cpu")
     resumed = script.Model.load_from_checkpoint(tmp_path / "resumed" / "final.ckpt", map_location="cpu")
     assert_same_weights(resumed.state_dict(), full.state_dict(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_anomaly_detection_reaches_the_stage_that_makes_a_nan(tmp_path):
+    """Trainer(detect_anomaly=True): as on one device, the backward function that returned NaN is named, in
+    the stage (and process) where it ran, not where the NaN arrived."""
+    result = run_script("fail.py", "nan", str(tmp_path), timeout=90, expect_ok=False)
+    assert result.returncode != 0
+    assert "Function '_NaNBackwardBackward' returned nan values in its 0th output" in result.stdout
+    assert "in stage 1 of pipeline" in result.stdout and "(rank 1, process 'worker1')" in result.stdout

@@ -1,7 +1,8 @@
 """A job whose model is wrong or whose stage 1 fails mid-training, for the tests of errors.
 
-    python fail.py WHAT OUT_DIR     WHAT: forward | backward | kill | hang | interrupt (stage 1 fails, dies,
-                                    stops answering, or training runs until interrupted) | no_body |
+    python fail.py WHAT OUT_DIR     WHAT: forward | backward | kill | hang | interrupt | nan (stage 1 fails,
+                                    dies, stops answering, is interrupted, or makes a NaN gradient
+                                    under detect_anomaly=True) | no_body |
                                     not_sequential | bad_balance | no_example (a model that cannot be split)
 """
 
@@ -43,6 +44,8 @@ class Breaks(nn.Module):
             time.sleep(0.5)
         if self.where == "forward" and self.calls > 2 * 4:  # 4 micro-batches a step
             raise ValueError(f"shape mismatch in layer 3 (input shape: {tuple(x.shape)})")
+        if self.where == "nan" and self.calls > 2 * 4:
+            return _NaNBackward.apply(x)
         return _Backward.apply(x) if self.where == "backward" and self.calls > 2 * 4 else x
 
 
@@ -56,10 +59,22 @@ class _Backward(torch.autograd.Function):
         raise FloatingPointError("non-finite gradient in layer 3")
 
 
+class _NaNBackward(torch.autograd.Function):
+    """Finite forward, a gradient of NaN: what an unstable layer does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
 def main(what: str, out: str) -> None:
     model = Model({"samples": 64, "batch_size": 8})
     balance = [2, 2]
-    if what in ("forward", "backward", "kill", "hang", "interrupt"):
+    if what in ("forward", "backward", "kill", "hang", "interrupt", "nan"):
         model.sequential_module = nn.Sequential(*list(model.sequential_module)[:3], Breaks(what))
     elif what == "no_body":
         del model.sequential_module
@@ -71,6 +86,7 @@ def main(what: str, out: str) -> None:
         model.example_input_array = None
         balance = None
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
+                         detect_anomaly=what == "nan",
                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
                          strategy=PipeStrategy(balance=balance, microbatches=4,
                                                rpc_timeout_sec=float(os.environ.get("LP_TIMEOUT", 20))))
