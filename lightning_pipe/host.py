@@ -10,7 +10,9 @@ checkpoints).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 
 from lightning_pipe import optim
 from lightning_pipe.dataparallel import average_gradients
-from lightning_pipe.remote import StageRunner, register, unregister
+from lightning_pipe.remote import MAILBOX, StageRunner, register, to_concurrent, unregister, where
 from lightning_pipe.skip.layout import SkipLayout
 from lightning_pipe.stage import Stage
 
@@ -131,6 +133,10 @@ class StageHost:
         own = {n[len(self.prefix):]: t for n, t in state.items() if n.startswith(self.prefix)}
         self.partition.load_state_dict(own)
 
+    def memory(self) -> dict[str, int]:
+        """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""
+        return process_memory(self.runner)
+
     def set_requires_grad(self, flags: Mapping[str, bool]) -> None:
         """Follow the driver's ``requires_grad`` of this stage's parameters (frozen layers)."""
         for name, flag in flags.items():
@@ -140,6 +146,18 @@ class StageHost:
         """Stop serving this pipeline here."""
         unregister(self.key)
         self.runner.stop()
+
+
+def process_memory(runner: StageRunner) -> dict[str, int]:
+    """Resident memory of this process (bytes) and the pipeline's bookkeeping for ``runner``'s stage:
+    saved micro-batches, undelivered messages and per-step seeds (all 0 between steps)."""
+    rss = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the bookkeeping alone
+        pass
+    return {"rss": rss, "saved": len(runner.stage._saved), "mailbox": MAILBOX.pending(), "seeds": len(runner._seeds)}
 
 
 def configure(key: str, index: int, partition: nn.Sequential, offset: int, device: str, peers: Sequence[str],
@@ -169,12 +187,17 @@ class HostGroup:
         self.peers = list(peers)
         self.timeout = timeout
 
+    def _start(self, stage: int, method: str, args: tuple[Any, ...]) -> Future[Any]:
+        peer = self.peers[stage - 1]
+        return to_concurrent(rpc.rpc_async(peer, call, args=(self.key, method, *args), timeout=self.timeout),
+                              lambda: f"in {method} of stage {stage} of pipeline '{self.key}' ({where(peer)})")
+
     def call(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every remote stage at once; return their results in stage order."""
-        futures = [rpc.rpc_async(peer, call, args=(self.key, method, *args), timeout=self.timeout)
-                   for peer in self.peers]
-        return [f.wait() for f in futures]
+        """Call ``method`` on every remote stage at once; return their results in stage order. An error
+        names the stage and process it came from."""
+        futures = [self._start(j, method, args) for j in range(1, len(self.peers) + 1)]
+        return [f.result() for f in futures]
 
     def call_stage(self, stage: int, method: str, *args: Any) -> Any:
         """Call ``method`` on remote stage ``stage`` (1-based, as in the pipeline)."""
-        return rpc.rpc_sync(self.peers[stage - 1], call, args=(self.key, method, *args), timeout=self.timeout)
+        return self._start(stage, method, args).result()

@@ -16,7 +16,6 @@ A failing driver aborts every other process; processes started by our launcher e
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 import threading
@@ -36,8 +35,6 @@ if TYPE_CHECKING:
     from lightning_pipe.strategy import PipeStrategy
 
 __all__: list[str] = []
-
-log = logging.getLogger("lightning_pipe")
 
 _PARENT_ENV = "LIGHTNING_PIPE_LAUNCHER_PID"
 

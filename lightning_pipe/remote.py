@@ -74,6 +74,11 @@ class Mailbox:
                 self._cond.wait(remaining)
             return self._items.pop(slot)
 
+    def pending(self) -> int:
+        """How many delivered messages wait for their consumer."""
+        with self._cond:
+            return len(self._items)
+
     def abort(self, key: str, run: int) -> None:
         """Wake every wait of run ``run`` (they skip) and drop what was delivered for it."""
         with self._cond:
@@ -179,6 +184,8 @@ class StageRunner:
         with autocast_context(autocast):
             out, exports = self.stage.forward(run, i, inputs, imports, seed=seed, save=save,
                                               checkpoint=i < checkpoint_stop, last=i == m - 1)
+        if not save and i == m - 1:
+            self._seeds.pop(run, None)  # nothing to recompute: the seed is not needed any more
         sends = [self._send(j + 1, (self.key, run, "F", i, j + 1, j), (*_pack(out.tensors), out.atomic))]
         for skip, dst in self.layout.exports[j].items():
             sends.append(self._send(dst, (self.key, run, "F", i, dst, skip), _pack([exports[skip]])))
@@ -196,6 +203,8 @@ class StageRunner:
             skip_grads = {skip: self._take((self.key, run, "B", i, j, skip))[0] for skip in self.layout.exports[j]}
             items.append((i, grads, skip_grads))
         results = self.stage.backward(run, items)
+        if not self.stage.has_saved(run):
+            self._seeds.pop(run, None)  # the run's last backward here: nothing will be recomputed
         if j == 0:
             return [grad_inputs for grad_inputs, _ in results]
         sends = []
@@ -284,7 +293,9 @@ def _chain_into(future: torch.futures.Future, result: Future[Any], describe: Cal
     future.add_done_callback(done)
 
 
-def _to_concurrent(future: torch.futures.Future, describe: Callable[[], str]) -> Future[Any]:
+def to_concurrent(future: torch.futures.Future, describe: Callable[[], str]) -> Future[Any]:
+    """A ``concurrent.futures.Future`` with the outcome of an RPC ``future``; its error is noted with
+    ``describe()`` (where it came from)."""
     result: Future[Any] = Future()
     _chain_into(future, result, describe)
     return result
@@ -457,7 +468,7 @@ class RemotePipeline:
                 # No RPC timeout on the whole share: its waits are bounded one by one, a lost process fails
                 # the call at once, and a silent one is caught below.
                 rf = rpc.rpc_async(self.runner.peers[j], _act, args=args(groups), timeout=0)
-                future = _to_concurrent(rf, self._describe(j))
+                future = to_concurrent(rf, self._describe(j))
             future.add_done_callback(on_done)
             futures.append(future)
         collected = None

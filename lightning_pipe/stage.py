@@ -197,6 +197,11 @@ class Stage:
             for s in saved_items
         ]
 
+    def has_saved(self, run: Hashable) -> bool:
+        """Whether anything is still kept for ``run`` (a backward to come)."""
+        with self._lock:
+            return any(key[0] == run for key in self._saved)
+
     def release(self, run: Hashable) -> None:
         """Drop whatever is still saved for ``run`` (its output was freed without backward)."""
         with self._lock:

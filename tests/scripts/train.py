@@ -23,7 +23,7 @@ DEFAULTS: dict[str, Any] = {
     "optimizer": "sgd", "scheduler": None, "accumulate": 1, "clip": None, "clip_algorithm": "norm",
     "manual": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
     "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
-    "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05,
+    "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None,
 }
 
 
@@ -112,6 +112,22 @@ def data(config: dict[str, Any]) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+class MemoryProbe(pl.Callback):
+    """Records every pipeline process's memory after the given training steps (main process writes)."""
+
+    def __init__(self, steps: list[int], path: str) -> None:
+        self.steps, self.path, self.seen = set(steps), path, {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step in self.steps and trainer.global_step not in self.seen:
+            self.seen[trainer.global_step] = trainer.strategy.memory_per_process()
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.is_global_zero:
+            with open(self.path, "w") as f:
+                json.dump(self.seen, f)
+
+
 def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Trainer:
     from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -132,6 +148,8 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     if not config["manual"] and config["clip"]:
         kwargs.update(gradient_clip_val=config["clip"], gradient_clip_algorithm=config["clip_algorithm"])
     callbacks = []
+    if config["measure_memory"] and not plain:
+        callbacks.append(MemoryProbe(config["measure_memory"], os.path.join(out, "memory.json")))
     if config["save_every"] == "epoch":
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_epochs=1, save_top_k=-1,
                                          save_last=True, filename="{epoch}"))
