@@ -18,11 +18,19 @@ REPO = Path(__file__).parent.parent
 
 def run_script(script: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
                expect_ok: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``scripts/<script>`` (or a repository path with a "/", which launches its own worker processes) in a
-    new session; on timeout the
-    whole session, and only it, is killed. Fails with the output when the job fails and ``expect_ok``."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / script if "/" not in script else REPO / script), *args],
-                            cwd=REPO, text=True,
+    """Run ``scripts/<script>`` (or a repository path with a "/"), which launches its own worker processes;
+    see :func:`run_command`."""
+    path = SCRIPTS / script if "/" not in script else REPO / script
+    return run_command([sys.executable, str(path), *args], timeout=timeout, env=env, expect_ok=expect_ok,
+                       name=script)
+
+
+def run_command(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None,
+                expect_ok: bool = True, name: str = "job") -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a new session; on timeout, and after it ends in any case, that whole session (and
+    only it) is killed. Fails with the output when the job fails and ``expect_ok``."""
+    script = name
+    proc = subprocess.Popen(argv, cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
     try:

@@ -64,3 +64,28 @@ def test_strategy_by_name_infers_the_balance(tmp_path):
     assert int(found[1]) + int(found[2]) == 8 and int(found[1]) > 0 and int(found[2]) > 0
     (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     assert torch.load(ckpt, weights_only=False)["global_step"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_launch_and_ddp_script_unchanged(tmp_path):
+    """The training script that runs with strategy="ddp" runs unchanged under torchrun with PipeStrategy (the
+    strategy picked by name, as the script's only difference), and trains the same weights as Lightning's
+    own launcher."""
+    import json
+    import os
+    import sys
+
+    from dist_utils import free_port
+    from strategy_utils import SCRIPTS, assert_same_weights, run_command, train
+
+    config = {"balance": [2, 2], "epochs": 1}
+    train(config, tmp_path / "launcher")
+    out = tmp_path / "torchrun"
+    out.mkdir()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run_command([torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                 str(SCRIPTS / "train.py"), json.dumps(config), str(out)], timeout=240, name="torchrun")
+    assert json.loads((out / "result.json").read_text())["world_size"] == 1
+    a = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu")
+    b = script.Model.load_from_checkpoint(tmp_path / "launcher" / "final.ckpt", map_location="cpu")
+    assert_same_weights(a.state_dict(), b.state_dict(), rtol=0, atol=0)
