@@ -25,6 +25,7 @@ from lightning_pipe.dataparallel import average_gradients
 from lightning_pipe.remote import MAILBOX, StageRunner, register, to_concurrent, unregister, where
 from lightning_pipe.skip.layout import SkipLayout
 from lightning_pipe.stage import Stage
+from lightning_pipe.timeline import Event, Recorder
 
 __all__: list[str] = []
 
@@ -39,12 +40,13 @@ class StageHost:
     """
 
     def __init__(self, key: str, index: int, partition: nn.Sequential, offset: int, device: torch.device,
-                 peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str) -> None:
+                 peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str, record: bool = False) -> None:
         self.key = key
         self.prefix = prefix
         self.partition = partition.to(device)
         self.stage = Stage(index, self.partition, device, offset=offset, exports=layout.exports[index].keys(),
                            imports=layout.imports[index].keys())
+        self.stage.recorder = Recorder() if record else None
         self.runner = StageRunner(key, self.stage, peers, layout, timeout)
         self.params = {prefix + n: p for n, p in self.partition.named_parameters()}
         self.optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
@@ -137,6 +139,10 @@ class StageHost:
         """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""
         return process_memory(self.runner)
 
+    def timeline_events(self) -> list[Event]:
+        """What this stage recorded for the timeline (empty unless recording)."""
+        return self.stage.recorder.events() if self.stage.recorder is not None else []
+
     def set_requires_grad(self, flags: Mapping[str, bool]) -> None:
         """Follow the driver's ``requires_grad`` of this stage's parameters (frozen layers)."""
         for name, flag in flags.items():
@@ -161,14 +167,15 @@ def process_memory(runner: StageRunner) -> dict[str, int]:
 
 
 def configure(key: str, index: int, partition: nn.Sequential, offset: int, device: str, peers: Sequence[str],
-              layout: SkipLayout, timeout: float, prefix: str) -> None:
+              layout: SkipLayout, timeout: float, prefix: str, record: bool = False) -> None:
     """Host partition ``index`` of pipeline ``key`` here (an RPC entry point, called by the driver)."""
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))  # collectives (NCCL) use the current device
     old = _HOSTS.pop(key, None)
     if old is not None:
         old.close()
-    _HOSTS[key] = StageHost(key, index, partition, offset, torch.device(device), peers, layout, timeout, prefix)
+    _HOSTS[key] = StageHost(key, index, partition, offset, torch.device(device), peers, layout, timeout, prefix,
+                            record)
 
 
 def call(key: str, method: str, *args: Any) -> Any:

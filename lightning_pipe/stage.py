@@ -16,6 +16,7 @@ they are a thread or a process away.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
@@ -31,6 +32,7 @@ from lightning_pipe.microbatch import Batch
 from lightning_pipe.rng import StageRandom, mix_seed
 from lightning_pipe.skip.namespace import SkipKey
 from lightning_pipe.skip.tracker import SkipTracker, use_skip_tracker
+from lightning_pipe.timeline import Recorder
 from lightning_pipe.worker import capture_context
 
 __all__: list[str] = []
@@ -79,6 +81,7 @@ class Stage:
         self.imports = frozenset(imports)
         self._saved: dict[tuple[Hashable, int], _Saved] = {}
         self._lock = threading.Lock()
+        self.recorder: Recorder | None = None  # set to record when each micro-batch ran (a timeline)
 
     # ------------------------------------------------------------------ running the layers
     def _value(self, leaves: tuple[Tensor, ...], atomic: bool) -> Any:
@@ -115,6 +118,7 @@ class Stage:
         Returned tensors are detached and say by ``requires_grad`` whether a gradient flows back to them.
         ``last`` marks the last micro-batch of the mini-batch (deferred BatchNorm commits then).
         """
+        start = time.time()
         leaves = tuple(_leaf(t, self.device, save and t.requires_grad) for t in inputs.tensors)
         got = {k: _leaf(t, self.device, save and t.requires_grad) for k, t in imports.items()}
         context = checkpointing() if save and checkpoint else nullcontext()
@@ -125,6 +129,8 @@ class Stage:
             with self._lock:
                 self._saved[(run, microbatch)] = _Saved(leaves, got, inputs.atomic, seed, capture_context(), kept,
                                                         None if checkpoint else exports)
+        if save and self.recorder is not None:
+            self.recorder.record(self.index, "F", [microbatch], run, start)  # type: ignore[arg-type]
         if last and self.partition.training:
             for module in self.partition.modules():
                 if isinstance(module, DeferredBatchNorm):
@@ -153,17 +159,22 @@ class Stage:
         """
         # Recomputation must leave no trace in module state (BatchNorm running statistics): buffers are
         # restored once autograd is done with them (restoring earlier would trip its version checks).
+        start = time.time()
         with self._lock:
             recomputes = any(getattr(self._saved.get((run, i)), "outputs", ()) is None for i, _, _ in items)
         if not recomputes:
-            return self._backward(run, items)
-        buffers = [b.detach().clone() for b in self.partition.buffers()]
-        try:
-            return self._backward(run, items)
-        finally:
-            with torch.no_grad():
-                for b, old in zip(self.partition.buffers(), buffers):
-                    b.copy_(old)
+            results = self._backward(run, items)
+        else:
+            buffers = [b.detach().clone() for b in self.partition.buffers()]
+            try:
+                results = self._backward(run, items)
+            finally:
+                with torch.no_grad():
+                    for b, old in zip(self.partition.buffers(), buffers):
+                        b.copy_(old)
+        if self.recorder is not None:
+            self.recorder.record(self.index, "B", [i for i, _, _ in items], run, start)  # type: ignore[arg-type]
+        return results
 
     def _backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]]
                   ) -> list[tuple[Grads, dict[SkipKey, Tensor | None]]]:

@@ -55,6 +55,7 @@ from lightning_pipe.remote import RemotePipeline, StageRunner
 from lightning_pipe.skip.layout import inspect_skip_layout
 from lightning_pipe.skip.skippable import verify_skippables
 from lightning_pipe.stage import Stage
+from lightning_pipe.timeline import Recorder, write_chrome_trace
 from lightning_pipe.topology import Topology
 
 __all__ = ["PipeStrategy"]
@@ -184,6 +185,9 @@ class PipeStrategy(DDPStrategy):
             naming the stage and process.
         module_name: the attribute of the LightningModule holding the ``nn.Sequential`` body.
         deferred_batch_norm: update BatchNorm running statistics once per batch, as without micro-batches.
+        timeline: a path: record when each stage ran each micro-batch's forward and backward in training and
+            write it there as a Chrome trace (replica 0, at the end of fit); ``python -m lightning_pipe
+            timeline PATH out.png`` draws it and prints the bubble fraction.
         **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``cluster_environment``, ...). Models are not wrapped in DDP: each stage averages its
             own gradients.
@@ -194,7 +198,7 @@ class PipeStrategy(DDPStrategy):
     def __init__(self, balance: list[int] | None = None, microbatches: int = 8, checkpoint: str = "except_last",
                  balance_mode: str = "balance_by_size", pipelined_backward: bool = True,
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
-                 deferred_batch_norm: bool = False, accelerator: Any = None,
+                 deferred_batch_norm: bool = False, timeline: str | None = None, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -227,12 +231,14 @@ class PipeStrategy(DDPStrategy):
         self.rpc_timeout_sec = float(rpc_timeout_sec)
         self.module_name = module_name
         self.deferred_batch_norm = deferred_batch_norm
+        self.timeline = timeline
         self._topology: Topology | None = None
         self._rank = -1
         self._pipeline: RemotePipeline | None = None
         self._hosts: host.HostGroup | None = None
         self._owner: dict[str, int] = {}
         self._requires_grad: list[tuple[bool, ...]] = []
+        self._fitting = False
 
     # ------------------------------------------------------------------ what Lightning sees: the drivers
     @property
@@ -332,6 +338,7 @@ class PipeStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._fitting = trainer.state.fn == TrainerFn.FITTING
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._partition(self.lightning_module)
@@ -394,7 +401,8 @@ class PipeStrategy(DDPStrategy):
         for j in range(1, len(parts)):
             device = self.parallel_devices[ranks[j] % self.num_processes] if self.parallel_devices else "cpu"
             futures.append(rpc.rpc_async(peers[j], host.configure, timeout=self.rpc_timeout_sec, args=(
-                key, j, parts[j], offsets[j], str(device), peers, layout, self.rpc_timeout_sec, prefix)))
+                key, j, parts[j], offsets[j], str(device), peers, layout, self.rpc_timeout_sec, prefix,
+                self.timeline is not None)))
         for j, future in enumerate(futures, start=1):
             try:
                 future.wait()
@@ -403,6 +411,7 @@ class PipeStrategy(DDPStrategy):
                 raise
         stage = Stage(0, parts[0], self.root_device, exports=layout.exports[0].keys(),
                       imports=layout.imports[0].keys())
+        stage.recorder = Recorder() if self.timeline is not None else None
         self._pipeline = RemotePipeline(StageRunner(key, stage, peers, layout, self.rpc_timeout_sec))
         self._pipeline.pipelined = self.pipelined_backward
         self._hosts = host.HostGroup(key, peers[1:len(parts)], self.rpc_timeout_sec)
@@ -648,6 +657,23 @@ class PipeStrategy(DDPStrategy):
             assert self._hosts is not None
             for j, states in remote.items():
                 self._hosts.call_stage(j, "load_optimizer_state", raw._lp_index, states)
+
+    def write_timeline(self, path: str | None = None) -> None:
+        """Write what the stages of replica 0 recorded (``timeline=...``) as a Chrome trace (main process)."""
+        path = path or self.timeline
+        if path is None or self._pipeline is None or self._hosts is None or not self.is_global_zero:
+            return
+        stage = self._pipeline.runner.stage
+        events = stage.recorder.events() if stage.recorder is not None else []
+        for part in self._hosts.call("timeline_events"):
+            events += part
+        write_chrome_trace(events, path, ranks=self.topology.pipeline(0))
+
+    @override
+    def teardown(self) -> None:
+        if self.timeline is not None and self._fitting:
+            self.write_timeline()
+        super().teardown()
 
     # ------------------------------------------------------------------ no DDP wrapper
     @override

@@ -23,7 +23,7 @@ DEFAULTS: dict[str, Any] = {
     "optimizer": "sgd", "scheduler": None, "accumulate": 1, "clip": None, "clip_algorithm": "norm",
     "manual": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
     "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
-    "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None,
+    "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
 }
 
 
@@ -163,7 +163,7 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     if strategy == "pipe":
         strategy = PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
                                 checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],
-                                rpc_timeout_sec=60)
+                                rpc_timeout_sec=60, timeline=config["timeline"])
     return pl.Trainer(devices=config["devices"], strategy=strategy, callbacks=callbacks, **kwargs)
 
 

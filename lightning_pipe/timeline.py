@@ -1,0 +1,147 @@
+"""When each stage ran the forward and backward of each micro-batch: recording, Chrome traces, pictures.
+
+    python -m lightning_pipe timeline trace.json timeline.png
+
+renders a trace written by ``PipeStrategy(timeline="trace.json")`` (or :func:`write_chrome_trace`) as a
+stages × time picture (forward and backward in two colours, bubbles blank) and prints the measured bubble
+fraction beside GPipe's theoretical one, (p − 1) / (m + p − 1). The trace opens in Perfetto as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["Event", "Recorder", "bubble_fraction", "read_chrome_trace", "render", "write_chrome_trace"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """Stage ``stage`` ran ``kind`` ("F" or "B") of micro-batch ``microbatch`` of step ``run`` from ``start``
+    to ``end`` (seconds since the epoch, so that processes on one machine share a clock)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    run: int
+    start: float
+    end: float
+
+
+class Recorder:
+    """Collects the events of one stage (thread-safe); ``limit`` keeps memory bounded on long runs."""
+
+    def __init__(self, limit: int = 200_000) -> None:
+        self._events: list[Event] = []
+        self._lock = threading.Lock()
+        self.limit = limit
+
+    def record(self, stage: int, kind: str, microbatches: Iterable[int], run: int, start: float) -> None:
+        """Record that ``kind`` of ``microbatches`` ran from ``start`` until now."""
+        end = time.time()
+        with self._lock:
+            for i in microbatches:
+                if len(self._events) < self.limit:
+                    self._events.append(Event(stage, kind, i, int(run), start, end))
+
+    def events(self) -> list[Event]:
+        """Everything recorded so far."""
+        with self._lock:
+            return list(self._events)
+
+
+def write_chrome_trace(events: Sequence[Event], path: str, ranks: Sequence[int] | None = None) -> None:
+    """Write ``events`` as a Chrome trace (one track per stage), viewable in Perfetto or chrome://tracing."""
+    origin = min((e.start for e in events), default=0.0)
+    trace: list[dict[str, Any]] = []
+    for stage in sorted({e.stage for e in events}):
+        rank = ranks[stage] if ranks is not None else stage
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage,
+                      "args": {"name": f"stage {stage} (rank {rank})"}})
+    for e in events:
+        trace.append({"name": f"{e.kind}{e.microbatch}", "cat": "forward" if e.kind == "F" else "backward",
+                      "ph": "X", "pid": 0, "tid": e.stage, "ts": (e.start - origin) * 1e6,
+                      "dur": (e.end - e.start) * 1e6, "args": asdict(e)})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+
+
+def read_chrome_trace(path: str) -> list[Event]:
+    """The events of a trace written by :func:`write_chrome_trace`."""
+    with open(path) as f:
+        trace = json.load(f)
+    return [Event(**e["args"]) for e in trace["traceEvents"] if e.get("ph") == "X"]
+
+
+def bubble_fraction(events: Sequence[Event]) -> tuple[float, float]:
+    """(measured, theoretical) idle fraction of the stages over the steps in ``events``.
+
+    Measured: per step, 1 − busy time / (stages × the step's span). Theoretical: (p − 1) / (m + p − 1).
+    """
+    runs = sorted({e.run for e in events})
+    stages = len({e.stage for e in events})
+    measured, micro = [], []
+    for run in runs:
+        step = [e for e in events if e.run == run]
+        span = max(e.end for e in step) - min(e.start for e in step)
+        # An event may cover several micro-batches at once (pipelined_backward=False): count its time once.
+        busy = sum(e.end - e.start for e in {(e.stage, e.kind, e.start, e.end): e for e in step}.values())
+        if span > 0:
+            measured.append(1 - busy / (stages * span))
+        micro.append(len({e.microbatch for e in step}))
+    m = max(micro, default=1)
+    return (sum(measured) / len(measured) if measured else 0.0), (stages - 1) / (m + stages - 1)
+
+
+def render(events: Sequence[Event], path: str, title: str = "") -> None:
+    """Draw ``events`` as stages × time (forward blue, backward orange, bubbles blank) into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    origin = min(e.start for e in events)
+    stages = sorted({e.stage for e in events})
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(stages) + 1.5))
+    for e in events:
+        color = "#4C72B0" if e.kind == "F" else "#DD8452"
+        ax.barh(e.stage, (e.end - e.start) * 1e3, left=(e.start - origin) * 1e3, color=color,
+                edgecolor="white", linewidth=0.5)
+    ax.set_yticks(stages, [f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    measured, theory = bubble_fraction(events)
+    ax.set_title(f"{title} bubble: measured {measured:.0%}, GPipe theory {theory:.0%}".strip())
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="#4C72B0", label="forward"), Patch(color="#DD8452", label="backward")],
+              loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Render a trace as a PNG and print the measured and theoretical bubble fractions."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_pipe timeline",
+                                     description="Render a lightning_pipe timeline (Chrome trace) as a PNG.")
+    parser.add_argument("trace", help="the JSON written by PipeStrategy(timeline=...)")
+    parser.add_argument("png", help="where to write the picture")
+    parser.add_argument("--last", type=int, default=3, help="how many of the last steps to draw (0: all)")
+    args = parser.parse_args(argv)
+    events = read_chrome_trace(args.trace)
+    if not events:
+        raise SystemExit(f"{args.trace} holds no pipeline events")
+    runs = sorted({e.run for e in events})
+    if args.last:
+        keep = set(runs[-args.last:])
+        events = [e for e in events if e.run in keep]
+    render(events, args.png)
+    measured, theory = bubble_fraction(events)
+    print(f"wrote {args.png}: {len({e.run for e in events})} steps, bubble fraction measured {measured:.1%}, "
+          f"theoretical (p-1)/(m+p-1) {theory:.1%}")

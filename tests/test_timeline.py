@@ -1,0 +1,68 @@
+"""The timeline: what each stage ran when, checked against the schedule, and drawn."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from strategy_utils import run_command, train
+
+from lightning_pipe.schedule import backward_plan, forward_plan
+from lightning_pipe.timeline import Event, bubble_fraction, read_chrome_trace, render, write_chrome_trace
+
+
+def ideal(m: int, n: int) -> list[Event]:
+    """A perfect GPipe step: every action takes one time unit, at its clock tick."""
+    events = [Event(a.stage, "F", a.microbatch, 0, t, t + 1.0) for t, tick in enumerate(forward_plan(m, n))
+              for a in tick]
+    base = m + n - 1
+    events += [Event(a.stage, "B", a.microbatch, 0, base + t, base + t + 1.0)
+               for t, tick in enumerate(backward_plan(m, n)) for a in tick]
+    return events
+
+
+@pytest.mark.parametrize("m,n", [(4, 2), (8, 4), (1, 3)])
+def test_bubble_of_the_ideal_schedule_is_the_theory(m, n):
+    measured, theory = bubble_fraction(ideal(m, n))
+    assert theory == pytest.approx((n - 1) / (m + n - 1))
+    assert measured == pytest.approx(theory)
+
+
+def test_trace_roundtrip_and_picture(tmp_path):
+    events = ideal(4, 2)
+    write_chrome_trace(events, str(tmp_path / "t.json"), ranks=[0, 1])
+    trace = json.loads((tmp_path / "t.json").read_text())
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"]
+    assert names == ["stage 0 (rank 0)", "stage 1 (rank 1)"]
+    assert read_chrome_trace(str(tmp_path / "t.json")) == sorted(events, key=events.index)
+    render(events, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+def test_timeline_of_a_real_run_follows_the_schedule(tmp_path):
+    trace = tmp_path / "trace.json"
+    m, n = 4, 3
+    train({"devices": n, "balance": [1, 2, 1], "microbatches": m, "epochs": 1, "timeline": str(trace)},
+          tmp_path / "run")
+    events = read_chrome_trace(str(trace))
+    runs = sorted({e.run for e in events})
+    assert len(runs) == 8  # one per training step
+    for run in runs:
+        step = [e for e in events if e.run == run]
+        for j in range(n):
+            mine = sorted((e for e in step if e.stage == j), key=lambda e: e.start)
+            # Every micro-batch's forward, then every backward, in schedule order.
+            assert [(e.kind, e.microbatch) for e in mine] == \
+                [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+        at = {(e.kind, e.microbatch, e.stage): e for e in step}
+        for i in range(m):
+            for j in range(1, n):  # a stage starts a micro-batch after the stage before finished it
+                assert at["F", i, j].start >= at["F", i, j - 1].end - 1e-3
+                assert at["B", i, j - 1].start >= at["B", i, j].end - 1e-3
+    result = run_command([sys.executable, "-m", "lightning_pipe", "timeline", str(trace), str(tmp_path / "t.png")],
+                         timeout=60)
+    assert "RuntimeWarning" not in result.stdout
+    assert "bubble fraction measured" in result.stdout and f"theoretical (p-1)/(m+p-1) {2 / 6:.1%}" in result.stdout
+    assert (tmp_path / "t.png").stat().st_size > 1000
