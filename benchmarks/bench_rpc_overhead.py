@@ -25,10 +25,8 @@ from processes import run_processes
 from torch import nn
 
 from lightning_pipe import Pipe
-from lightning_pipe.pipe import run_pipeline, split_module
-from lightning_pipe.remote import RemotePipeline, StageRunner, register, wait_registered
-from lightning_pipe.skip.layout import inspect_skip_layout
-from lightning_pipe.stage import Stage
+from lightning_pipe.pipe import run_pipeline
+from lightning_pipe.remote import pipeline_over_rpc
 
 RPC_TIMEOUT = 60.0
 
@@ -89,18 +87,12 @@ def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
                                                   num_worker_threads=16, _transports=[args.transport])
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     t_fwd, t_bwd = args.t_fwd_ms / 1e3, args.t_bwd_ms / 1e3
-    parts = split_module(build(world, t_fwd, t_bwd), [1] * world)
-    layout = inspect_skip_layout(parts)
-    stage = Stage(rank, parts[rank], torch.device("cpu"), offset=rank)
-    peers = [f"worker{r}" for r in range(world)] + ["worker0"]
-    runner = StageRunner("bench", stage, peers, layout, timeout=RPC_TIMEOUT)
-    if rank != 0:
-        register(runner)
-        rpc.shutdown(timeout=args.timeout)  # waits until the driver is done
+    peers = [f"worker{r}" for r in range(world)]
+    pipeline = pipeline_over_rpc("bench", build(world, t_fwd, t_bwd), [1] * world, peers, timeout=RPC_TIMEOUT)
+    if pipeline is None:
+        rpc.shutdown(timeout=args.timeout)  # serves this stage until the driver is done
         return None
 
-    pipeline = RemotePipeline(runner)
-    wait_registered(peers[1:world], "bench", RPC_TIMEOUT)
     local = Pipe(build(world, t_fwd, t_bwd), [1] * world, devices=["cpu"] * world, chunks=args.chunks,
                  checkpoint="never")
     x = torch.randn(args.chunks * 4, 16)

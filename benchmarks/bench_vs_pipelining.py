@@ -69,9 +69,7 @@ def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed.rpc as rpc
 
     from lightning_pipe.pipe import run_pipeline
-    from lightning_pipe.remote import RemotePipeline, StageRunner, register, wait_registered
-    from lightning_pipe.skip.layout import inspect_skip_layout
-    from lightning_pipe.stage import Stage
+    from lightning_pipe.remote import pipeline_over_rpc
 
     kwargs: dict[str, Any] = {} if args.transport == "default" else {"_transports": [args.transport]}
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
@@ -79,16 +77,11 @@ def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
                      init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=RPC_TIMEOUT, num_worker_threads=16,
                      **kwargs))
     parts = halves(args)
-    layout = inspect_skip_layout(parts)
-    stage = Stage(rank, parts[rank], torch.device("cpu"), offset=0 if rank == 0 else len(parts[0]))
-    peers = ["worker0", "worker1", "worker0"]
-    runner = StageRunner("bench", stage, peers, layout, timeout=RPC_TIMEOUT)
-    if rank != 0:
-        register(runner)
-        rpc.shutdown(timeout=args.timeout)  # waits until the driver is done
+    pipeline = pipeline_over_rpc("bench", nn.Sequential(*parts[0], *parts[1]), [len(parts[0]), len(parts[1])],
+                                 ["worker0", "worker1"], timeout=RPC_TIMEOUT)
+    if pipeline is None:
+        rpc.shutdown(timeout=args.timeout)  # serves this stage until the driver is done
         return None
-    pipeline = RemotePipeline(runner)
-    wait_registered(["worker1"], "bench", RPC_TIMEOUT)
     x, y = batch(args)
 
     def step() -> float:

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_pipe.microbatch import Batch
 from lightning_pipe.pipeline import Run, _Skipped, drain
 from lightning_pipe.rng import LazySeed
 from lightning_pipe.schedule import Action, backward_plan, forward_plan, stage_order
-from lightning_pipe.skip.layout import SkipLayout
+from lightning_pipe.skip.layout import SkipLayout, inspect_skip_layout
 from lightning_pipe.stage import Grads, Stage
 from lightning_pipe.worker import Worker, autocast_context
 
@@ -397,6 +397,34 @@ def wait_registered(peers: Sequence[str], key: str, timeout: float) -> None:
                 raise TimeoutError(f"process '{peer}' did not set up its stage of pipeline '{key}' within "
                                    f"{timeout:.0f} s")
             time.sleep(0.01)
+
+
+def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], names: Sequence[str], *,
+                      device: torch.device | str = "cpu", timeout: float = 60.0) -> RemotePipeline | None:
+    """Split ``module`` by ``balance`` across the processes ``names`` (stage j in process ``names[j]``).
+
+    Call it in each of those processes after ``rpc.init_rpc``, with the same arguments. In the process of
+    stage 0 it returns the pipeline to run with :func:`~lightning_pipe.pipe.run_pipeline` once every stage
+    is ready; elsewhere it hosts this process's stage and returns None (RPC threads serve it until
+    ``rpc.shutdown``). This is what ``PipeStrategy`` does for Lightning, without Lightning.
+    """
+    from lightning_pipe.pipe import split_module  # pipe.py depends on this module's neighbours, not on it
+
+    me = rpc.get_worker_info().name
+    if me not in names:
+        raise ValueError(f"this process ('{me}') holds no stage of pipeline '{key}' (processes: {list(names)})")
+    j = list(names).index(me)
+    parts = split_module(module, balance)
+    layout = inspect_skip_layout(parts)
+    stage = Stage(j, parts[j], torch.device(device), offset=sum(balance[:j]), exports=layout.exports[j].keys(),
+                  imports=layout.imports[j].keys())
+    runner = StageRunner(key, stage, [*names, names[0]], layout, timeout)
+    if j != 0:
+        register(runner)
+        return None
+    pipeline = RemotePipeline(runner)
+    wait_registered(list(names[1:]), key, timeout)
+    return pipeline
 
 
 # ---------------------------------------------------------------------- the driver side

@@ -8,11 +8,9 @@ import torch.distributed.rpc as rpc
 from dist_utils import run_processes
 from torch import nn
 
-from lightning_pipe.pipe import run_pipeline, split_module
-from lightning_pipe.remote import RemotePipeline, StageRunner, register, wait_registered
+from lightning_pipe.pipe import run_pipeline
+from lightning_pipe.remote import pipeline_over_rpc
 from lightning_pipe.skip import pop, skippable, stash
-from lightning_pipe.skip.layout import inspect_skip_layout
-from lightning_pipe.stage import Stage
 
 
 @skippable(stash=["skip"])
@@ -34,20 +32,10 @@ def build() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), Stash(), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), Pop(), nn.Linear(8, 2))
 
 
-def runner_for(rank: int, world: int, balance: list[int]) -> StageRunner:
-    model = build()
-    parts = split_module(model, balance)
-    layout = inspect_skip_layout(parts)
-    stage = Stage(rank, parts[rank], torch.device("cpu"), offset=sum(balance[:rank]),
-                  exports=layout.exports[rank].keys(), imports=layout.imports[rank].keys())
-    peers = [f"worker{r}" for r in range(world)] + ["worker0"]
-    return StageRunner("test", stage, peers, layout, timeout=20.0)
-
-
 class _SingleBackward:
     """A pipeline whose backward runs one autograd call per stage (pipelined_backward=False)."""
 
-    def __init__(self, pipeline: RemotePipeline) -> None:
+    def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
         self.stages = pipeline.stages
         self.forward = pipeline.forward
@@ -57,12 +45,9 @@ class _SingleBackward:
 
 
 def _transparency(rank: int, world: int, balance: list[int], configs: list[tuple[int, str, bool]]):
-    runner = runner_for(rank, world, balance)
-    if rank != 0:
-        register(runner)
-        return None
-    pipeline = RemotePipeline(runner)
-    wait_registered([f"worker{r}" for r in range(1, world)], "test", 20)
+    pipeline = pipeline_over_rpc("test", build(), balance, [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None  # this process hosts its stage until rpc.shutdown
     reference = build()
     checked = 0
     for chunks, checkpoint, pipelined in configs:
@@ -131,15 +116,9 @@ def _set_mode(mode: str) -> None:
 
 def _errors(rank: int, world: int):
     model = nn.Sequential(nn.Linear(3, 3), Fails(), nn.Linear(3, 3))
-    parts = split_module(model, [1, 1, 1])
-    layout = inspect_skip_layout(parts)
-    stage = Stage(rank, parts[rank], torch.device("cpu"), offset=rank)
-    runner = StageRunner("test", stage, [f"worker{r}" for r in range(world)] + ["worker0"], layout, timeout=20.0)
-    if rank != 0:
-        register(runner)
+    pipeline = pipeline_over_rpc("test", model, [1, 1, 1], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
         return None
-    pipeline = RemotePipeline(runner)
-    wait_registered(["worker1", "worker2"], "test", 20)
     seen = {}
     for mode in ("forward", "backward"):
         rpc.rpc_sync("worker1", _set_mode, args=(mode,))
