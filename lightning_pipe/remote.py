@@ -361,8 +361,11 @@ def _chain(runner: StageRunner, work: Callable[[], list[Future[Any]]]) -> torch.
 
 @rpc.functions.async_execution
 def _act(key: str, kind: str, run: int, groups: list[list[int]], m: int, save: bool, checkpoint_stop: int,
-         training: bool, autocast: list[tuple[str, torch.dtype]], anomaly: bool) -> torch.futures.Future:
+         training: bool, autocast: list[tuple[str, torch.dtype]], anomaly: bool,
+         deliveries: Sequence[tuple[Slot, Any]] = ()) -> torch.futures.Future:
     runner = _RUNNERS[key]
+    for slot, payload in deliveries:  # inputs that travelled with the actions (the output gradients)
+        MAILBOX.put(slot, payload)
     return _chain(runner, partial(runner.run_actions, kind, run, groups, m, save, checkpoint_stop, training,
                                   autocast, anomaly))
 
@@ -464,9 +467,11 @@ class RemotePipeline:
 
     def _submit(self, run: Run, plan: list[list[Action]], local: Callable[[list[list[int]]], Any],
                 args: Callable[[list[list[int]]], tuple[Any, ...]],
-                collect: Callable[[], Any] | None = None) -> Any:
+                collect: Callable[[], Any] | None = None,
+                deliveries: dict[int, list[tuple[Slot, Any]]] | None = None) -> Any:
         """Give every stage its actions of ``plan`` at once (one message per stage, not per action), run
         ``collect`` (the driver's own waits, each bounded) meanwhile, and wait for every stage.
+        ``deliveries[j]``: mailbox items that travel to stage ``j`` in the same message as its actions.
 
         Nothing waits unboundedly: a failure aborts the others, who then get at most the RPC timeout to
         stop; once the driver has what it needs (stage 0 done, ``collect`` returned), stages still busy get
@@ -495,7 +500,9 @@ class RemotePipeline:
             else:
                 # No RPC timeout on the whole share: its waits are bounded one by one, a lost process fails
                 # the call at once, and a silent one is caught below.
-                rf = rpc.rpc_async(self.runner.peers[j], _act, args=args(groups), timeout=0)
+                extra = (deliveries or {}).get(j)
+                rf = rpc.rpc_async(self.runner.peers[j], _act, args=(*args(groups), extra) if extra else args(groups),
+                                   timeout=0)
                 future = to_concurrent(rf, self._describe(j))
             future.add_done_callback(on_done)
             futures.append(future)
@@ -559,8 +566,12 @@ class RemotePipeline:
         m, n, key = len(grad_outputs), self.n, self.key
         if pipelined is None:
             pipelined = self.pipelined
-        deliveries = [self.runner._send(n - 1, (key, run.id, "B", i, n - 1, n), _cpu(grads))
-                      for i, grads in enumerate(grad_outputs)]
+        # The output gradients go to the last stage inside the message carrying its actions: one message
+        # instead of m + 1, on the critical path between the forward and the backward.
+        deliveries = [((key, run.id, "B", i, n - 1, n), _cpu(grads)) for i, grads in enumerate(grad_outputs)]
+        if n == 1:
+            for slot, payload in deliveries:
+                MAILBOX.put(slot, payload)
         plan = backward_plan(m, n) if pipelined else [[Action(j, "B", -1)] for j in reversed(range(n))]
         result: dict[int, Grads] = {}
 
@@ -570,8 +581,8 @@ class RemotePipeline:
                     result[i] = grads  # type: ignore[assignment]
 
         self._submit(run, plan, local,
-                     lambda groups: (key, "B", run.id, groups, m, True, 0, run.training, [], run.anomaly))
-        drain([d for d in deliveries if d is not None])
+                     lambda groups: (key, "B", run.id, groups, m, True, 0, run.training, [], run.anomaly),
+                     deliveries={n - 1: deliveries} if n > 1 else None)
         return [result[i] for i in range(m)]
 
     def call(self, stage: int, method: str, *args: Any) -> Any:
