@@ -2,7 +2,8 @@
 
 from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
 from lightning_pipe.pipe import Pipe
+from lightning_pipe.report import PipelineReport
 from lightning_pipe.strategy import PipeStrategy
 
-__all__ = ["Pipe", "PipeStrategy", "is_checkpointing", "is_recomputing"]
+__all__ = ["Pipe", "PipeStrategy", "PipelineReport", "is_checkpointing", "is_recomputing"]
 __version__ = "0.1.0"

@@ -139,6 +139,13 @@ class StageHost:
         """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""
         return process_memory(self.runner)
 
+    def set_recording(self, on: bool) -> None:
+        """Start (keeping what is recorded already) or stop recording this stage's timeline."""
+        if not on:
+            self.stage.recorder = None
+        elif self.stage.recorder is None:
+            self.stage.recorder = Recorder()
+
     def timeline_events(self) -> list[Event]:
         """What this stage recorded for the timeline (empty unless recording)."""
         return self.stage.recorder.events() if self.stage.recorder is not None else []

@@ -658,6 +658,20 @@ class PipeStrategy(DDPStrategy):
             for j, states in remote.items():
                 self._hosts.call_stage(j, "load_optimizer_state", raw._lp_index, states)
 
+    def record_timeline(self, on: bool = True) -> None:
+        """Start (or stop) recording when each stage of this driver's pipeline runs each micro-batch, from
+        now on, as ``timeline=`` does from the start of fit; :meth:`write_timeline` writes it. Call it once
+        the pipeline is set up (from ``on_fit_start`` on)."""
+        if self._pipeline is None or self._hosts is None:
+            raise RuntimeError("record_timeline() needs the pipeline, which PipeStrategy sets up when fit, "
+                               "validate, test or predict starts; call it from on_fit_start or later")
+        stage = self._pipeline.runner.stage
+        if not on:
+            stage.recorder = None
+        elif stage.recorder is None:
+            stage.recorder = Recorder()
+        self._hosts.call("set_recording", on)
+
     def write_timeline(self, path: str | None = None) -> None:
         """Write what the stages of replica 0 recorded (``timeline=...``) as a Chrome trace (main process)."""
         path = path or self.timeline

@@ -10,6 +10,7 @@ fraction beside GPipe's theoretical one, (p − 1) / (m + p − 1). The trace op
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import threading
 import time
@@ -34,10 +35,11 @@ class Event:
 
 
 class Recorder:
-    """Collects the events of one stage (thread-safe); ``limit`` keeps memory bounded on long runs."""
+    """Collects the events of one stage (thread-safe), keeping the latest ``limit`` so that memory stays
+    bounded on long runs and the last steps are always there to draw."""
 
     def __init__(self, limit: int = 200_000) -> None:
-        self._events: list[Event] = []
+        self._events: collections.deque[Event] = collections.deque(maxlen=limit)
         self._lock = threading.Lock()
         self.limit = limit
 
@@ -46,8 +48,7 @@ class Recorder:
         end = time.time()
         with self._lock:
             for i in microbatches:
-                if len(self._events) < self.limit:
-                    self._events.append(Event(stage, kind, i, int(run), start, end))
+                self._events.append(Event(stage, kind, i, int(run), start, end))
 
     def events(self) -> list[Event]:
         """Everything recorded so far."""
