@@ -52,3 +52,56 @@ def test_minilm_fine_tuning_improves_accuracy(tmp_path):
     (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     state = torch.load(ckpt, weights_only=True)["state_dict"]
     assert sum(k.startswith("sequential_module.") for k in state) > 90  # every stage's layers, consolidated
+
+
+@pytest.mark.timeout(300)
+def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
+    """The byte-level GPT, cut in two processes, learns the corpus; its checkpoint is the plain model's; the
+    report callback draws the loss curve and the timeline of the run."""
+    result = run_script("examples/gpt.py", "fit", "--config", "configs/gpt/cpu.yaml", "--trainer.max_steps=150",
+                        "--trainer.val_check_interval=150", "--model.max_new_bytes=120",
+                        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+                        timeout=240)
+    out = result.stdout
+    before = float(re.search(r"validation loss before training: ([0-9.]+)", out)[1])
+    after = float(re.search(r"validation loss after training: ([0-9.]+)", out)[1])
+    assert before > 5.0, before  # untrained: about ln(256) = 5.55 nats per byte
+    assert [int(k) for k in re.findall(r"--- sample (\d+) ---\nFirst Citizen:\n", out)] == [1, 2, 3, 4]
+
+    # The checkpoint loads into the plain model, which scores the validation set as the pipeline did.
+    from gpt import GPT, TextCorpus
+
+    run = tmp_path / "lightning_logs" / "version_0"
+    (ckpt,) = run.glob("checkpoints/*.ckpt")
+    model = GPT.load_from_checkpoint(ckpt, map_location="cpu").eval()
+    data = TextCorpus(context=model.hparams.context)
+    data.setup("fit")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in data.val_dataloader():
+            total += model._loss((x, y)).item() * len(x)
+            count += len(x)
+    assert total / count == pytest.approx(after, abs=2e-3)
+    # It learned more than how often each byte occurs: it predicts from the context (2.8 nats after 150 steps).
+    train_bytes, val_bytes = data.train_set.data, data.val_set.data
+    frequency = torch.bincount(train_bytes, minlength=256).double() / len(train_bytes)
+    unigram = -frequency.clamp_min(1e-12).log()[val_bytes].mean().item()  # about 3.26 nats
+    assert after < unigram - 0.25, (before, after, unigram)
+    # ... and writes text from the corpus's alphabet: it learned which bytes occur.
+    alphabet = set(data.train_set.data.tolist())
+    with torch.no_grad():
+        (text, *_) = model.predict_step(torch.tensor([list(b"First Citizen:\n")] * 2), 0)
+    sampled = text.encode()[len(b"First Citizen:\n"):]
+    assert len(sampled) >= 120 and sum(b in alphabet for b in sampled) / len(sampled) > 0.95, text
+
+    # PipelineReport: the files it names exist, the timeline holds both stages' last steps.
+    for name in ("loss_curve.png", "timeline.png"):
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert str(run / name) in out
+    assert str(ckpt) in out
+    from lightning_pipe.timeline import read_chrome_trace
+
+    events = read_chrome_trace(str(run / "timeline.json"))
+    last = [e for e in events if e.run == max(e.run for e in events)]
+    assert sorted({(e.stage, e.kind, e.microbatch) for e in last}) == \
+        sorted((j, k, i) for j in range(2) for k in "FB" for i in range(4))
