@@ -52,8 +52,14 @@ class _Saved:
     exports: dict[SkipKey, Tensor] | None
 
 
+def _move(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``. Asynchronous only towards a GPU: a copy from a GPU into ordinary host memory
+    with ``non_blocking=True`` returns before the data is there, and a CPU stage would read it early."""
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
 def _leaf(t: Tensor, device: torch.device, requires_grad: bool) -> Tensor:
-    t = t.detach().to(device, non_blocking=True)
+    t = _move(t.detach(), device)
     if requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)
     return t
@@ -199,7 +205,7 @@ class Stage:
             for t, g in pairs:
                 if g is not None and t.requires_grad:
                     tensors.append(t)
-                    grads.append(g.to(t.device, non_blocking=True))
+                    grads.append(_move(g, t.device))
         if tensors:
             torch.autograd.backward(tensors, grads)
         return [

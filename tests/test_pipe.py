@@ -156,3 +156,16 @@ def test_bad_batches():
         pipe(torch.zeros(0, 4))
     with pytest.raises(ValueError, match=r"dim 0 sizes: \[2, 3\]"):
         Pipe(nn.Sequential(nn.Identity()), [1])((torch.zeros(2), torch.zeros(3)))
+
+
+def test_copies_are_asynchronous_only_towards_a_gpu():
+    """A GPU -> CPU copy with non_blocking=True returns before the data is there; stages must not ask for one."""
+    from lightning_pipe.stage import _move
+
+    class Probe:
+        def to(self, device, non_blocking=False):
+            self.call = (device.type, non_blocking)
+            return self
+
+    assert _move(Probe(), torch.device("cpu")).call == ("cpu", False)
+    assert _move(Probe(), torch.device("cuda", 0)).call == ("cuda", True)
