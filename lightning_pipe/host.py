@@ -163,14 +163,16 @@ class StageHost:
 
 def process_memory(runner: StageRunner) -> dict[str, int]:
     """Resident memory of this process (bytes) and the pipeline's bookkeeping for ``runner``'s stage:
-    saved micro-batches, undelivered messages and per-step seeds (all 0 between steps)."""
+    saved micro-batches, undelivered messages, outputs held for the driver and per-step seeds (all 0
+    between steps)."""
     rss = 0
     try:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:  # not Linux: the bookkeeping alone
         pass
-    return {"rss": rss, "saved": len(runner.stage._saved), "mailbox": MAILBOX.pending(), "seeds": len(runner._seeds)}
+    return {"rss": rss, "saved": len(runner.stage._saved), "mailbox": MAILBOX.pending() + len(runner._held),
+            "seeds": len(runner._seeds)}
 
 
 def configure(key: str, index: int, partition: nn.Sequential, offset: int, device: str, peers: Sequence[str],

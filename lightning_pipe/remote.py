@@ -134,6 +134,10 @@ class StageRunner:
         self.sender = Worker(f"lightning_pipe.{key}.stage{self.index}.send")
         self._seeds: dict[int, LazySeed] = {}
         self._failed: collections.deque[int] = collections.deque(maxlen=4096)
+        # The last stage's outputs for a driver in another process, per run and micro-batch: they go back
+        # in the answer to the forward's actions (the driver needs none before the last one), one message
+        # instead of one delivery and its acknowledgement per micro-batch.
+        self._held: dict[int, dict[int, Any]] = {}
 
     def describe(self) -> str:
         """The stage and the process, for error messages."""
@@ -186,7 +190,12 @@ class StageRunner:
                                               checkpoint=i < checkpoint_stop, last=i == m - 1)
         if not save and i == m - 1:
             self._seeds.pop(run, None)  # nothing to recompute: the seed is not needed any more
-        sends = [self._send(j + 1, (self.key, run, "F", i, j + 1, j), (*_pack(out.tensors), out.atomic))]
+        payload = (*_pack(out.tensors), out.atomic)
+        if j + 1 == self.n and self.peers[self.n] != self.me:
+            self._held.setdefault(run, {})[i] = payload
+            sends = []
+        else:
+            sends = [self._send(j + 1, (self.key, run, "F", i, j + 1, j), payload)]
         for skip, dst in self.layout.exports[j].items():
             sends.append(self._send(dst, (self.key, run, "F", i, dst, skip), _pack([exports[skip]])))
         return [s for s in sends if s is not None]
@@ -230,6 +239,10 @@ class StageRunner:
                     sends += self.backward(run, group)  # type: ignore[arg-type]
         return sends
 
+    def take_held(self, run: int) -> dict[int, Any] | None:
+        """The outputs held for the driver from run ``run`` (see ``forward``), forgotten here."""
+        return self._held.pop(run, None)
+
     def named_grads(self) -> dict[str, Tensor | None]:
         """The gradients of this stage's parameters, by name within the partition."""
         return {name: None if p.grad is None else p.grad.detach().cpu()
@@ -242,6 +255,7 @@ class StageRunner:
     def fail(self, run: int) -> None:
         """Mark ``run`` failed: its queued actions skip and its waits wake up."""
         self._failed.append(run)
+        self._held.pop(run, None)
         MAILBOX.abort(self.key, run)
 
     def stop(self) -> None:
@@ -252,6 +266,7 @@ class StageRunner:
     def release(self, run: int) -> None:
         """Forget what is kept for ``run``."""
         self._seeds.pop(run, None)
+        self._held.pop(run, None)
         self.stage.release(run)
 
 
@@ -324,8 +339,9 @@ def unregister(key: str) -> None:
     _RUNNERS.pop(key, None)
 
 
-def _chain(runner: StageRunner, work: Callable[[], list[Future[Any]]]) -> torch.futures.Future:
-    """Run ``work`` on the stage's worker; complete when it and the sends it started are done."""
+def _chain(runner: StageRunner, work: Callable[[], tuple[list[Future[Any]], Any]]) -> torch.futures.Future:
+    """Run ``work`` on the stage's worker; once it and the sends it started are done, answer with the value
+    it returned beside them."""
     out: torch.futures.Future = torch.futures.Future()
 
     def finish(f: Future[Any]) -> None:
@@ -333,10 +349,10 @@ def _chain(runner: StageRunner, work: Callable[[], list[Future[Any]]]) -> torch.
         if exc is not None:
             out.set_result(_Failure(exc))
             return
-        sends = f.result()
+        sends, value = f.result()
         pending = [len(sends)]
         if not sends:
-            out.set_result(None)
+            out.set_result(value)
             return
         lock = threading.Lock()
 
@@ -350,7 +366,7 @@ def _chain(runner: StageRunner, work: Callable[[], list[Future[Any]]]) -> torch.
                 if s.exception() is not None:
                     out.set_result(_Failure(s.exception()))  # type: ignore[arg-type]
                 elif last:
-                    out.set_result(None)
+                    out.set_result(value)
 
         for s in sends:
             s.add_done_callback(sent)
@@ -366,8 +382,12 @@ def _act(key: str, kind: str, run: int, groups: list[list[int]], m: int, save: b
     runner = _RUNNERS[key]
     for slot, payload in deliveries:  # inputs that travelled with the actions (the output gradients)
         MAILBOX.put(slot, payload)
-    return _chain(runner, partial(runner.run_actions, kind, run, groups, m, save, checkpoint_stop, training,
-                                  autocast, anomaly))
+
+    def work() -> tuple[list[Future[Any]], Any]:
+        sends = runner.run_actions(kind, run, groups, m, save, checkpoint_stop, training, autocast, anomaly)
+        return sends, runner.take_held(run) if kind == "F" else None
+
+    return _chain(runner, work)
 
 
 def _abort(key: str, run: int) -> None:
@@ -472,6 +492,7 @@ class RemotePipeline:
         """Give every stage its actions of ``plan`` at once (one message per stage, not per action), run
         ``collect`` (the driver's own waits, each bounded) meanwhile, and wait for every stage.
         ``deliveries[j]``: mailbox items that travel to stage ``j`` in the same message as its actions.
+        Returns what ``collect`` returned and each stage's answer (None for stage 0).
 
         Nothing waits unboundedly: a failure aborts the others, who then get at most the RPC timeout to
         stop; once the driver has what it needs (stage 0 done, ``collect`` returned), stages still busy get
@@ -514,14 +535,14 @@ class RemotePipeline:
                 except _Skipped:
                     pass  # a stage failed: the error is in its future
             drain(futures, grace=self.runner.timeout, ready=futures[0],
-                  describe=lambda j: f"stage {j} of pipeline '{self.key}' ({where(self.runner.peers[j])})")
+                  describe=lambda j: f"stage {j} ({where(self.runner.peers[j])}) of pipeline '{self.key}'")
             drain(sends)
         except BaseException:
             if not aborted.is_set():
                 aborted.set()
                 self._abort(run)
             raise
-        return collected
+        return collected, [None] + [f.result() for f in futures[1:]]
 
     def _abort(self, run: Run) -> None:
         run.failed = True
@@ -543,20 +564,19 @@ class RemotePipeline:
                                              microbatches[i])
             return sends
 
-        def collect() -> list[Batch]:
+        def collect() -> list[Any]:
             # A little longer than the stages' own waits, so that the stage that noticed a silent neighbour
             # first reports it (more precisely than "no output").
-            outputs = []
-            for i in range(m):
-                tensors, flags, atomic = self.runner._take((key, run.id, "F", i, n, n - 1),
-                                                           timeout=1.5 * self.runner.timeout)
-                outputs.append(Batch(_unpack(tensors, flags), atomic))
-            return outputs
+            return [self.runner._take((key, run.id, "F", i, n, n - 1), timeout=1.5 * self.runner.timeout)
+                    for i in range(m)]
 
-        return self._submit(run, forward_plan(m, n), local,
-                            lambda groups: (key, "F", run.id, groups, m, save, run.checkpoint_stop,
-                                            run.training, run.autocast, run.anomaly),
-                            collect)
+        # The last stage answers with its outputs when it is in another process; here, they are delivered.
+        collected, answers = self._submit(run, forward_plan(m, n), local,
+                                          lambda groups: (key, "F", run.id, groups, m, save, run.checkpoint_stop,
+                                                          run.training, run.autocast, run.anomaly),
+                                          collect if n == 1 else None)
+        outputs = collected if n == 1 else [answers[n - 1][i] for i in range(m)]
+        return [Batch(_unpack(tensors, flags), atomic) for tensors, flags, atomic in outputs]
 
     def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
                  inline_device: torch.device | None = None) -> list[Grads]:
