@@ -9,6 +9,7 @@ checkpoints).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -130,6 +131,16 @@ class StageHost:
         """The partition's state, by the LightningModule's names, on CPU."""
         return {self.prefix + n: t.detach().cpu() for n, t in self.partition.state_dict().items()}
 
+    def layers(self) -> dict[str, nn.Module]:
+        """Copies of the partition's layers on CPU, by child name, for the whole model in one place: every
+        parameter and buffer (non-persistent ones included) as it is now, gradients left behind."""
+        memo: dict[int, Any] = {}
+        for p in self.partition.parameters():
+            memo[id(p)] = nn.Parameter(p.detach().cpu(), requires_grad=p.requires_grad)
+        for b in self.partition.buffers():
+            memo[id(b)] = b.detach().cpu()
+        return {name: copy.deepcopy(layer, memo) for name, layer in self.partition.named_children()}
+
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         """Load the partition's state from entries named as in the LightningModule."""
         own = {n[len(self.prefix):]: t for n, t in state.items() if n.startswith(self.prefix)}
@@ -203,16 +214,21 @@ class HostGroup:
         self.peers = list(peers)
         self.timeout = timeout
 
-    def _start(self, stage: int, method: str, args: tuple[Any, ...]) -> Future[Any]:
+    def _start(self, stage: int, method: str, args: tuple[Any, ...], timeout: float | None = None) -> Future[Any]:
         peer = self.peers[stage - 1]
-        return to_concurrent(rpc.rpc_async(peer, call, args=(self.key, method, *args), timeout=self.timeout),
-                              lambda: f"in {method} of stage {stage} of pipeline '{self.key}' ({where(peer)})")
+        future = rpc.rpc_async(peer, call, args=(self.key, method, *args),
+                               timeout=self.timeout if timeout is None else timeout)
+        return to_concurrent(future, lambda: f"in {method} of stage {stage} of pipeline '{self.key}' ({where(peer)})")
+
+    def start(self, method: str, *args: Any, timeout: float | None = None) -> list[Future[Any]]:
+        """Start ``method`` on every remote stage at once; their futures in stage order. ``timeout``: the
+        RPC timeout in seconds (default: the pipeline's; 0: none)."""
+        return [self._start(j, method, args, timeout) for j in range(1, len(self.peers) + 1)]
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every remote stage at once; return their results in stage order. An error
         names the stage and process it came from."""
-        futures = [self._start(j, method, args) for j in range(1, len(self.peers) + 1)]
-        return [f.result() for f in futures]
+        return [f.result() for f in self.start(method, *args)]
 
     def call_stage(self, stage: int, method: str, *args: Any) -> Any:
         """Call ``method`` on remote stage ``stage`` (1-based, as in the pipeline)."""

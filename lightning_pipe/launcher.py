@@ -182,13 +182,19 @@ class PipeLauncher(_SubprocessScriptLauncher):
                **kwargs: Any) -> Any:
         model = args[0] if args and isinstance(args[0], pl.LightningModule) else None
         model = model or getattr(trainer, "lightning_module", None)
+        # Before any process starts (here) or on every rank (torchrun).
+        self._strategy.check_settings()
         if model is not None:
-            self._strategy.check_model(model)  # before any process starts (here) or on every rank (torchrun)
+            self._strategy.check_model(model)
 
         def role(*a: Any, **kw: Any) -> Any:
             self._strategy.start_session()
             if self._strategy.is_driver:
                 return function(*a, **kw)
+            if model is not None:
+                # The script built the whole model here too; this process serves the stage its driver sends
+                # and never returns to the script, so the model's memory is given back.
+                model.to("meta")
             serve_until_shutdown()  # never returns: a worker must not continue into the user's script
             return None
 

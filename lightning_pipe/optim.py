@@ -13,6 +13,7 @@ Optimizer state is kept where the parameters are and merged, for checkpoints, in
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,11 +54,12 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, groups: Sequence[Map
 def flat_names(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[str]:
     """The name of each parameter in the order of the optimizer's ``state_dict`` indices."""
     out = []
-    for group in optimizer.param_groups:
+    for k, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in names:
-                raise ValueError("an optimizer holds a parameter that is not part of the LightningModule; "
-                                 "build optimizers from self.parameters() or self.named_parameters()")
+                raise ValueError(f"{type(optimizer).__name__} holds a parameter that is not part of the "
+                                 f"LightningModule (group {k}, shape {tuple(p.shape)}); build optimizers from "
+                                 "self.parameters() or self.named_parameters()")
             out.append(names[id(p)])
     return out
 
@@ -91,16 +93,36 @@ def specs_for_stages(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
 
 
 def build(spec: OptimizerSpec, named: Mapping[str, Tensor]) -> torch.optim.Optimizer:
-    """Build a stage's optimizer from ``spec`` over its parameters ``named``."""
+    """Build a stage's optimizer from ``spec`` over its parameters ``named``.
+
+    The class's own constructor runs (it may set up state and flags beyond its defaults) with the defaults
+    it accepts; defaults it does not take as arguments (AdamW's ``decoupled_weight_decay``) reach the
+    groups through their hyper-parameters, which every group carries.
+    """
     groups = [{**{k: v for k, v in g.items() if k != "names"}, "params": [named[n] for n in g["names"]]}
               for g in spec.groups]
-    try:
-        return spec.cls(groups, **spec.defaults)
-    except TypeError:
-        # An optimizer whose defaults are not all constructor arguments: build the base and set them.
-        optimizer = spec.cls.__new__(spec.cls)
-        torch.optim.Optimizer.__init__(optimizer, groups, dict(spec.defaults))
-        return optimizer
+    return spec.cls(groups, **_accepted(spec.cls, spec.defaults))
+
+
+def _accepted(cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``defaults`` that ``cls``'s constructor takes as keyword arguments."""
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in parameters and k not in ("self", "params")}
+
+
+def drop_placeholder_state(optimizer: torch.optim.Optimizer) -> None:
+    """Forget state an optimizer created at construction for parameters that live in other processes.
+
+    Some optimizers (Adagrad's ``sum``) build per-parameter state in ``__init__``; for a placeholder on the
+    meta device that state is a meta tensor, which cannot be moved or saved. The real state is built by
+    the stage that holds the parameter.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.is_meta:
+                optimizer.state.pop(p, None)
 
 
 def state_by_name(optimizer: torch.optim.Optimizer, names: Sequence[str]) -> dict[str, dict[str, Any]]:

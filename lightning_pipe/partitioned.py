@@ -25,11 +25,12 @@ class PipelinedSequential(nn.Module):
     """An ``nn.Sequential`` body split into stages: forward goes through ``pipeline``.
 
     ``owner[name]`` is the stage of each layer (by child name); layers of stage 0 are real, the others
-    placeholders on the meta device.
+    placeholders on the meta device. ``hosts`` (the handle on the remote stages) and ``balance`` stay with
+    the module, so that a later Trainer's strategy takes over the same pipeline.
     """
 
     def __init__(self, body: nn.Sequential, owner: dict[str, int], pipeline: Any, *, chunks: int,
-                 checkpoint: str) -> None:
+                 checkpoint: str, hosts: Any = None, balance: list[int] | None = None) -> None:
         super().__init__()
         for name, layer in body.named_children():
             if owner[name] != 0:
@@ -37,6 +38,9 @@ class PipelinedSequential(nn.Module):
             self.add_module(name, layer)
         self.owner = owner
         self.pipeline = pipeline
+        self.hosts = hosts
+        self.balance = balance if balance is not None else [list(owner.values()).count(j)
+                                                            for j in range(max(owner.values()) + 1)]
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.before_forward: Callable[[], None] | None = None

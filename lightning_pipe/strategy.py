@@ -17,7 +17,6 @@ index, and the default process group of a driver holds exactly the drivers (ligh
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import itertools
 import logging
@@ -40,6 +39,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from pytorch_lightning.core.optimizer import _init_optimizers_and_lr_schedulers
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
@@ -359,9 +359,21 @@ class PipeStrategy(DDPStrategy):
                 "pass PipeStrategy(module_name=...) naming the attribute that holds them")
         return body
 
+    def check_settings(self) -> None:
+        """Reject Trainer settings this strategy cannot honour (run where :meth:`check_model` runs)."""
+        if self._layer_sync is not None:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) is not supported by PipeStrategy: BatchNorm layers of a stage would "
+                "synchronise every micro-batch, not the batch. Use PipeStrategy(deferred_batch_norm=True), which "
+                "gives each replica the statistics of its whole batch, and leave sync_batchnorm off")
+
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process
-        is started where Lightning starts them, and on every process otherwise)."""
+        is started where Lightning starts them, and on every process otherwise).
+
+        A body built in ``configure_model`` is checked when it exists, at setup."""
+        if getattr(module, self.module_name, None) is None and is_overridden("configure_model", module):
+            return
         body = self._body(module)
         if isinstance(body, PipelinedSequential):
             return
@@ -381,7 +393,8 @@ class PipeStrategy(DDPStrategy):
     def _partition(self, module: pl.LightningModule) -> None:
         body = self._body(module)
         if isinstance(body, PipelinedSequential):
-            return  # already split (a later fit/validate/test/predict of the same module)
+            self._adopt(module, body)  # already split (a later fit/validate/test/predict of the same module)
+            return
         self.check_model(module)
         if self.deferred_batch_norm:
             DeferredBatchNorm.convert(body)
@@ -411,17 +424,41 @@ class PipeStrategy(DDPStrategy):
                 raise
         stage = Stage(0, parts[0], self.root_device, exports=layout.exports[0].keys(),
                       imports=layout.imports[0].keys())
-        stage.recorder = Recorder() if self.timeline is not None else None
         self._pipeline = RemotePipeline(StageRunner(key, stage, peers, layout, self.rpc_timeout_sec))
         self._pipeline.pipelined = self.pipelined_backward
         self._hosts = host.HostGroup(key, peers[1:len(parts)], self.rpc_timeout_sec)
         self._owner = {name: j for j, part in enumerate(parts) for name, _ in part.named_children()}
         pipelined = PipelinedSequential(body, self._owner, self._pipeline, chunks=self.microbatches,
-                                        checkpoint=self.checkpoint)
-        pipelined.before_forward = self._sync_requires_grad
+                                        checkpoint=self.checkpoint, hosts=self._hosts, balance=balance)
         setattr(module, self.module_name, pipelined)
-        self._requires_grad = self._requires_grad_flags()
+        self._attach(pipelined)
         log.info("[rank %d] pipeline %s: balance %s on ranks %s", rank, key, balance, ranks)
+
+    def _adopt(self, module: pl.LightningModule, body: PipelinedSequential) -> None:
+        """Take over the pipeline a previous Trainer's strategy built for this module (same processes)."""
+        if body.hosts is self._hosts:
+            return  # this strategy's own pipeline
+        if len(body.balance) != self.stages or (self.balance is not None and self.balance != body.balance):
+            raise ValueError(
+                f"{type(module).__name__}.{self.module_name} is already split into stages {body.balance} by an "
+                f"earlier Trainer, and this PipeStrategy asks for {self.balance or f'{self.stages} stages'}; a "
+                "split cannot change within one script: pass the same balance (or devices) to every Trainer")
+        self.balance = list(body.balance)
+        self._pipeline, self._hosts, self._owner = body.pipeline, body.hosts, body.owner
+        body.chunks, body.checkpoint = self.microbatches, self.checkpoint
+        self._attach(body)
+
+    def _attach(self, body: PipelinedSequential) -> None:
+        """Make the split ``body`` run with this strategy's settings."""
+        assert self._pipeline is not None and self._hosts is not None
+        self._pipeline.pipelined = self.pipelined_backward
+        body.before_forward = self._sync_requires_grad
+        self._requires_grad = self._requires_grad_flags()
+        recording = self.timeline is not None
+        stage = self._pipeline.runner.stage
+        if recording != (stage.recorder is not None):
+            stage.recorder = Recorder() if recording else None
+            self._hosts.call("set_recording", recording)
 
     def _infer_balance(self, module: pl.LightningModule, body: nn.Sequential) -> list[int]:
         balance: list[int] | None = None
@@ -499,12 +536,20 @@ class PipeStrategy(DDPStrategy):
         optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         per_stage: list[list[optim.OptimizerSpec | None]] = [[] for _ in range(self.stages)]
+        scaler = getattr(self.precision_plugin, "scaler", None)
         for k, optimizer in enumerate(optimizers):
+            if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+                # Such an optimizer unscales and skips inside its own step, where the other stages' gradients
+                # and overflows cannot reach.
+                raise ValueError(f"{type(optimizer).__name__}(fused=True) cannot be used with a gradient scaler "
+                                 f"(precision={self.precision_plugin.precision!r}) across pipeline stages: build "
+                                 "it with fused=False (the default), or use precision='bf16-mixed'")
+            optimizer._lp_names = optim.flat_names(optimizer, names)  # type: ignore[attr-defined]
             for j, spec in enumerate(optim.specs_for_stages(optimizer, names, self._stage_of, self.stages)):
                 per_stage[j].append(spec)
+            optim.drop_placeholder_state(optimizer)
             optimizer._lp_hosts = self._hosts  # type: ignore[attr-defined]
             optimizer._lp_index = k  # type: ignore[attr-defined]
-            optimizer._lp_names = optim.flat_names(optimizer, names)  # type: ignore[attr-defined]
             _mirror(optimizer)
         futures = [rpc.rpc_async(peer, host.call, args=(self._hosts.key, "build_optimizers", per_stage[j]),
                                  timeout=self.rpc_timeout_sec)
@@ -519,6 +564,9 @@ class PipeStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         raw = getattr(optimizer, "_optimizer", optimizer)
 
+        if not self.lightning_module.automatic_optimization:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # averaged at each backward
+
         def closure_then_average() -> Any:
             # Inside the precision plugin's closure: after backward, before clipping and the step.
             result = closure()
@@ -527,15 +575,25 @@ class PipeStrategy(DDPStrategy):
 
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # Manual optimization may clip, log or step (even a raw optimizer) right after manual_backward: the
+        # gradients are averaged over the replicas there, as DDP has them by then. Averaging again after a
+        # further backward (accumulation) averages only the new part: the mean of equal values is that value.
+        super().post_backward(closure_loss)
+        if not self.lightning_module.automatic_optimization:
+            for optimizer in self.optimizers:
+                self._average_gradients(getattr(optimizer, "_optimizer", optimizer))
+
     def _average_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if self.world_size == 1 or self._hosts is None:
             return
-        k = getattr(optimizer, "_lp_index", 0)
-        futures = [rpc.rpc_async(peer, host.call, args=(self._hosts.key, "average_gradients", k),
-                                 timeout=self.rpc_timeout_sec) for peer in self._hosts.peers]
+        # No RPC timeout: each stage waits in a collective for the same stage of the other replicas, which
+        # may be a slow callback away; the process group's timeout bounds that wait.
+        futures = self._hosts.start("average_gradients", getattr(optimizer, "_lp_index", 0), timeout=0)
         average_gradients([p for g in optimizer.param_groups for p in g["params"] if not p.is_meta])
         for future in futures:
-            future.wait()
+            future.result()
 
     def memory_per_process(self) -> list[dict[str, int]]:
         """Per process of this driver's pipeline, stage by stage: resident memory (bytes) and what the
@@ -565,18 +623,10 @@ class PipeStrategy(DDPStrategy):
         if not isinstance(body, PipelinedSequential) or self._hosts is None:
             yield module
             return
-        remote: dict[str, Tensor] = {}
-        for part in self._hosts.call("state_dict"):
+        remote: dict[str, nn.Module] = {}
+        for part in self._hosts.call("layers"):
             remote.update(part)
-        prefix = self.module_name + "."
-        layers = []
-        for name, layer in body.named_children():
-            if self._owner[name] != 0:
-                layer = copy.deepcopy(layer).to_empty(device="cpu")
-                own = {k[len(prefix) + len(name) + 1:]: v for k, v in remote.items()
-                       if k.startswith(f"{prefix}{name}.")}
-                layer.load_state_dict(own)
-            layers.append((name, layer))
+        layers = [(name, layer if self._owner[name] == 0 else remote[name]) for name, layer in body.named_children()]
         setattr(module, self.module_name, nn.Sequential(OrderedDict(layers)))
         try:
             yield module

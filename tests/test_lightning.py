@@ -34,6 +34,13 @@ def test_fit_validate_test_predict_in_one_script(tmp_path):
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(whole[name], value, msg=name)
+    torch.testing.assert_close(whole["sequential_module.3.hint"], torch.arange(4.0))  # not in any state_dict
+    # A second Trainer testing the epoch-0 checkpoint: every stage runs with that checkpoint's weights.
+    first = script.Model.load_from_checkpoint(tmp_path / "epochs" / "epoch=0.ckpt", map_location="cpu").eval()
+    with torch.no_grad():
+        first_loss = torch.nn.functional.mse_loss(first(x), y).item()
+    assert abs(first_loss - loss) > 1e-4  # the two checkpoints can be told apart
+    assert out["retested"][0]["test_loss"] == pytest.approx(first_loss, rel=1e-5)
 
 
 @pytest.mark.timeout(300)

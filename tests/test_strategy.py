@@ -21,6 +21,12 @@ CASES = {
     "clip-value-single-backward": {"clip": 0.01, "clip_algorithm": "value", "pipelined_backward": False},
     "manual-optimization": {"manual": True, "clip": 0.05, "scheduler": "step"},
     "2replicas-x-2stages": {"devices": 4, "batch_size": 4},
+    # Manual clipping right after manual_backward must see the replicas' averaged gradients, as under DDP.
+    "2replicas-manual-clip": {"devices": 4, "batch_size": 4, "manual": True, "clip": 0.05, "epochs": 1},
+    # Adagrad builds state in its constructor (placeholders too); the sanity check runs validation before
+    # training; the body is built in configure_model, after the processes start.
+    "adagrad-sanity-configure-model": {"optimizer": "adagrad", "validate": True, "sanity_steps": 2,
+                                       "configure_model": True, "epochs": 1},
     "plateau-scheduler": {"scheduler": "plateau", "log_metric": True, "epochs": 3},
 }
 

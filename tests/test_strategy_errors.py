@@ -37,6 +37,7 @@ def test_devices_not_a_multiple_of_stages_fails_before_processes_start():
     ("not_sequential", "Model.sequential_module must be nn.Sequential to be partitioned (got: ModuleList)"),
     ("bad_balance", "module and sum of balance have different length (module: 4, sum of balance: 5)"),
     ("no_example", "Model.example_input_array, which is not set"),
+    ("sync_batchnorm", "Trainer(sync_batchnorm=True) is not supported by PipeStrategy"),
 ])
 def test_bad_model_fails_before_processes_start(what, error, tmp_path):
     started = time.monotonic()
@@ -63,6 +64,18 @@ def test_failing_stage_ends_every_process(where, error, tmp_path):
         assert "layer 3 ('3': Breaks)" in result.stdout
     # Every process ended by itself, promptly: the output pipe, which all of them hold, closed well before
     # the timeout (at which run_script would kill them).
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(120)
+def test_fused_optimizer_under_a_gradient_scaler_is_refused(tmp_path):
+    """A fused optimizer skips an overflowing step inside its own kernel, which the other stages would not
+    see (they would step with infinite gradients): refused at setup, and every process ends."""
+    started = time.monotonic()
+    result = run_script("fail.py", "fused_scaler", str(tmp_path), timeout=90, expect_ok=False)
+    assert result.returncode != 0
+    assert "Adam(fused=True) cannot be used with a gradient scaler (precision='16-mixed')" in result.stdout, \
+        result.stdout[-4000:]
     assert time.monotonic() - started < 60
 
 

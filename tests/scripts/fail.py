@@ -3,7 +3,9 @@
     python fail.py WHAT OUT_DIR     WHAT: forward | backward | kill | hang | interrupt | nan (stage 1 fails,
                                     dies, stops answering, is interrupted, or makes a NaN gradient
                                     under detect_anomaly=True) | no_body |
-                                    not_sequential | bad_balance | no_example (a model that cannot be split)
+                                    not_sequential | bad_balance | no_example (a model that cannot be split) |
+                                    sync_batchnorm (a Trainer setting the strategy refuses) |
+                                    fused_scaler (a fused optimizer under a gradient scaler, refused at setup)
 """
 
 from __future__ import annotations
@@ -72,8 +74,13 @@ class _NaNBackward(torch.autograd.Function):
 
 
 def main(what: str, out: str) -> None:
-    model = Model({"samples": 64, "batch_size": 8})
+    model = Model({"samples": 64, "batch_size": 8, "optimizer": "adam-fused" if what == "fused_scaler" else "sgd"})
     balance = [2, 2]
+    plugins = []
+    if what == "fused_scaler":
+        from pytorch_lightning.plugins import MixedPrecision
+
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
     if what in ("forward", "backward", "kill", "hang", "interrupt", "nan"):
         model.sequential_module = nn.Sequential(*list(model.sequential_module)[:3], Breaks(what))
     elif what == "no_body":
@@ -86,7 +93,7 @@ def main(what: str, out: str) -> None:
         model.example_input_array = None
         balance = None
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
-                         detect_anomaly=what == "nan",
+                         detect_anomaly=what == "nan", sync_batchnorm=what == "sync_batchnorm", plugins=plugins,
                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
                          strategy=PipeStrategy(balance=balance, microbatches=4,
                                                rpc_timeout_sec=float(os.environ.get("LP_TIMEOUT", 20))))

@@ -23,9 +23,12 @@ def main(out: str) -> None:
     config = {"log_metric": True, "validate": True, "epochs": 2, "samples": 32, "batch_size": 4}
     pl.seed_everything(7)
     model = Model(config)
+    # A buffer outside the state_dict, in a layer of stage 1: the gathered model must have it too.
+    model.sequential_module[3].register_buffer("hint", torch.arange(4.0), persistent=False)
     best = ModelCheckpoint(dirpath=os.path.join(out, "best"), monitor="val_loss", save_top_k=1)
+    every = ModelCheckpoint(dirpath=os.path.join(out, "epochs"), save_top_k=-1, every_n_epochs=1, filename="{epoch}")
     trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=PipeStrategy(balance=[2, 2], microbatches=2),
-                         max_epochs=2, logger=False, enable_progress_bar=False, callbacks=[best],
+                         max_epochs=2, logger=False, enable_progress_bar=False, callbacks=[best, every],
                          default_root_dir=out, num_sanity_val_steps=0)
     loader = DataLoader(data(model.config), batch_size=4)
     trainer.fit(model, loader, loader)
@@ -34,11 +37,18 @@ def main(out: str) -> None:
     tested = trainer.test(model, loader, verbose=False)
     predicted = trainer.predict(model, loader)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
-    trainer.strategy.rpc_save_model(
-        trainer, lambda t, path: torch.save(t.lightning_module.state_dict(), path), os.path.join(out, "whole.pt"))
+
+    def save_whole(t: pl.Trainer, path: str) -> None:
+        torch.save({**t.lightning_module.state_dict(), **dict(t.lightning_module.named_buffers())}, path)
+
+    trainer.strategy.rpc_save_model(trainer, save_whole, os.path.join(out, "whole.pt"))
+    # A new Trainer takes over the same pipeline and loads every stage's weights from a checkpoint.
+    again = pl.Trainer(accelerator="cpu", devices=4, strategy=PipeStrategy(balance=[2, 2], microbatches=4),
+                       logger=False, enable_progress_bar=False, default_root_dir=out)
+    retested = again.test(model, loader, ckpt_path=os.path.join(out, "epochs", "epoch=0.ckpt"), verbose=False)
     if trainer.is_global_zero:
         torch.save({"fit": fit_metrics, "best": best.best_model_path, "best_score": float(best.best_model_score),
-                    "validate": validated, "test": tested,
+                    "validate": validated, "test": tested, "retested": retested,
                     "predict": torch.cat(predicted), "world_size": trainer.world_size}, os.path.join(out, "phases.pt"))
 
 

@@ -24,6 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "manual": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
     "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
     "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
+    "sanity_steps": 0, "configure_model": False,
 }
 
 
@@ -88,6 +89,10 @@ class Model(pl.LightningModule):
         c = self.config
         if c["optimizer"] == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=c["lr"], momentum=0.9)
+        elif c["optimizer"] == "adam-fused":
+            opt = torch.optim.Adam(self.parameters(), lr=0.01, fused=True)
+        elif c["optimizer"] == "adagrad":  # builds per-parameter state in its constructor
+            opt = torch.optim.Adagrad(self.parameters(), lr=c["lr"], initial_accumulator_value=0.1)
         else:  # adamw with parameter groups by name: no weight decay on biases
             decay = [p for n, p in self.named_parameters() if not n.endswith("bias")]
             no_decay = [p for n, p in self.named_parameters() if n.endswith("bias")]
@@ -103,6 +108,20 @@ class Model(pl.LightningModule):
         if c["scheduler"] == "step":
             return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)}
         return opt
+
+
+class LazyModel(Model):
+    """The same model with its body built in ``configure_model`` (once the processes run), the way large
+    models are built; its checkpoints load into :class:`Model`."""
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        super().__init__(config)
+        del self.sequential_module
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "sequential_module"):
+            torch.manual_seed(self.config["seed"] + 1)
+            self.sequential_module = make_body(self.config)
 
 
 def data(config: dict[str, Any]) -> TensorDataset:
@@ -142,7 +161,7 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     kwargs: dict[str, Any] = dict(
         accelerator="cpu", max_epochs=config["epochs"], max_steps=config["max_steps"], logger=False,
         enable_progress_bar=False, enable_model_summary=not plain, **precision,
-        accumulate_grad_batches=config["accumulate"], default_root_dir=out, num_sanity_val_steps=0,
+        accumulate_grad_batches=config["accumulate"], default_root_dir=out, num_sanity_val_steps=config["sanity_steps"],
         limit_val_batches=2 if config["validate"] else 0, deterministic=True,
     )
     if not config["manual"] and config["clip"]:
@@ -188,7 +207,7 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
     if os.environ.get("LP_CRASH_AT_SAVE"):
         crash_at_save(int(os.environ["LP_CRASH_AT_SAVE"]))
     pl.seed_everything(config["seed"], workers=True)
-    model = Model(config)
+    model = (LazyModel if config["configure_model"] else Model)(config)
     trainer = trainer_for(config, out, plain)
     dataset = data(config)
     if plain:
