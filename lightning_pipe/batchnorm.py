@@ -81,18 +81,23 @@ class DeferredBatchNorm(_BatchNorm):
     def convert(cls, module: nn.Module) -> nn.Module:
         """Return ``module`` with every BatchNorm that tracks running statistics replaced by a deferred one.
 
-        Parameters and buffers are shared with the replaced layers' values (copied into the new module);
+        The new layers hold the very parameters and buffers of the replaced ones (the same tensor objects:
+        ``requires_grad`` is kept and an optimizer built before converting still updates them);
         ``SyncBatchNorm`` and BatchNorm without running statistics are left as they are.
         """
         if isinstance(module, _BatchNorm) and not isinstance(module, (cls, nn.SyncBatchNorm)) \
                 and module.track_running_stats:
-            device = module.running_mean.device if module.running_mean is not None else None
-            deferred = cls(module.num_features, module.eps, module.momentum, module.affine, device=device)
-            deferred.load_state_dict(module.state_dict())
-            deferred.to(module.running_mean.dtype if module.running_mean is not None else torch.float32)
+            running_mean = module.running_mean
+            assert running_mean is not None  # tracked running statistics
+            # Statistics accumulate in float32 whatever the dtype (the constructor makes them so).
+            deferred = cls(module.num_features, module.eps, module.momentum, module.affine,
+                           device=running_mean.device, dtype=running_mean.dtype)
+            for name in ("weight", "bias"):
+                if getattr(module, name) is not None:
+                    setattr(deferred, name, getattr(module, name))
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                setattr(deferred, name, getattr(module, name))
             deferred.train(module.training)
-            for name in ("_count", "_mean", "_m2"):  # statistics accumulate in float32 whatever the dtype
-                setattr(deferred, name, getattr(deferred, name).float())
             return deferred
         for name, child in module.named_children():
             converted = cls.convert(child)

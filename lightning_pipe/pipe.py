@@ -67,11 +67,18 @@ def check_sequential(module: Any, what: str = "module") -> None:
     """Reject a module that is not an ``nn.Sequential`` of distinct children with unshared parameters."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"{what} must be nn.Sequential to be partitioned (got: {type(module).__name__})")
-    children = list(module.children())
-    if len(children) != len(module) or len({id(c) for c in children}) != len(children):
-        names = [n for n, c in module.named_children() if sum(c is d for d in children) > 1]
+    empty = [name for name, child in module._modules.items() if child is None]
+    if empty:
+        raise ValueError(f"{what} has positions without a layer (names: {', '.join(map(repr, empty))}); "
+                         "remove them or put a layer there")
+    positions: dict[int, list[str]] = {}
+    for name, child in module._modules.items():  # every position; children() would drop the repeats
+        positions.setdefault(id(child), []).append(name)
+    repeated = [names for names in positions.values() if len(names) > 1]
+    if repeated:
+        where = "; ".join(", ".join(map(repr, names)) for names in repeated)
         raise ValueError(f"{what} with duplicate children is not supported (the same layer appears as: "
-                         f"{', '.join(names)}); give each position its own layer")
+                         f"{where}); give each position its own layer")
     owner: dict[int, str] = {}
     for name, child in module.named_children():
         for pname, p in child.named_parameters():
@@ -105,6 +112,15 @@ def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Seque
     return partitions
 
 
+def normalize_device(device: Device) -> torch.device:
+    """``device`` as a ``torch.device``; a CUDA device without an index becomes the current one (``"cuda"``
+    is ``cuda:0`` by default), so that it compares equal to the device of the tensors placed on it."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _default_devices(n: int) -> list[torch.device]:
     if torch.cuda.is_available():
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
@@ -117,14 +133,19 @@ class _PipeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, pipeline: Any, run: Run, microbatches: list[Batch], phony: Tensor,
                 *inputs: Tensor) -> Any:
-        outputs = gather(pipeline.forward(run, microbatches, save=True))
+        batches = pipeline.forward(run, microbatches, save=True)
+        outputs = gather(batches)
         ctx.pipeline, ctx.run = pipeline, run
         ctx.input_devices = [t.device for t in inputs]
         ctx.needs = [t.requires_grad for t in inputs]
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*[t for t in outputs.tensors if not t.requires_grad])
+        # An output is differentiable where a micro-batch's is (the joined tensor, made without grad, cannot
+        # tell); the mark must name the very tensors returned, not those they were detached from.
+        differentiable = [any(t.requires_grad for t in column) for column in zip(*(b.tensors for b in batches))]
+        results = tuple(t.detach() for t in outputs.tensors)
+        ctx.mark_non_differentiable(*[r for r, d in zip(results, differentiable) if not d])
         run.atomic = outputs.atomic
-        return tuple(t.detach() for t in outputs.tensors)
+        return results
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor | None) -> Any:
@@ -196,7 +217,7 @@ class Pipe(nn.Module):
         verify_skippables(module)
         if devices is None:
             devices = _default_devices(len(balance))
-        devices = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+        devices = [normalize_device(d) for d in devices]
         if len(balance) > len(devices):
             raise IndexError(f"too few devices to hold given partitions (devices: {len(devices)}, "
                              f"partitions: {len(balance)})")
@@ -217,9 +238,14 @@ class Pipe(nn.Module):
     def __len__(self) -> int:
         return sum(len(p) for p in self.partitions)
 
-    def __getitem__(self, index: int) -> nn.Module:
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        """The layer at ``index``; a slice gives an ``nn.Sequential`` of those layers (the same objects, under
+        their names in the pipe), as slicing an ``nn.Sequential`` does."""
+        if isinstance(index, slice):
+            named = [item for partition in self.partitions for item in partition.named_children()]
+            return nn.Sequential(OrderedDict(named[index]))
         if not isinstance(index, int):
-            raise TypeError(f"Pipe indices must be integers (got: {type(index).__name__})")
+            raise TypeError(f"Pipe indices must be integers or slices (got: {type(index).__name__})")
         size = len(self)
         if not -size <= index < size:
             raise IndexError(f"index {index} is out of range for a pipe of {size} layers")

@@ -11,6 +11,15 @@ gradients for the stage before it::
 
 A stage knows nothing of where its neighbours are: the pipeline moves tensors between stages, whether
 they are a thread or a process away.
+
+In-place operations on a partition's input. What a stage receives may share storage with what another
+stage saved (a handed-on output is the previous stage's tensor, detached), and a checkpointed micro-batch
+recomputes from the very inputs it saved, so nothing may change them. A partition holding a module set to
+work in place (``inplace=True``, as ``nn.ReLU`` and ``nn.Dropout`` have; decided once per stage) gives its
+layers copies of the inputs of every forward that backward needs. Without such a module no copy is made;
+an in-place operation on the input in custom code is then caught by the inputs' version counters: after
+each layer of a checkpointed forward, and again before recomputation, which would otherwise give silently
+wrong gradients.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ class _Saved:
     context: Callable[[], ContextManager[None]]  # autocast state of the forward, for recomputation
     outputs: tuple[Tensor, ...] | None  # None: checkpointed, recompute in backward
     exports: dict[SkipKey, Tensor] | None
+    versions: tuple[int, ...] = ()  # of inputs and imports after a checkpointed forward: unchanged till recomputed
 
 
 def _move(t: Tensor, device: torch.device) -> Tensor:
@@ -63,6 +73,16 @@ def _leaf(t: Tensor, device: torch.device, requires_grad: bool) -> Tensor:
     if requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)
     return t
+
+
+def _has_inplace(partition: nn.Module) -> bool:
+    """Whether any module of ``partition`` is set to modify its input in place (``inplace=True``)."""
+    return any(getattr(m, "inplace", False) is True for m in partition.modules())
+
+
+def _versions(tensors: Sequence[Tensor]) -> tuple[int, ...]:
+    """The version counters of ``tensors`` (bumped by every in-place operation on their storage)."""
+    return tuple(-1 if t.is_inference() else t._version for t in tensors)
 
 
 def _handoff(t: Tensor) -> Tensor:
@@ -88,28 +108,46 @@ class Stage:
         self._saved: dict[tuple[Hashable, int], _Saved] = {}
         self._lock = threading.Lock()
         self.recorder: Recorder | None = None  # set to record when each micro-batch ran (a timeline)
+        self.inplace = _has_inplace(partition)  # whether its layers get copies of inputs backward needs
 
     # ------------------------------------------------------------------ running the layers
-    def _value(self, leaves: tuple[Tensor, ...], atomic: bool) -> Any:
-        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves) and \
-                getattr(self.partition[0], "inplace", False):
-            # An in-place first layer may not modify a leaf that requires grad: give it a copy.
-            leaves = tuple(t.clone() for t in leaves)
-        return Batch(leaves, atomic).value
+    def _given(self, leaves: tuple[Tensor, ...], imports: Mapping[SkipKey, Tensor], keep: bool
+               ) -> tuple[tuple[Tensor, ...], dict[SkipKey, Tensor]]:
+        """What the layers receive: the inputs and imports themselves or, with ``keep`` in a partition that
+        has an in-place module, copies (autograd refuses in-place operations on leaves that require grad;
+        recomputation needs the inputs as they were)."""
+        if not (keep and self.inplace):
+            return leaves, dict(imports)
+        return tuple(t.clone() for t in leaves), {k: t.clone() for k, t in imports.items()}
+
+    def _where(self, k: int, name: str, layer: nn.Module) -> str:
+        return f"layer {self.offset + k} ('{name}': {type(layer).__name__}) on {self.device}"
 
     def _run(self, value: Any, imports: Mapping[SkipKey, Tensor], seed: Callable[[], int],
-             microbatch: int) -> tuple[Batch, dict[SkipKey, Tensor]]:
+             microbatch: int, watch: Sequence[Tensor] = ()) -> tuple[Batch, dict[SkipKey, Tensor]]:
+        """Run the layers on ``value``; raise as soon as one modifies a tensor of ``watch`` in place."""
         tracker = SkipTracker(imports, self.exports)
+        versions = _versions(watch)
         with use_skip_tracker(tracker), StageRandom(lambda: mix_seed(seed(), self.index, microbatch)):
             for k, (name, layer) in enumerate(self.partition.named_children()):
                 try:
                     value = layer(value)
                 except BaseException as exc:
                     if not getattr(exc, "_lightning_pipe_located", False):
-                        exc.add_note(f"raised in partition {self.index}, layer {self.offset + k} "
-                                     f"('{name}': {type(layer).__name__}) on {self.device}")
+                        exc.add_note(f"raised in partition {self.index}, {self._where(k, name, layer)}")
+                        if "leaf Variable that requires grad" in str(exc):
+                            exc.add_note("the partition's inputs are leaves of its autograd graph, which may "
+                                         "not be modified in place: make that operation out of place "
+                                         "(x = x + y rather than x += y), or copy the input first (x.clone())")
                         exc._lightning_pipe_located = True  # type: ignore[attr-defined]
                     raise
+                if watch and _versions(watch) != versions:
+                    raise RuntimeError(
+                        f"partition {self.index} modified its input in place in a checkpointed forward "
+                        f"(micro-batch {microbatch}, {self._where(k, name, layer)}); recomputation in backward "
+                        "would start from the modified input and give wrong gradients. Make that operation out of "
+                        "place (x = x + y rather than x += y, inplace=False) or copy the input first (x.clone())"
+                    )
         missing = sorted(key[1] for key in self.exports - tracker.exported.keys())
         if missing:
             raise RuntimeError(f"partition {self.index} did not stash {missing} in this forward; a skippable "
@@ -127,14 +165,18 @@ class Stage:
         start = time.time()
         leaves = tuple(_leaf(t, self.device, save and t.requires_grad) for t in inputs.tensors)
         got = {k: _leaf(t, self.device, save and t.requires_grad) for k, t in imports.items()}
+        # A checkpointed micro-batch recomputes from its saved inputs: they must come out as they went in.
+        watch = (*leaves, *got.values()) if save and checkpoint else ()
         context = checkpointing() if save and checkpoint else nullcontext()
         with context, torch.set_grad_enabled(save and not checkpoint):
-            outputs, exports = self._run(self._value(leaves, inputs.atomic), dict(got), seed, microbatch)
+            given, given_imports = self._given(leaves, got, save)  # copies, if any, are part of the graph
+            outputs, exports = self._run(Batch(given, inputs.atomic).value, given_imports, seed, microbatch,
+                                         watch)
         if save:
             kept = None if checkpoint else outputs.tensors
             with self._lock:
                 self._saved[(run, microbatch)] = _Saved(leaves, got, inputs.atomic, seed, capture_context(), kept,
-                                                        None if checkpoint else exports)
+                                                        None if checkpoint else exports, _versions(watch))
         if save and self.recorder is not None:
             self.recorder.record(self.index, "F", [microbatch], run, start)  # type: ignore[arg-type]
         if last and self.partition.training:
@@ -152,9 +194,16 @@ class Stage:
         return outputs.with_tensors([mark(t) for t in outputs.tensors]), {k: mark(t) for k, t in exports.items()}
 
     def _recompute(self, saved: _Saved, microbatch: int) -> tuple[tuple[Tensor, ...], dict[SkipKey, Tensor]]:
+        if _versions((*saved.inputs, *saved.imports.values())) != saved.versions:
+            raise RuntimeError(
+                f"the inputs that partition {self.index} saved to recompute micro-batch {microbatch} were "
+                "modified in place after its forward (by code that changed the pipe's input or output, or a "
+                "tensor handed on between partitions, before backward); recomputation would give wrong "
+                "gradients. Leave them unchanged until backward, change a copy, or use checkpoint='never'"
+            )
         with saved.context(), recomputing(), torch.enable_grad():
-            outputs, exports = self._run(self._value(saved.inputs, saved.atomic), dict(saved.imports),
-                                         saved.seed, microbatch)
+            given, given_imports = self._given(saved.inputs, saved.imports, True)
+            outputs, exports = self._run(Batch(given, saved.atomic).value, given_imports, saved.seed, microbatch)
         return outputs.tensors, exports
 
     def backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]]

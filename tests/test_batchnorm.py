@@ -57,3 +57,29 @@ def test_convert_leaves_untracked_and_sync_batchnorm():
     m = nn.Sequential(nn.BatchNorm1d(3, track_running_stats=False), nn.SyncBatchNorm(3))
     out = DeferredBatchNorm.convert(m)
     assert type(out[0]) is nn.BatchNorm1d and type(out[1]) is nn.SyncBatchNorm
+
+
+def test_convert_keeps_the_parameters_and_buffers_themselves():
+    # Conversion used to build new parameters and load the old values into them: a frozen BatchNorm came
+    # back trainable, and an optimizer built before wrapping updated tensors the model no longer used.
+    bn = nn.BatchNorm1d(3).double()
+    bn.requires_grad_(False)
+    bn.running_mean.add_(1)
+    deferred = DeferredBatchNorm.convert(nn.Sequential(bn))[0]
+    assert isinstance(deferred, DeferredBatchNorm)
+    assert deferred.weight is bn.weight and deferred.bias is bn.bias
+    assert not deferred.weight.requires_grad and not deferred.bias.requires_grad
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert getattr(deferred, name) is getattr(bn, name), name
+    assert deferred._mean.dtype == torch.float32  # statistics accumulate in float32 whatever the dtype
+    assert deferred(torch.randn(4, 3, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_optimizer_built_before_wrapping_trains_the_pipe():
+    plain = conv_model()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    piped = Pipe(plain, [1, 4], chunks=2, deferred_batch_norm=True)
+    before = piped[1].weight.detach().clone()
+    piped(torch.randn(4, 3, 5, 5)).pow(2).sum().backward()
+    optimizer.step()
+    assert not torch.equal(piped[1].weight, before)

@@ -39,6 +39,44 @@ def test_sequential_interface():
         pipe[5]
 
 
+def test_slicing_gives_a_sequential_of_the_same_layers():
+    m = model(5)
+    layers = list(m)
+    pipe = Pipe(m, [2, 3])
+    for index in (slice(1, 3), slice(None), slice(-2, None), slice(None, None, -2), slice(4, 1)):
+        part = pipe[index]
+        assert isinstance(part, nn.Sequential)
+        assert list(part) == layers[index]  # the very layer objects
+        assert list(part._modules) == [str(k) for k in range(5)][index]  # their names in the pipe
+    named = nn.Sequential()
+    named.add_module("first", nn.Linear(2, 2))
+    named.add_module("second", nn.ReLU())
+    named.add_module("third", nn.Linear(2, 2))
+    assert list(Pipe(named, [1, 2])[1:]._modules) == ["second", "third"]
+    with pytest.raises(TypeError, match=r"integers or slices \(got: str\)"):
+        pipe["0"]
+
+
+def test_cuda_without_index_is_the_current_device(monkeypatch):
+    # "cuda" must equal the device of tensors placed on it ("cuda:N"), or the pipeline does not see that
+    # a stage runs on the backward's own device (and must run there inline rather than on its worker).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)  # no GPU needed
+    pipe = Pipe(model(), [2, 2], devices=["cuda", torch.device("cuda")])
+    assert pipe.devices == [torch.device("cuda", 1)] * 2
+    assert Pipe(model(), [2, 2], devices=["cuda:0", 1]).devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert Pipe(model(), [2, 2], devices=["cpu", "cpu"]).devices == [torch.device("cpu")] * 2
+
+
+def test_cuda_without_index_kept_without_cuda(monkeypatch):
+    from lightning_pipe.pipe import normalize_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert normalize_device("cuda") == torch.device("cuda")
+    assert normalize_device(2) == torch.device("cuda", 2)
+
+
 def test_layer_names_kept():
     m = nn.Sequential()
     m.add_module("first", nn.Linear(2, 2))
@@ -102,8 +140,19 @@ def test_not_sequential():
 
 def test_duplicate_children():
     layer = nn.Linear(1, 1)
-    with pytest.raises(ValueError, match="duplicate children"):
+    with pytest.raises(ValueError, match=r"duplicate children .*\(the same layer appears as: '0', '1'\)"):
         Pipe(nn.Sequential(layer, layer), [1, 1])
+    other = nn.ReLU()
+    m = nn.Sequential(layer, other, nn.Linear(1, 1), layer, other)
+    with pytest.raises(ValueError, match=r"appears as: '0', '3'; '1', '4'\); give each position its own layer"):
+        Pipe(m, [2, 3])
+
+
+def test_empty_position():
+    m = nn.Sequential(nn.Linear(1, 1))
+    m.add_module("gap", None)
+    with pytest.raises(ValueError, match=r"positions without a layer \(names: 'gap'\)"):
+        Pipe(m, [1, 1])
 
 
 def test_shared_parameters():

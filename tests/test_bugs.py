@@ -1,0 +1,159 @@
+"""Regression tests: each tells the story of a bug the engine had, and checks that it stays fixed."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import Pipe
+
+MODES = ["always", "except_last", "never"]
+
+
+def run(model: nn.Module, x: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Output, input gradient and parameter gradients of ``model`` on ``x`` (a fresh leaf)."""
+    torch.manual_seed(seed)
+    x = x.clone().requires_grad_()
+    y = model(x)
+    (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+    return y.detach(), x.grad, [p.grad for p in model.parameters()]
+
+
+def assert_same(actual, expected) -> None:
+    (y, gx, gp), (ey, egx, egp) = actual, expected
+    torch.testing.assert_close(y, ey)
+    torch.testing.assert_close(gx, egx)
+    assert len(gp) == len(egp)
+    for k, (g, e) in enumerate(zip(gp, egp)):
+        torch.testing.assert_close(g, e, msg=f"parameter {k}")
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_inplace_layer_first_inside_a_container(checkpoint):
+    """Stages copied their input for in-place layers only when the partition's *first child* said
+    ``inplace=True``. A first child that is itself a container, ``nn.Sequential(nn.ReLU(inplace=True), ...)``,
+    got the stage's leaf, and the pipe failed with "a leaf Variable that requires grad is being used in an
+    in-place operation" where the plain model ran. Now the stage looks at every module of its partition."""
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 2)))
+    piped = Pipe(copy.deepcopy(plain), [1, 1], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(6, 4)
+    assert_same(run(piped, x), run(plain, x))
+
+
+@pytest.mark.parametrize("first", [nn.LeakyReLU(0.1, inplace=True), nn.Dropout(0.5, inplace=True)],
+                         ids=["leaky_relu", "dropout"])
+def test_inplace_first_layer_under_checkpointing(first):
+    """A checkpointed forward runs without grad and copied nothing, so an in-place first layer modified
+    the input the stage had saved for recomputation; backward then applied the layer a second time
+    (LeakyReLU's slope squared, dropout's mask and scale twice) and checkpoint='always' gave other
+    gradients than 'never'. Now a partition with an in-place module works on a copy of saved inputs."""
+    plain = nn.Sequential(nn.Linear(4, 4), first, nn.Linear(4, 2))
+    x = torch.randn(6, 4)
+    never = run(Pipe(copy.deepcopy(plain), [1, 2], chunks=2, checkpoint="never"), x)
+    for checkpoint in ("always", "except_last"):
+        assert_same(run(Pipe(copy.deepcopy(plain), [1, 2], chunks=2, checkpoint=checkpoint), x), never)
+    if isinstance(first, nn.LeakyReLU):  # deterministic: the plain model agrees too
+        assert_same(never, run(plain, x))
+
+
+class Fork(nn.Module):
+    """Hands on its input untouched beside a new tensor."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x
+
+
+class Join(nn.Module):
+    """Applies an in-place activation to the second tensor it is given (a child, not the first layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.LeakyReLU(0.1, inplace=True)
+
+    def forward(self, xs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return xs[0] * self.act(xs[1])
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_inplace_on_a_tensor_the_previous_stage_saved(checkpoint):
+    """A stage hands on its outputs detached, sharing storage with the tensors they came from. Here
+    partition 1 hands on its own input, which it saved to recompute from, and partition 2 modifies it in
+    place in a nested layer: checkpointed, partition 1 recomputed from the modified tensor; otherwise the
+    in-place operation hit a leaf that requires grad. Partition 2 now works on a copy."""
+    plain = nn.Sequential(nn.Linear(4, 4), Fork(), Join(), nn.Linear(4, 2))
+    piped = Pipe(copy.deepcopy(plain), [1, 1, 2], chunks=3, checkpoint=checkpoint)
+    x = torch.randn(6, 4)
+    assert_same(run(piped, x), run(plain, x))
+
+
+class AddOne(nn.Module):
+    """Custom code that modifies its input in place, with no ``inplace`` attribute to say so."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1)
+
+
+def test_functional_inplace_on_the_input_of_a_checkpointed_forward_is_an_error():
+    """Custom code modifying a partition's input in place (``x.add_(1)``) gives no module to look at. In a
+    checkpointed forward it changed the saved input, and backward recomputed from it: gradients were
+    silently wrong. The stage now compares the inputs' version counters after each layer of a
+    checkpointed forward and says which partition and layer did it."""
+    model = nn.Sequential(nn.Linear(4, 4), AddOne(), nn.Linear(4, 2))
+    piped = Pipe(model, [1, 2], chunks=2, checkpoint="always")
+    with pytest.raises(RuntimeError, match=r"partition 1 modified its input in place in a checkpointed forward "
+                                           r"\(micro-batch 0, layer 1 \('1': AddOne\)"):
+        piped(torch.randn(6, 4))
+
+
+def test_input_changed_between_forward_and_backward_is_an_error():
+    """The first stage saves views of the pipe's input to recompute checkpointed micro-batches. Changing
+    the input in place after the forward made backward recompute from the new values without a word (the
+    plain model's autograd refuses). The stage records the version counters of what it saved and
+    checks them before recomputing."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    piped = Pipe(model, [1, 1], chunks=2, checkpoint="always")
+    x = torch.randn(6, 4)
+    y = piped(x)
+    x.add_(1)
+    with pytest.raises(RuntimeError, match=r"inputs that partition 0 saved to recompute micro-batch \d were "
+                                           "modified in place after its forward"):
+        y.sum().backward()
+
+
+def test_common_path_gives_layers_the_inputs_without_a_copy():
+    """Copying is for partitions with an in-place module: without one, layers see the stage's input
+    tensors themselves (no copy per micro-batch)."""
+    seen = []
+
+    class Look(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x)
+            return x * 1
+
+    piped = Pipe(nn.Sequential(nn.Linear(4, 4), Look()), [1, 1], chunks=2, checkpoint="never")
+    piped(torch.randn(6, 4)).sum().backward()
+    assert [s.is_leaf and s.requires_grad for s in seen] == [True, True]  # the stage's leaves, not copies
+
+
+class WithMask(nn.Module):
+    """Returns its input and a float tensor that depends on nothing differentiable."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, (x > 0).float()
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_output_without_grad_does_not_require_grad(chunks):
+    """``_PipeFunction.forward`` marked as non-differentiable the tensors from before ``.detach()``, not
+    those it returned, so autograd never saw the mark: a float output that requires no grad came back
+    with ``requires_grad=True`` (the plain model: False). With several micro-batches the joined output
+    could not tell either, being made without grad; the flag now comes from the micro-batches. (A
+    checkpointed micro-batch, run without grad, cannot tell: its float outputs are taken to need grad.)"""
+    plain = nn.Sequential(nn.Linear(4, 4), WithMask())
+    piped = Pipe(copy.deepcopy(plain), [1, 1], chunks=chunks, checkpoint="never")
+    x = torch.randn(6, 4)
+    expected, actual = plain(x), piped(x)
+    assert [t.requires_grad for t in actual] == [t.requires_grad for t in expected] == [True, False]
+    actual[0].sum().backward()
+    assert all(p.grad is not None for p in piped.parameters())
