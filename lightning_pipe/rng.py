@@ -7,6 +7,14 @@ a thread-local ``TorchFunctionMode`` that hands every random operation a generat
 ``(run seed, stage, micro-batch)``. The same micro-batch recomputed in backward replays the same seed, so
 checkpointed dropout masks match the first forward exactly.
 
+Only the functions in the tables below are routed: functions that take a ``generator=``, the dropout family,
+``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (written out, as ATen's math backend computes it) and
+``rrelu`` in training. A mode does not see the calls made inside a function it handles, so the Python
+functions in ``_COMPOSITES`` (``F.multi_head_attention_forward``, which calls scaled-dot-product attention or
+dropout, and ``F.gumbel_softmax``) are run under the mode with their own override check switched off. Other
+random draws (inside C++ operations, or inside other Python functions such as ``F.fractional_max_pool2d``) use
+the default generator and are not replayed.
+
 The run seed is drawn from the process's default CPU generator the first time a partition needs random
 numbers, so ``torch.manual_seed`` makes runs reproducible, and a model with no random operation consumes
 nothing from the default generator (its data shuffling stays the same as without the pipeline).
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +71,26 @@ _GENERATOR_FUNCTIONS = {
     Tensor.exponential_, Tensor.geometric_, Tensor.cauchy_, Tensor.log_normal_, Tensor.multinomial,
 }  # fmt: skip
 
+_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _no_override(*args: Any) -> bool:
+    return False
+
+
+def _open(func: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of a Python torch function whose ``has_torch_function*`` checks say no, so that under the mode its
+    body runs (and the mode sees the calls it makes) instead of handing the call back to the mode."""
+    opened = types.FunctionType(func.__code__, {**func.__globals__, **dict.fromkeys(_CHECKS, _no_override)},
+                                func.__name__, func.__defaults__, func.__closure__)
+    opened.__kwdefaults__ = func.__kwdefaults__
+    return opened
+
+
+# Only functions that check for overrides by one of those names (else the copy would hand itself back forever).
+_COMPOSITES = {f: _open(f) for f in (F.multi_head_attention_forward, F.gumbel_softmax)
+               if set(_CHECKS) & set(f.__code__.co_names)}
+
 _ALPHA = 1.7580993408473766  # SELU's -alpha * scale, as in ATen's alpha dropout
 
 
@@ -73,12 +102,46 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
+def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+              is_causal: bool = False, *, scale: float | None = None, enable_gqa: bool = False,
+              generator: torch.Generator | None = None) -> Tensor:
+    """``F.scaled_dot_product_attention`` written out as ATen's math backend computes it, with the dropout mask
+    drawn from ``generator``: ``softmax(q @ k.T * scale + mask)``, dropped and scaled by ``1 / (1 - p)``, ``@ v``."""
+    if dropout_p < 0.0 or dropout_p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
+    if is_causal and attn_mask is not None:
+        raise ValueError(f"attn_mask should not be set when is_causal=True (attn_mask: {tuple(attn_mask.shape)})")
+    dtype = query.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # the math backend keeps intermediates in float32
+        query, key, value = query.float(), key.float(), value.float()
+    if enable_gqa:
+        heads, kv_heads = query.size(-3), key.size(-3)
+        if heads % kv_heads or value.size(-3) != kv_heads:
+            raise ValueError("the heads of key and value must be equal and divide those of query "
+                             f"(query: {heads}, key: {kv_heads}, value: {value.size(-3)})")
+        key = key.repeat_interleave(heads // kv_heads, -3)
+        value = value.repeat_interleave(heads // kv_heads, -3)
+    if is_causal:  # upper-left aligned: query i sees keys 0..i
+        attn_mask = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+    scores = query @ key.transpose(-2, -1) * (1.0 / math.sqrt(query.size(-1)) if scale is None else scale)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # True: takes part in attention
+        scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    attn = torch.ops.aten._safe_softmax(scores, -1)  # a row with every key masked out gives zeros, not NaN
+    if dropout_p > 0.0:
+        keep = torch.bernoulli(torch.full_like(attn, 1.0 - dropout_p), generator=generator).to(torch.bool)
+        attn = attn * keep * (0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p))
+    return (attn @ value).to(dtype)
+
+
 class StageRandom(TorchFunctionMode):
     """Route the random operations of one partition's forward to generators seeded by ``seed()``.
 
     Operations that take a ``generator=`` argument get one for their device; dropout, which takes none,
     is computed here from a Bernoulli mask drawn from the same generator (a boolean mask is saved for
-    backward, as the built-in dropout does).
+    backward, as the built-in dropout does), and so is attention with dropout; ``rrelu`` in training gets the
+    generator its ATen kernel takes.
     """
 
     def __init__(self, seed: Callable[[], int]) -> None:
@@ -101,9 +164,13 @@ class StageRandom(TorchFunctionMode):
             if kwargs.get("generator") is None:
                 kwargs["generator"] = self.generator(_device_of(args, kwargs))
             return func(*args, **kwargs)
-        dropout = _DROPOUTS.get(func)
-        if dropout is not None:
-            return dropout(self, *args, **kwargs)
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(self, *args, **kwargs)
+        opened = _COMPOSITES.get(func)
+        if opened is not None:
+            with self:  # the mode is popped while it handles a call: push it back for the calls inside
+                return opened(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _mask(self, input: Tensor, p: float, feature: int) -> Tensor:
@@ -146,6 +213,25 @@ class StageRandom(TorchFunctionMode):
             return input.mul_(keep * a).add_(b)
         return input * (keep * a) + b
 
+    def attention(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                  enable_gqa: bool = False) -> Tensor:
+        """Scaled-dot-product attention: the native kernel without dropout, else :func:`attention`."""
+        if dropout_p == 0.0:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                                  enable_gqa=enable_gqa)
+        return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
+                         generator=self.generator(query.device))
+
+    def rrelu(self, input: Tensor, lower: float = 1.0 / 8, upper: float = 1.0 / 3, training: bool = False,
+              inplace: bool = False, generator: torch.Generator | None = None) -> Tensor:
+        """Randomized leaky ReLU: in training each negative slope is drawn from ``U(lower, upper)`` by the stage's
+        generator (ATen's kernel takes one); in eval the fixed slope ``(lower + upper) / 2``, natively."""
+        native = torch.rrelu_ if inplace else torch.rrelu
+        if training and generator is None:
+            generator = self.generator(input.device)
+        return native(input, lower, upper, training, generator=generator)
+
 
 def _feature(method: Callable[..., Tensor], dims: int) -> Callable[..., Tensor]:
     return lambda mode, *args, **kwargs: method(mode, *args, feature=dims, **kwargs)
@@ -156,7 +242,13 @@ def _native(method: Callable[..., Tensor], dims: int) -> Callable[..., Tensor]:
     return lambda mode, input, p, train: method(mode, input, p, train, feature=dims)
 
 
-_DROPOUTS: dict[Any, Callable[..., Tensor]] = {
+def _aten_rrelu(inplace: bool) -> Callable[..., Tensor]:
+    # torch.rrelu(input, lower, upper, training, generator) and torch.rrelu_ take no ``inplace``.
+    return lambda mode, input, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None: mode.rrelu(
+        input, lower, upper, training, inplace, generator)
+
+
+_HANDLERS: dict[Any, Callable[..., Tensor]] = {
     F.dropout: StageRandom.dropout,
     F.dropout1d: _feature(StageRandom.dropout, 1),
     F.dropout2d: _feature(StageRandom.dropout, 2),
@@ -165,4 +257,8 @@ _DROPOUTS: dict[Any, Callable[..., Tensor]] = {
     F.feature_alpha_dropout: _feature(StageRandom.alpha_dropout, 2),
     torch.dropout: _native(StageRandom.dropout, 0),
     torch.alpha_dropout: _native(StageRandom.alpha_dropout, 0),
+    F.scaled_dot_product_attention: StageRandom.attention,
+    F.rrelu: StageRandom.rrelu,
+    torch.rrelu: _aten_rrelu(False),
+    torch.rrelu_: _aten_rrelu(True),
 }

@@ -4,9 +4,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_pipe import Pipe, is_checkpointing, is_recomputing
+from lightning_pipe.rng import StageRandom, attention
 
 
 class Counter(nn.Module):
@@ -112,3 +114,126 @@ def test_recomputation_does_not_touch_batchnorm_running_stats():
     b(x).sum().backward()
     assert torch.equal(a[1].running_mean, b[1].running_mean)
     assert torch.equal(a[1].num_batches_tracked, b[1].num_batches_tracked)
+
+
+# --------------------------------------------------------------------------- random draws inside other functions
+class SelfAttention(nn.Module):
+    """Multi-head self-attention returning its output; with weights, dropout runs inside the functional MHA."""
+
+    def __init__(self, need_weights: bool):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, dropout=0.3, batch_first=True)
+        self.need_weights = need_weights
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=self.need_weights)[0]
+
+
+def random_model(kind: str) -> tuple[nn.Sequential, list[int], torch.Tensor]:
+    torch.manual_seed(0)
+    if kind == "rrelu":
+        layers = [nn.Linear(8, 32), nn.RReLU(), nn.Linear(32, 32), nn.RReLU(0.05, 0.6, inplace=True), nn.Linear(32, 4)]
+        return nn.Sequential(*layers), [2, 3], torch.randn(16, 8)
+    if kind == "transformer":  # its self-attention calls scaled_dot_product_attention with dropout_p=0.1
+        block = [nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.1, batch_first=True)]
+    else:  # the attention weights are dropped by F.dropout inside F.multi_head_attention_forward
+        block = [SelfAttention(need_weights=True)]
+    layers = [nn.Linear(16, 16), *block, nn.Linear(16, 16), *copy.deepcopy(block), nn.Linear(16, 4)]
+    return nn.Sequential(*layers), [2, 3], torch.randn(8, 5, 16)
+
+
+def run_random(kind: str, mode: str, chunks: int, seed: int = 7):
+    model, balance, x = random_model(kind)
+    pipe = Pipe(model, balance, chunks=chunks, checkpoint=mode)
+    torch.manual_seed(seed)
+    y = pipe(x)
+    y.pow(2).sum().backward()
+    return y.detach(), [p.grad.clone() for p in pipe.parameters()]
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("kind", ["transformer", "attention_weights", "rrelu"])
+def test_recomputation_replays_attention_dropout_and_rrelu_exactly(kind, chunks):
+    y0, g0 = run_random(kind, "never", chunks)
+    for mode in ["always", "except_last"]:
+        y, g = run_random(kind, mode, chunks)
+        assert torch.equal(y, y0), mode
+        assert all(torch.equal(a, b) for a, b in zip(g, g0)), f"gradients differ with checkpoint={mode}"
+    y1, g1 = run_random(kind, "always", chunks)  # and again: nothing depends on thread timing
+    assert torch.equal(y1, y0) and all(torch.equal(a, b) for a, b in zip(g1, g0))
+    y2, _ = run_random(kind, "never", chunks, seed=8)
+    assert not torch.equal(y2, y0)  # the layers are random: another seed gives other draws
+
+
+def test_routed_functions_draw_nothing_from_the_default_generator():
+    x = torch.randn(2, 2, 6, 8)
+    mha = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+
+    def draws(default_seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(default_seed)
+        with StageRandom(lambda: 1234):
+            return [F.scaled_dot_product_attention(x, x, x, dropout_p=0.5, is_causal=True),
+                    mha(x[0], x[0], x[0], need_weights=False)[0], mha(x[0], x[0], x[0])[0],
+                    F.rrelu(x, training=True), torch.rrelu(x, 0.1, 0.3, True), F.rrelu_(x.clone(), training=True),
+                    F.gumbel_softmax(x[0, 0])]
+
+    for a, b in zip(draws(1), draws(2)):
+        assert torch.equal(a, b)
+    rrelu = draws(1)[3]
+    slope = rrelu[x < 0] / x[x < 0]
+    assert torch.equal(rrelu[x >= 0], x[x >= 0])
+    assert 1 / 8 <= slope.min() and slope.max() <= 1 / 3 and slope.std() > 0.02  # a slope per element
+
+
+def test_attention_without_dropout_and_eval_rrelu_are_native_and_draw_no_seed():
+    x = torch.randn(2, 2, 6, 8)
+    seed_asked = []
+    with StageRandom(lambda: seed_asked.append(1) or 1234):
+        y = F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        r = F.rrelu(x, 0.1, 0.3, training=False)
+    assert torch.equal(y, F.scaled_dot_product_attention(x, x, x, is_causal=True))
+    assert torch.equal(r, torch.where(x >= 0, x, x * 0.2))
+    assert seed_asked == []
+
+
+def sdpa_cases():
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 3)
+    bool_mask = torch.rand(5, 7) > 0.4
+    bool_mask[1] = False  # a query that sees no key: zeros, as the native kernel gives
+    yield "plain", (q, k, v), {}
+    yield "causal_square", (q, q, q), {"is_causal": True}
+    yield "causal_rect", (q, k, v), {"is_causal": True}
+    yield "bool_mask", (q, k, v, bool_mask), {}
+    yield "float_mask", (q, k, v, torch.randn(2, 1, 5, 7)), {}
+    yield "scale", (q, k, v), {"scale": 0.3}
+    kv = torch.randn(2, 2, 7, 8)
+    yield "gqa", (q, kv, kv), {"enable_gqa": True, "scale": 0.5}
+    yield "double", (q.double(), k.double(), v.double()), {"is_causal": True}
+
+
+@pytest.mark.parametrize("name,args,kwargs", list(sdpa_cases()), ids=[c[0] for c in sdpa_cases()])
+def test_written_out_attention_matches_the_native_kernel(name, args, kwargs):
+    expected = F.scaled_dot_product_attention(*args, **kwargs)
+    actual = attention(*args, **kwargs)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected)
+    if name == "bool_mask":
+        assert torch.equal(actual[:, :, 1], torch.zeros_like(actual[:, :, 1]))
+
+
+def test_written_out_attention_drops_and_scales():
+    s, p = 64, 0.3
+    zero = torch.zeros(4, 64, s, 8)  # every key equally likely: weights 1/s; value = identity shows the weights
+    eye = torch.eye(s).expand(4, 64, s, s)
+    y = attention(zero, zero, eye, dropout_p=p, generator=torch.Generator().manual_seed(5))
+    assert set(y.unique().tolist()) == pytest.approx([0.0, 1 / (s * (1 - p))])
+    assert abs((y == 0).float().mean().item() - p) < 0.01
+    again = attention(zero, zero, eye, dropout_p=p, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(y, again)
+    assert torch.equal(attention(zero, zero, eye, dropout_p=1.0), torch.zeros_like(y))
+    with pytest.raises(ValueError, match="between 0 and 1, but got 1.5"):
+        attention(zero, zero, eye, dropout_p=1.5)
+    with pytest.raises(ValueError, match=r"is_causal=True \(attn_mask: \(64, 64\)\)"):
+        attention(zero, zero, eye, torch.ones(s, s, dtype=torch.bool), dropout_p=p, is_causal=True)
+    with pytest.raises(ValueError, match="query: 64, key: 3, value: 3"):
+        attention(zero, zero[:, :3], eye[:, :3], enable_gqa=True)
