@@ -14,8 +14,12 @@ Each round spawns a fresh 2-process job per engine (order alternating), times ``
 back to back, so a noisy minute hits both) and over all rounds. Parameters are never updated, so every step
 does the same work; gradients accumulate in both engines alike.
 
+``--paired N``: instead, one 2-process job holds both engines (RPC and a gloo group side by side, each engine
+with its own copy of the weights) and alternates them step by step, N steps each, with a barrier between
+steps: both see the same moment of a noisy machine, and the per-pair ratios give the spread.
+
     python benchmarks/bench_vs_pipelining.py [--width 1024] [--layers 8] [--batch 512] [--chunks 8]
-                                             [--rounds 6] [--steps 6] [--transport default]
+                                             [--rounds 6] [--steps 6] [--transport default] [--paired 40]
 """
 
 from __future__ import annotations
@@ -144,10 +148,75 @@ def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
         dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------------- both, step by step in one job
+def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
+    import torch.distributed as dist
+    import torch.distributed.rpc as rpc
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from lightning_pipe.pipe import run_pipeline
+    from lightning_pipe.remote import pipeline_over_rpc
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
+    kwargs: dict[str, Any] = {} if args.transport == "default" else {"_transports": [args.transport]}
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                     init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=RPC_TIMEOUT, num_worker_threads=16,
+                     **kwargs))
+    parts = halves(args)
+    ours = pipeline_over_rpc("bench", nn.Sequential(*parts[0], *parts[1]), [len(parts[0]), len(parts[1])],
+                             ["worker0", "worker1"], timeout=RPC_TIMEOUT)
+    part = halves(args)[rank]  # theirs: its own copy of the same weights
+    schedule = ScheduleGPipe(PipelineStage(part, rank, 2, torch.device("cpu")), args.chunks, loss_fn=loss_fn)
+    x, y = batch(args)
+
+    def ours_step() -> None:
+        if ours is not None:  # process 1 serves its stage from RPC threads meanwhile
+            loss_fn(run_pipeline(ours, x, chunks=args.chunks, checkpoint="never", training=True,
+                                 parameters=parts[0].parameters()), y).backward()
+
+    def theirs_step() -> None:
+        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for k in range(args.warmup + args.paired):
+        for name, step in (("ours", ours_step), ("theirs", theirs_step))[:: 1 if k % 2 == 0 else -1]:
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            if k >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    dist.barrier()
+    if ours is not None:
+        ours.close()
+    rpc.shutdown(timeout=args.timeout)
+    dist.destroy_process_group()
+    return times
+
+
+def paired(args: argparse.Namespace) -> None:
+    """Both engines in one job, alternating step by step; print the per-pair throughput ratios."""
+    start = time.perf_counter()
+    out = run_processes(_job, 2, "paired", args, timeout=args.timeout, label="paired")[0]
+    ratios = sorted(t / o for o, t in zip(out["ours"], out["theirs"]))
+    q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
+    ours, theirs = statistics.median(out["ours"]), statistics.median(out["theirs"])
+    print(f"{args.paired} pairs of steps, one job holding both engines, alternating (first of a pair swapped "
+          "each time), a barrier before each step; timed on process 0\n")
+    print(f"{'engine':<8}{'median step':>13}{'samples/s':>12}")
+    print(f"{'ours':<8}{ours * 1e3:>11.1f}ms{args.batch / ours:>12.1f}")
+    print(f"{'theirs':<8}{theirs * 1e3:>11.1f}ms{args.batch / theirs:>12.1f}")
+    print(f"throughput ours/theirs per pair: median {statistics.median(ratios):.3f}, quartiles {q(0.25):.3f}-"
+          f"{q(0.75):.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}; ours faster in "
+          f"{sum(r > 1 for r in ratios)} of {len(ratios)} pairs   (target >= 1.0)")
+    print(f"wall time of the benchmark: {time.perf_counter() - start:.1f} s")
+
+
 def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace) -> Any:
     warnings.filterwarnings("ignore", message="You are using a Backend")  # said by rpc.shutdown's barrier
     torch.set_num_threads(1)
-    return (_ours if engine == "ours" else _theirs)(rank, port, args)
+    return {"ours": _ours, "theirs": _theirs, "paired": _paired}[engine](rank, port, args)
 
 
 # ---------------------------------------------------------------------- report
@@ -164,6 +233,8 @@ def main() -> None:
                         help="TensorPipe transport for ours: uv (TCP, what PipeStrategy uses), shm, or default "
                              "(TensorPipe picks)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per job before it is killed")
+    parser.add_argument("--paired", type=int, default=0, metavar="N",
+                        help="one job holding both engines, N steps each, alternating step by step")
     args = parser.parse_args()
     if args.warmup < 1 or args.batch % args.chunks:
         parser.error("--warmup must be >= 1 and --batch a multiple of --chunks (equal micro-batches)")
@@ -175,6 +246,8 @@ def main() -> None:
           "(process 0): the last stage's output travels back to it and the output gradient travels out")
     print("theirs: torch.distributed.pipelining PipelineStage + ScheduleGPipe over gloo; loss on the last "
           "stage (process 1), grads scaled by 1/n_microbatches (= the whole batch's mean loss)")
+    if args.paired:
+        return paired(args)
     print(f"{args.rounds} rounds x {args.steps} timed steps (after {args.warmup} warm-up) per engine, "
           "order alternating, timed on process 0; median over all steps\n")
     start = time.perf_counter()

@@ -26,11 +26,11 @@ def run_script(script: str, *args: str, timeout: float = 120, env: dict[str, str
 
 
 def run_command(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None,
-                expect_ok: bool = True, name: str = "job") -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in a new session; on timeout, and after it ends in any case, that whole session (and
-    only it) is killed. Fails with the output when the job fails and ``expect_ok``."""
+                expect_ok: bool = True, name: str = "job", cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in ``cwd`` in a new session; on timeout, and after it ends in any case, that whole session
+    (and only it) is killed. Fails with the output when the job fails and ``expect_ok``."""
     script = name
-    proc = subprocess.Popen(argv, cwd=REPO, text=True,
+    proc = subprocess.Popen(argv, cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
     try:
