@@ -160,6 +160,7 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
     kwargs: dict[str, Any] = {} if args.transport == "default" else {"_transports": [args.transport]}
+    # The same port as the gloo group: tcp:// rendezvous stores are multi-tenant within a process.
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
                      init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=RPC_TIMEOUT, num_worker_threads=16,
