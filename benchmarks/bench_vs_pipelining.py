@@ -70,10 +70,11 @@ def _grad_norm(part: nn.Sequential) -> float:
 
 
 # ---------------------------------------------------------------------- ours: RemotePipeline over RPC
-def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
+def _start_ours(rank: int, port: int, args: argparse.Namespace) -> tuple[list[nn.Sequential], Any]:
+    """Join RPC (rendezvous on ``port``) and set up our 2-stage pipeline: the halves and, in process 0, the
+    pipeline (None in process 1, whose RPC threads serve its stage)."""
     import torch.distributed.rpc as rpc
 
-    from lightning_pipe.pipe import run_pipeline
     from lightning_pipe.remote import pipeline_over_rpc
 
     kwargs: dict[str, Any] = {} if args.transport == "default" else {"_transports": [args.transport]}
@@ -84,6 +85,15 @@ def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
     parts = halves(args)
     pipeline = pipeline_over_rpc("bench", nn.Sequential(*parts[0], *parts[1]), [len(parts[0]), len(parts[1])],
                                  ["worker0", "worker1"], timeout=RPC_TIMEOUT)
+    return parts, pipeline
+
+
+def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
+    import torch.distributed.rpc as rpc
+
+    from lightning_pipe.pipe import run_pipeline
+
+    parts, pipeline = _start_ours(rank, port, args)
     if pipeline is None:
         rpc.shutdown(timeout=args.timeout)  # serves this stage until the driver is done
         return None
@@ -155,19 +165,11 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     from lightning_pipe.pipe import run_pipeline
-    from lightning_pipe.remote import pipeline_over_rpc
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
-    kwargs: dict[str, Any] = {} if args.transport == "default" else {"_transports": [args.transport]}
     # The same port as the gloo group: tcp:// rendezvous stores are multi-tenant within a process.
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
-                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-                     init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=RPC_TIMEOUT, num_worker_threads=16,
-                     **kwargs))
-    parts = halves(args)
-    ours = pipeline_over_rpc("bench", nn.Sequential(*parts[0], *parts[1]), [len(parts[0]), len(parts[1])],
-                             ["worker0", "worker1"], timeout=RPC_TIMEOUT)
+    parts, ours = _start_ours(rank, port, args)
     part = halves(args)[rank]  # theirs: its own copy of the same weights
     schedule = ScheduleGPipe(PipelineStage(part, rank, 2, torch.device("cpu")), args.chunks, loss_fn=loss_fn)
     x, y = batch(args)
