@@ -175,7 +175,7 @@ class StageHost:
 def process_memory(runner: StageRunner) -> dict[str, int]:
     """Resident memory of this process (bytes) and the pipeline's bookkeeping for ``runner``'s stage:
     saved micro-batches, undelivered messages, outputs held for the driver and per-step seeds (all 0
-    between steps)."""
+    between steps), and how many remote stages this process hosts (of every pipeline still in use)."""
     rss = 0
     try:
         with open("/proc/self/statm") as f:
@@ -183,7 +183,7 @@ def process_memory(runner: StageRunner) -> dict[str, int]:
     except OSError:  # not Linux: the bookkeeping alone
         pass
     return {"rss": rss, "saved": len(runner.stage._saved), "mailbox": MAILBOX.pending() + len(runner._held),
-            "seeds": len(runner._seeds)}
+            "seeds": len(runner._seeds), "stages": len(_HOSTS)}
 
 
 def configure(key: str, index: int, partition: nn.Sequential, offset: int, device: str, peers: Sequence[str],
@@ -196,6 +196,14 @@ def configure(key: str, index: int, partition: nn.Sequential, offset: int, devic
         old.close()
     _HOSTS[key] = StageHost(key, index, partition, offset, torch.device(device), peers, layout, timeout, prefix,
                             record)
+
+
+def drop(key: str) -> None:
+    """Stop hosting pipeline ``key`` here: its weights, optimizer state and threads go (an RPC entry point,
+    called when the driver's model is freed)."""
+    host = _HOSTS.pop(key, None)
+    if host is not None:
+        host.close()
 
 
 def call(key: str, method: str, *args: Any) -> Any:
@@ -233,3 +241,12 @@ class HostGroup:
     def call_stage(self, stage: int, method: str, *args: Any) -> Any:
         """Call ``method`` on remote stage ``stage`` (1-based, as in the pipeline)."""
         return self._start(stage, method, args).result()
+
+    def drop(self) -> None:
+        """Have every remote stage stop hosting this pipeline (best effort, without waiting: called when the
+        model is freed, possibly at a garbage collection)."""
+        for peer in self.peers:
+            try:
+                rpc.rpc_async(peer, drop, args=(self.key,), timeout=self.timeout)
+            except Exception:  # noqa: BLE001 - RPC is down: the processes are ending anyway
+                pass

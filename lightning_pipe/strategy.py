@@ -156,6 +156,12 @@ def _mirror(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = step  # type: ignore[method-assign]
 
 
+def _release(pipeline: RemotePipeline, hosts: host.HostGroup) -> None:
+    """Free a pipeline whose model is gone: the remote stages and this process's stage 0 threads."""
+    hosts.drop()
+    pipeline.close()
+
+
 class PipeStrategy(DDPStrategy):
     """Pipeline parallelism for a LightningModule whose layers live in an ``nn.Sequential`` body.
 
@@ -431,6 +437,8 @@ class PipeStrategy(DDPStrategy):
         pipelined = PipelinedSequential(body, self._owner, self._pipeline, chunks=self.microbatches,
                                         checkpoint=self.checkpoint, hosts=self._hosts, balance=balance)
         setattr(module, self.module_name, pipelined)
+        # When the model is freed (a script training one model after another), so is what its stages hold.
+        weakref.finalize(pipelined, _release, self._pipeline, self._hosts).atexit = False
         self._attach(pipelined)
         log.info("[rank %d] pipeline %s: balance %s on ranks %s", rank, key, balance, ranks)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -96,3 +97,12 @@ def test_torchrun_launch_and_ddp_script_unchanged(tmp_path):
     a = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu")
     b = script.Model.load_from_checkpoint(tmp_path / "launcher" / "final.ckpt", map_location="cpu")
     assert_same_weights(a.state_dict(), b.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.timeout(180)
+def test_a_freed_model_frees_its_stages(tmp_path):
+    """A script that trains one model after another (a sweep) must not keep every old model's stages (their
+    weights, optimizer state and threads) alive in the other processes."""
+    run_script("two_models.py", str(tmp_path), timeout=150)
+    stages = json.loads((tmp_path / "stages.json").read_text())
+    assert stages == {"both": 2, "left": 1}
