@@ -73,8 +73,28 @@ class _MirroredOptimizer:
     _lp_index: int
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = super().step(closure)  # type: ignore[misc]
-        self._lp_hosts.call("step", self._lp_index, optim.hyperparameters(self))  # type: ignore[arg-type]
+        # The stages step at the same time as the driver: told once the gradients are final (after the
+        # closure's backward and clipping, when there is a closure), waited for after the driver's own step.
+        stepping: list[Any] = []
+
+        def start() -> None:
+            stepping.extend(self._lp_hosts.start("step", self._lp_index, optim.hyperparameters(self)))  # type: ignore[arg-type]
+
+        def closure_then_start() -> Any:
+            result = closure()  # type: ignore[misc]
+            if not stepping:
+                start()
+            return result
+
+        if closure is None:
+            start()
+            loss = super().step()  # type: ignore[misc]
+        else:
+            loss = super().step(closure_then_start)  # type: ignore[misc]
+            if not stepping:  # an optimizer that did not evaluate the closure
+                start()
+        for future in stepping:
+            future.result()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
