@@ -12,6 +12,7 @@ first real error (in schedule order) is raised in the caller with its original t
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -45,25 +46,32 @@ def _wait(future: Future[Any]) -> None:
 
 
 def drain(futures: Sequence[Future[Any]], *, grace: float | None = None, ready: Future[Any] | None = None,
-          describe: Callable[[int], str] | None = None) -> None:
+          describe: Callable[[int], str] | None = None, alive: Callable[[], float] | None = None) -> None:
     """Wait for every future; raise the first real error among them (not a skip), in their order.
 
     With ``grace``, nothing waits unboundedly: once any future fails, the others get at most ``grace``
-    more seconds; once ``ready`` is done (the caller has what it needs), so do the rest, after which those
-    still running are reported as not answering.
+    more seconds; once ``ready`` is done (the caller has what it needs), so do the rest, counted from the
+    last sign of progress (a future finishing, or the ``time.monotonic()`` that ``alive()`` returns), after
+    which those still running are reported as not answering.
     """
     if grace is None:
         wait(futures)
     else:
         pending = set(futures)
+        since: float | None = None  # the last sign of progress once ``ready`` is done
         while pending:
-            bounded = ready is not None and ready.done()
-            done, pending = wait(pending, timeout=grace if bounded else None, return_when=FIRST_COMPLETED)
+            timeout = None
+            if ready is not None and ready.done():
+                since = max(since or time.monotonic(), alive() if alive is not None else 0.0)
+                timeout = max(0.0, since + grace - time.monotonic())
+            done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
             if any(f.exception() is not None for f in done):
                 wait(pending, timeout=grace)  # the others were told to stop: they get ``grace``
                 break
-            if bounded and not done:
-                break  # nothing finished within ``grace`` although the caller has what it needs
+            if done:
+                since = time.monotonic() if since is not None else None
+            elif timeout is not None and (alive is None or alive() <= since):
+                break  # no progress within ``grace`` although the caller has what it needs
     first: BaseException | None = None
     for future in futures:
         if not future.done():

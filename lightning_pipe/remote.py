@@ -91,6 +91,17 @@ class Mailbox:
 MAILBOX = Mailbox()
 _RUNNERS: dict[str, StageRunner] = {}
 
+# When a driver last heard that a remote stage is still working on a step: (pipeline key, run) -> the
+# time.monotonic() of that sign of life. An entry exists while the driver waits for that step.
+_PROGRESS: dict[tuple[str, int], float] = {}
+_PROGRESS_LOCK = threading.Lock()
+
+
+def _alive(key: str, run: int) -> None:
+    with _PROGRESS_LOCK:
+        if (key, run) in _PROGRESS:
+            _PROGRESS[(key, run)] = time.monotonic()
+
 
 def _pack(batch_tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[bool]]:
     # Tensors cross processes detached and on CPU; the flags say which ones need a gradient back.
@@ -138,6 +149,7 @@ class StageRunner:
         # in the answer to the forward's actions (the driver needs none before the last one), one message
         # instead of one delivery and its acknowledgement per micro-batch.
         self._held: dict[int, dict[int, Any]] = {}
+        self._beat = 0.0  # when this stage last told the driver it is still working
 
     def describe(self) -> str:
         """The stage and the process, for error messages."""
@@ -230,6 +242,7 @@ class StageRunner:
         backward (``"B"``) of each group of micro-batches, with the driver's anomaly detection. Returns the
         sends still in flight."""
         sends: list[Future[Any]] = []
+        self._beat = time.monotonic()
         with torch.autograd.set_detect_anomaly(anomaly):
             for group in groups:
                 if kind == "F":
@@ -237,7 +250,18 @@ class StageRunner:
                     sends += self.forward(run, i, m, save, checkpoint_stop, training, autocast)
                 else:
                     sends += self.backward(run, group)  # type: ignore[arg-type]
+                self._still_working(run)
         return sends
+
+    def _still_working(self, run: int) -> None:
+        """Tell a driver in another process that this stage is making progress, at most every third of the
+        timeout: a slow stage that keeps finishing micro-batches is not taken for a stuck one (a stuck one
+        finishes none). Fast stages never send it."""
+        driver = self.peers[self.n]
+        now = time.monotonic()
+        if driver != self.me and now - self._beat >= self.timeout / 3:
+            self._beat = now
+            rpc.rpc_async(driver, _alive, args=(self.key, run), timeout=self.timeout)
 
     def take_held(self, run: int) -> dict[int, Any] | None:
         """The outputs held for the driver from run ``run`` (see ``forward``), forgotten here."""
@@ -496,7 +520,8 @@ class RemotePipeline:
 
         Nothing waits unboundedly: a failure aborts the others, who then get at most the RPC timeout to
         stop; once the driver has what it needs (stage 0 done, ``collect`` returned), stages still busy get
-        the RPC timeout to finish before they are reported as not answering.
+        the RPC timeout from their last sign of progress (a share finished, or a slow stage's word that it
+        finished another micro-batch) before they are reported as not answering.
         """
         futures: list[Future[Any]] = []
         sends: list[Future[Any]] = []
@@ -528,13 +553,16 @@ class RemotePipeline:
             future.add_done_callback(on_done)
             futures.append(future)
         collected = None
+        progress = (self.key, run.id)
+        with _PROGRESS_LOCK:
+            _PROGRESS[progress] = 0.0
         try:
             if collect is not None:
                 try:
                     collected = collect()
                 except _Skipped:
                     pass  # a stage failed: the error is in its future
-            drain(futures, grace=self.runner.timeout, ready=futures[0],
+            drain(futures, grace=self.runner.timeout, ready=futures[0], alive=lambda: _PROGRESS.get(progress, 0.0),
                   describe=lambda j: f"stage {j} ({where(self.runner.peers[j])}) of pipeline '{self.key}'")
             drain(sends)
         except BaseException:
@@ -542,6 +570,9 @@ class RemotePipeline:
                 aborted.set()
                 self._abort(run)
             raise
+        finally:
+            with _PROGRESS_LOCK:
+                _PROGRESS.pop(progress, None)
         return collected, [None] + [f.result() for f in futures[1:]]
 
     def _abort(self, run: Run) -> None:

@@ -5,7 +5,9 @@
                                     under detect_anomaly=True) | no_body |
                                     not_sequential | bad_balance | no_example (a model that cannot be split) |
                                     sync_batchnorm (a Trainer setting the strategy refuses) |
-                                    fused_scaler (a fused optimizer under a gradient scaler, refused at setup)
+                                    fused_scaler (a fused optimizer under a gradient scaler, refused at setup) |
+                                    slow (stage 1 takes 1.5 s a micro-batch, longer than LP_TIMEOUT in all:
+                                    it must train, not time out)
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Breaks(nn.Module):
         if self.where == "interrupt" and self.calls == 2 * 4 + 1:
             open(os.environ["LP_MARK"], "w").close()  # tell the test training is under way
             time.sleep(0.5)
+        if self.where == "slow" and self.training:
+            time.sleep(1.5)
         if self.where == "forward" and self.calls > 2 * 4:  # 4 micro-batches a step
             raise ValueError(f"shape mismatch in layer 3 (input shape: {tuple(x.shape)})")
         if self.where == "nan" and self.calls > 2 * 4:
@@ -74,14 +78,15 @@ class _NaNBackward(torch.autograd.Function):
 
 
 def main(what: str, out: str) -> None:
-    model = Model({"samples": 64, "batch_size": 8, "optimizer": "adam-fused" if what == "fused_scaler" else "sgd"})
+    model = Model({"samples": 16 if what == "slow" else 64, "batch_size": 8,
+                   "optimizer": "adam-fused" if what == "fused_scaler" else "sgd"})
     balance = [2, 2]
     plugins = []
     if what == "fused_scaler":
         from pytorch_lightning.plugins import MixedPrecision
 
         plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
-    if what in ("forward", "backward", "kill", "hang", "interrupt", "nan"):
+    if what in ("forward", "backward", "kill", "hang", "interrupt", "nan", "slow"):
         model.sequential_module = nn.Sequential(*list(model.sequential_module)[:3], Breaks(what))
     elif what == "no_body":
         del model.sequential_module
