@@ -16,6 +16,7 @@ A failing driver aborts every other process; processes started by our launcher e
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -193,8 +194,10 @@ class PipeLauncher(_SubprocessScriptLauncher):
                 return function(*a, **kw)
             if model is not None:
                 # The script built the whole model here too; this process serves the stage its driver sends
-                # and never returns to the script, so the model's memory is given back.
-                model.to("meta")
+                # and never returns to the script, so the model's memory is given back (best effort: a model
+                # that cannot move keeps it, and nothing else changes).
+                with contextlib.suppress(Exception):
+                    model.to("meta")
             serve_until_shutdown()  # never returns: a worker must not continue into the user's script
             return None
 
