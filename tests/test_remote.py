@@ -85,8 +85,16 @@ def test_remote_stages_match_one_process(balance):
     assert out[0] == 6 * len(configs)  # every parameter's gradient was compared, in every configuration
 
 
+class Unsendable(torch.Tensor):
+    """A tensor that cannot be pickled, so it cannot travel to another process."""
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("this tensor cannot leave its process")
+
+
 class Fails(nn.Module):
-    """Raises in forward or backward on command (``mode`` is set through the stage's partition)."""
+    """Raises in forward or backward on command (``mode`` is set through the stage's partition), or hands
+    on a tensor that cannot be sent."""
 
     def __init__(self):
         super().__init__()
@@ -95,6 +103,8 @@ class Fails(nn.Module):
     def forward(self, x):
         if self.mode == "forward":
             raise ValueError("bad shape in the middle")
+        if self.mode == "unsendable":
+            return x.as_subclass(Unsendable)
         return _Raise.apply(x) if self.mode == "backward" else x
 
 
@@ -120,7 +130,7 @@ def _errors(rank: int, world: int):
     if pipeline is None:
         return None
     seen = {}
-    for mode in ("forward", "backward"):
+    for mode in ("forward", "backward", "unsendable"):
         rpc.rpc_sync("worker1", _set_mode, args=(mode,))
         try:
             run_pipeline(pipeline, torch.randn(8, 3), chunks=4, checkpoint="never", training=True,
@@ -143,4 +153,9 @@ def test_remote_stage_errors_reach_the_driver():
     assert "stage 1" in message and "(rank 1, process 'worker1')" in message and "layer 1" in message
     kind, message = seen["backward"]
     assert kind == "ArithmeticError" and "backward broke in the middle" in message
+    assert "stage 1" in message and "worker1" in message
+    # An output that cannot be sent fails the stage that sends it, at once: the next stage does not wait
+    # out the timeout for an input that never comes.
+    kind, message = seen["unsendable"]
+    assert kind == "TypeError" and "cannot leave its process" in message, message
     assert "stage 1" in message and "worker1" in message
