@@ -36,7 +36,7 @@ from lightning_pipe.rng import LazySeed
 from lightning_pipe.schedule import Action, backward_plan, forward_plan, stage_order
 from lightning_pipe.skip.layout import SkipLayout, inspect_skip_layout
 from lightning_pipe.stage import Grads, Stage
-from lightning_pipe.worker import Worker, autocast_context
+from lightning_pipe.worker import Inline, Worker, autocast_context
 
 __all__: list[str] = []
 
@@ -142,6 +142,9 @@ class StageRunner:
         self.timeout = timeout
         self.me = rpc.get_worker_info().name
         self.worker = Worker(f"lightning_pipe.{key}.stage{self.index}")
+        # Where sends start (see ``_send``): on the stage's own thread for a CPU stage.
+        self.sender: Worker | Inline = Inline() if stage.device.type == "cpu" else \
+            Worker(f"lightning_pipe.{key}.stage{self.index}.send")
         self._seeds: dict[int, LazySeed] = {}
         self._failed: collections.deque[int] = collections.deque(maxlen=4096)
         # The last stage's outputs for a driver in another process, per run and micro-batch: they go back
@@ -157,19 +160,28 @@ class StageRunner:
     def _send(self, dst: int, slot: Slot, payload: Any) -> Future[Any] | None:
         """Deliver ``payload`` to stage ``dst``; returns the send in flight (None when ``dst`` is here).
 
-        The message is started right here, on the stage's thread, before its next micro-batch: handing it
-        to a thread of its own cost more than it saved where cores are scarce (that thread must wait for a
-        core while the stages compute, and the next stage waits for it; measured on 2 cores), and an error
-        in starting it (a payload that cannot be sent) fails this action at once instead of leaving the
-        receiver to time out.
+        A CPU stage starts the message itself, before its next micro-batch: its cores are busy computing,
+        so a thread of its own would have to wait for one while the next stage waits for the message (2.5-
+        3.6% slower per step on 2 cores, measured). A GPU stage hands it to its sender thread and goes back
+        to launching kernels. Either way an error in starting the send (a payload that cannot be pickled)
+        fails this send, and so the action, instead of leaving the receiver to wait out the timeout.
         """
         peer = self.peers[dst]
         if peer == self.me:
             MAILBOX.put(slot, payload)
             return None
         sent: Future[Any] = Future()
-        future = rpc.rpc_async(peer, _deliver, args=(slot, payload), timeout=self.timeout)
-        _chain_into(future, sent, lambda: f"{self.describe()} could not send to stage {dst} ({where(peer)})")
+        describe = lambda: f"{self.describe()} could not send to stage {dst} ({where(peer)})"  # noqa: E731
+
+        def send() -> None:
+            _chain_into(rpc.rpc_async(peer, _deliver, args=(slot, payload), timeout=self.timeout), sent, describe)
+
+        def started(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None and not sent.done():
+                sent.set_exception(_located(exc, describe))
+
+        self.sender.submit(send).add_done_callback(started)
         return sent
 
     def _take(self, slot: Slot, timeout: float | None = None) -> Any:
@@ -284,8 +296,10 @@ class StageRunner:
         MAILBOX.abort(self.key, run)
 
     def stop(self) -> None:
-        """Let this stage's thread finish its queued work and exit."""
+        """Let this stage's threads finish their queued work and exit."""
         self.worker.stop()
+        if isinstance(self.sender, Worker):
+            self.sender.stop()
 
     def release(self, run: int) -> None:
         """Forget what is kept for ``run``."""

@@ -120,8 +120,12 @@ class _Raise(torch.autograd.Function):
 
 def _set_mode(mode: str) -> None:
     from lightning_pipe.remote import _RUNNERS
+    from lightning_pipe.worker import Inline, Worker
 
-    _RUNNERS["test"].stage.partition[0].mode = mode
+    runner = _RUNNERS["test"]
+    threaded = mode.endswith("(send thread)")  # sends started from a thread of their own, as a GPU stage's are
+    runner.sender = Worker("sends") if threaded else Inline()
+    runner.stage.partition[0].mode = mode.removesuffix(" (send thread)")
 
 
 def _errors(rank: int, world: int):
@@ -130,7 +134,7 @@ def _errors(rank: int, world: int):
     if pipeline is None:
         return None
     seen = {}
-    for mode in ("forward", "backward", "unsendable"):
+    for mode in ("forward", "backward", "unsendable", "unsendable (send thread)"):
         rpc.rpc_sync("worker1", _set_mode, args=(mode,))
         try:
             run_pipeline(pipeline, torch.randn(8, 3), chunks=4, checkpoint="never", training=True,
@@ -156,6 +160,7 @@ def test_remote_stage_errors_reach_the_driver():
     assert "stage 1" in message and "worker1" in message
     # An output that cannot be sent fails the stage that sends it, at once: the next stage does not wait
     # out the timeout for an input that never comes.
-    kind, message = seen["unsendable"]
-    assert kind == "TypeError" and "cannot leave its process" in message, message
-    assert "stage 1" in message and "worker1" in message
+    for mode in ("unsendable", "unsendable (send thread)"):
+        kind, message = seen[mode]
+        assert kind == "TypeError" and "cannot leave its process" in message, message
+        assert "stage 1" in message and "worker1" in message and "could not send to stage 2" in message
