@@ -105,3 +105,49 @@ def test_a_freed_model_frees_its_stages(tmp_path):
     run_script("two_models.py", str(tmp_path), timeout=150)
     stages = json.loads((tmp_path / "stages.json").read_text())
     assert stages == {"both": 2, "left": 1}
+
+
+@pytest.mark.timeout(420)
+def test_slurm_launch_on_two_nodes_trains_the_same_weights_as_lightnings_launcher(tmp_path):
+    """Four processes started as `srun` starts them (SLURM's variables, no launcher: 2 nodes x 2 tasks, here
+    on one machine) train bit-identical weights to Lightning's launcher with 4 devices on one node: the
+    global ranks come from SLURM's node and local ids, and Lightning sees the two replicas' drivers only."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from dist_utils import free_port
+    from strategy_utils import REPO, SCRIPTS, assert_same_weights, train
+
+    config = {"balance": [2, 2], "epochs": 1}
+    train({**config, "devices": 4}, tmp_path / "launcher", timeout=240)
+    out = tmp_path / "slurm"
+    out.mkdir()
+    port = str(free_port())
+    procs = []
+    try:
+        for rank in range(4):
+            env = {**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
+                   "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 2), "SLURM_NODEID": str(rank // 2),
+                   "SLURM_JOB_NAME": "pipe", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            argv = [sys.executable, str(SCRIPTS / "train.py"), json.dumps({**config, "devices": 2, "nodes": 2}),
+                    str(out)]
+            procs.append(subprocess.Popen(argv, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        logs = [p.communicate(timeout=240)[0] for p in procs]  # a hang fails here, and the finally ends it
+        for rank, (p, log) in enumerate(zip(procs, logs)):
+            assert p.returncode == 0, f"rank {rank} failed with status {p.returncode}:\n{log[-4000:]}"
+    finally:
+        for p in procs:  # only the sessions started here
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=30)
+    assert json.loads((out / "result.json").read_text())["world_size"] == 2  # Lightning sees the 2 drivers
+    a = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu")
+    b = script.Model.load_from_checkpoint(tmp_path / "launcher" / "final.ckpt", map_location="cpu")
+    assert_same_weights(a.state_dict(), b.state_dict(), rtol=0, atol=0)

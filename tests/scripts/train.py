@@ -24,7 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "manual": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
     "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
     "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
-    "sanity_steps": 0, "configure_model": False,
+    "sanity_steps": 0, "configure_model": False, "nodes": 1,
 }
 
 
@@ -183,7 +183,8 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
         strategy = PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
                                 checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],
                                 rpc_timeout_sec=60, timeline=config["timeline"])
-    return pl.Trainer(devices=config["devices"], strategy=strategy, callbacks=callbacks, **kwargs)
+    return pl.Trainer(devices=config["devices"], num_nodes=config["nodes"], strategy=strategy, callbacks=callbacks,
+                      **kwargs)
 
 
 def crash_at_save(n: int) -> None:
