@@ -117,6 +117,7 @@ def test_slurm_launch_on_two_nodes_trains_the_same_weights_as_lightnings_launche
     import signal
     import subprocess
     import sys
+    import time
 
     from dist_utils import free_port
     from strategy_utils import REPO, SCRIPTS, assert_same_weights, train
@@ -135,10 +136,13 @@ def test_slurm_launch_on_two_nodes_trains_the_same_weights_as_lightnings_launche
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
             argv = [sys.executable, str(SCRIPTS / "train.py"), json.dumps({**config, "devices": 2, "nodes": 2}),
                     str(out)]
-            procs.append(subprocess.Popen(argv, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        logs = [p.communicate(timeout=240)[0] for p in procs]  # a hang fails here, and the finally ends it
-        for rank, (p, log) in enumerate(zip(procs, logs)):
+            with open(out / f"rank{rank}.log", "w") as log:  # files, not pipes: no process blocks on output
+                procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        deadline = time.monotonic() + 200
+        for rank, p in enumerate(procs):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))  # a hang fails here, and the finally ends it
+            log = (out / f"rank{rank}.log").read_text()
             assert p.returncode == 0, f"rank {rank} failed with status {p.returncode}:\n{log[-4000:]}"
     finally:
         for p in procs:  # only the sessions started here
