@@ -141,10 +141,11 @@ class StageHost:
             memo[id(b)] = b.detach().cpu()
         return {name: copy.deepcopy(layer, memo) for name, layer in self.partition.named_children()}
 
-    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
-        """Load the partition's state from entries named as in the LightningModule."""
+    def load_state_dict(self, state: Mapping[str, Tensor], strict: bool = True) -> None:
+        """Load the partition's state from entries named as in the LightningModule (``strict``: as in
+        ``nn.Module.load_state_dict``)."""
         own = {n[len(self.prefix):]: t for n, t in state.items() if n.startswith(self.prefix)}
-        self.partition.load_state_dict(own)
+        self.partition.load_state_dict(own, strict=strict)
 
     def memory(self) -> dict[str, int]:
         """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""

@@ -184,7 +184,7 @@ class PipeLauncher(_SubprocessScriptLauncher):
         model = args[0] if args and isinstance(args[0], pl.LightningModule) else None
         model = model or getattr(trainer, "lightning_module", None)
         # Before any process starts (here) or on every rank (torchrun).
-        self._strategy.check_settings()
+        self._strategy.check_settings(trainer)
         if model is not None:
             self._strategy.check_model(model)
 

@@ -9,7 +9,8 @@ as parameter-shaped placeholders on the ``meta`` device, holding no memory; movi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
@@ -30,12 +31,15 @@ class PipelinedSequential(nn.Module):
     """
 
     def __init__(self, body: nn.Sequential, owner: dict[str, int], pipeline: Any, *, chunks: int,
-                 checkpoint: str, hosts: Any = None, balance: list[int] | None = None) -> None:
+                 checkpoint: str, hosts: Any = None, balance: list[int] | None = None,
+                 name: str = "sequential_module") -> None:
         super().__init__()
-        for name, layer in body.named_children():
-            if owner[name] != 0:
+        # The remote stages name their state as the LightningModule does: "<name>.3.weight".
+        self.name = name
+        for child, layer in body.named_children():
+            if owner[child] != 0:
                 layer = layer.to("meta")
-            self.add_module(name, layer)
+            self.add_module(child, layer)
         self.owner = owner
         self.pipeline = pipeline
         self.hosts = hosts
@@ -45,6 +49,10 @@ class PipelinedSequential(nn.Module):
         self.checkpoint = checkpoint
         self.before_forward: Callable[[], None] | None = None
         self._warned_small = False
+        self.local_only = False  # True: state_dict() leaves remote layers' entries as placeholders
+        # Module-level functions, not bound methods: no reference cycle keeps a freed body (and its stages).
+        self.register_state_dict_post_hook(_remote_state)
+        self.register_load_state_dict_pre_hook(_load_remote_state)
 
     def _apply(self, fn: Any, recurse: bool = True) -> PipelinedSequential:
         for name, child in self.named_children():
@@ -54,6 +62,24 @@ class PipelinedSequential(nn.Module):
 
     def __len__(self) -> int:
         return len(self._modules)
+
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        """The layer at ``index`` (or an ``nn.Sequential`` of a slice), as in the original ``nn.Sequential``.
+        A remote stage's layer is its placeholder: its weights are in :meth:`state_dict`."""
+        layers = list(self._modules.values())
+        if isinstance(index, slice):
+            return nn.Sequential(OrderedDict(list(self._modules.items())[index]))
+        try:
+            return layers[index]  # type: ignore[return-value]
+        except IndexError:
+            raise IndexError(f"index {index} is out of range for a body of {len(layers)} layers") from None
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def stage_of(self, key: str) -> int:
+        """The stage holding the state entry ``key`` (named within this module: ``"3.weight"``)."""
+        return self.owner[key.split(".", 1)[0]]
 
     def local_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """Stage 0's parameters, by their names in this module."""
@@ -78,6 +104,41 @@ class PipelinedSequential(nn.Module):
     def extra_repr(self) -> str:
         stages = max(self.owner.values()) + 1
         return f"stages={stages}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+
+
+def _remote_state(module: PipelinedSequential, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+    """``state_dict`` hook: the remote layers' entries as their stages hold them now (on CPU), not their
+    placeholders, so that ``model.state_dict()`` on the driver is the whole model's."""
+    if module.hosts is None or module.local_only:
+        return
+    cut = len(module.name) + 1
+    for part in module.hosts.call("state_dict"):
+        for name, value in part.items():
+            key = prefix + name[cut:]
+            if key in state:
+                state[key] = value
+
+
+def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefix: str, metadata: Any,
+                       strict: bool, missing: list[str], unexpected: list[str], errors: list[str]) -> None:
+    """``load_state_dict`` hook: the remote layers' entries go to their stages; their placeholders here are
+    given placeholders of the entries (``state`` is load_state_dict's own copy), which still have their
+    shapes checked and count as loaded."""
+    if module.hosts is None:
+        return
+    parts: dict[int, dict[str, Any]] = {}
+    for key, value in list(state.items()):
+        if key.startswith(prefix) and key[len(prefix):].split(".", 1)[0] in module.owner:
+            j = module.stage_of(key[len(prefix):])
+            if j != 0:
+                parts.setdefault(j, {})[f"{module.name}.{key[len(prefix):]}"] = value
+                if isinstance(value, Tensor):
+                    state[key] = value.to("meta")
+    for j, part in parts.items():
+        try:
+            module.hosts.call_stage(j, "load_state_dict", part, strict)
+        except Exception as exc:  # noqa: BLE001 - reported the way load_state_dict reports a layer's error
+            errors.append(f"stage {j} could not load its layers' entries: {exc}")
 
 
 def is_placeholder(t: Tensor) -> bool:

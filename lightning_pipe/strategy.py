@@ -142,14 +142,14 @@ class _PipePrecision:
             hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
 
 
-def _mix_in(obj: Any, mixin: type, prefix: str) -> None:
+def _mix_in(obj: Any, mixin: type) -> None:
     """Give ``obj`` a class that puts ``mixin`` before its own (as Lightning does for LightningOptimizer)."""
     cls = type(obj)
     if not isinstance(obj, mixin):
-        # The qualified name stays the original's: Lightning keys checkpoint entries by it (the precision
-        # plugin's scaler state is saved under "MixedPrecision", and must load back under that key).
-        obj.__class__ = type(prefix + cls.__name__, (mixin, cls),
-                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        # The names stay the original's: Lightning keys checkpoint entries by the qualified name (the precision
+        # plugin's scaler state is saved under "MixedPrecision", and must load back under that key), and
+        # LearningRateMonitor its metrics by the class name ("lr-SGD", as on one device).
+        obj.__class__ = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def _mirror(optimizer: torch.optim.Optimizer) -> None:
@@ -159,7 +159,7 @@ def _mirror(optimizer: torch.optim.Optimizer) -> None:
     that wrapper would bypass the mirrored ``step`` and leave remote stages unstepped, so it is replaced by
     one that keeps the scheduler's bookkeeping and calls the mirrored ``step``.
     """
-    _mix_in(optimizer, _MirroredOptimizer, "Pipe")
+    _mix_in(optimizer, _MirroredOptimizer)
     if "step" not in vars(optimizer):
         return
     owner = weakref.ref(optimizer)
@@ -368,7 +368,7 @@ class PipeStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._partition(self.lightning_module)
-        _mix_in(self.precision_plugin, _PipePrecision, "Pipe")
+        _mix_in(self.precision_plugin, _PipePrecision)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -385,13 +385,23 @@ class PipeStrategy(DDPStrategy):
                 "pass PipeStrategy(module_name=...) naming the attribute that holds them")
         return body
 
-    def check_settings(self) -> None:
+    def check_settings(self, trainer: pl.Trainer | None = None) -> None:
         """Reject Trainer settings this strategy cannot honour (run where :meth:`check_model` runs)."""
         if self._layer_sync is not None:
             raise ValueError(
                 "Trainer(sync_batchnorm=True) is not supported by PipeStrategy: BatchNorm layers of a stage would "
                 "synchronise every micro-batch, not the batch. Use PipeStrategy(deferred_batch_norm=True), which "
                 "gives each replica the statistics of its whole batch, and leave sync_batchnorm off")
+        from pytorch_lightning.callbacks import ModelPruning, StochasticWeightAveraging
+
+        for callback in getattr(trainer, "callbacks", []):
+            if isinstance(callback, (StochasticWeightAveraging, ModelPruning)):
+                raise ValueError(
+                    f"the {type(callback).__name__} callback is not supported by PipeStrategy: it changes the "
+                    "weights of the driver's copy of the model, where only stage 0's layers are (the other "
+                    "stages' live in their own processes), so it would fail or leave them unchanged. Remove it "
+                    "from Trainer(callbacks=...)" + (" and average saved checkpoints' weights instead"
+                                                     if isinstance(callback, StochasticWeightAveraging) else ""))
 
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process
@@ -455,7 +465,8 @@ class PipeStrategy(DDPStrategy):
         self._hosts = host.HostGroup(key, peers[1:len(parts)], self.rpc_timeout_sec)
         self._owner = {name: j for j, part in enumerate(parts) for name, _ in part.named_children()}
         pipelined = PipelinedSequential(body, self._owner, self._pipeline, chunks=self.microbatches,
-                                        checkpoint=self.checkpoint, hosts=self._hosts, balance=balance)
+                                        checkpoint=self.checkpoint, hosts=self._hosts, balance=balance,
+                                        name=self.module_name)
         setattr(module, self.module_name, pipelined)
         # When the model is freed (a script training one model after another), so is what its stages hold.
         weakref.finalize(pipelined, _release, self._pipeline, self._hosts).atexit = False
@@ -676,11 +687,15 @@ class PipeStrategy(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = self.lightning_module.state_dict()
-        if self._hosts is not None and self.is_global_zero:
-            for remote in self._hosts.call("state_dict"):
-                state.update(remote)
-        return state
+        # The body's state_dict fetches the remote stages' entries: only the process that writes needs them.
+        body = self._body(self.lightning_module)
+        if self.is_global_zero or not isinstance(body, PipelinedSequential):
+            return self.lightning_module.state_dict()
+        body.local_only = True
+        try:
+            return self.lightning_module.state_dict()
+        finally:
+            body.local_only = False
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -713,17 +728,8 @@ class PipeStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        state = checkpoint["state_dict"]
-        local = {k: v for k, v in state.items() if self._stage_of(k) == 0}
-        missing, unexpected = self.lightning_module.load_state_dict(local, strict=False)
-        missing = [k for k in missing if self._stage_of(k) == 0]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"error loading the checkpoint's state_dict into {type(self.lightning_module).__name__} "
-                               f"(missing keys: {missing}, unexpected keys: {unexpected})")
-        if self._hosts is not None:
-            for j in range(1, self.stages):
-                self._hosts.call_stage(j, "load_state_dict",
-                                       {k: v for k, v in state.items() if self._stage_of(k) == j})
+        # The body's load_state_dict hands the remote layers' entries to their stages.
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

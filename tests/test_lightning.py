@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from scripts import train as script
-from strategy_utils import run_script
+from strategy_utils import assert_same_weights, run_script
 
 
 @pytest.mark.timeout(300)
@@ -42,6 +42,16 @@ def test_fit_validate_test_predict_in_one_script(tmp_path):
         first_loss = torch.nn.functional.mse_loss(first(x), y).item()
     assert abs(first_loss - loss) > 1e-4  # the two checkpoints can be told apart
     assert out["retested"][0]["test_loss"] == pytest.approx(first_loss, rel=1e-5)
+    # Between Trainers, the driver's model.state_dict() holds every stage's weights as they are (here: the
+    # epoch-0 checkpoint's, just loaded by the second Trainer), none of them placeholders.
+    after = out["state_after_retest"]
+    assert not any(t.is_meta for t in after.values())
+    assert_same_weights(after, first.state_dict(), rtol=0, atol=0)
+    # model.load_state_dict() between Trainers reaches the remote stages: the final weights test as such.
+    assert out["reloaded"][0]["test_loss"] == pytest.approx(loss, rel=1e-5)
+    # The body indexes and iterates like the nn.Sequential it replaced.
+    layers = [type(layer).__name__ for layer in model.sequential_module]
+    assert out["indexing"] == {"len": len(layers), "last": layers[-1], "slice": 2, "iter": layers, "same": True}
 
 
 @pytest.mark.timeout(300)

@@ -156,3 +156,16 @@ def test_overflow_on_a_remote_stage_skips_the_step():
     plugin.scaler.update()
     assert torch.equal(layer.weight, before)  # the step was skipped
     assert plugin.scaler.get_scale() == 512.0  # and the scale lowered
+
+
+def test_mirrored_optimizers_keep_their_class_names():
+    """The strategy gives the optimizer (and the precision plugin) a class that mixes in its own steps; the
+    names stay the original's, since Lightning keys things by them: LearningRateMonitor logs "lr-SGD",
+    checkpoints key the scaler's state by the plugin's qualified name."""
+    from lightning_pipe.strategy import _MirroredOptimizer, _mix_in
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    _mix_in(optimizer, _MirroredOptimizer)
+    assert isinstance(optimizer, _MirroredOptimizer) and isinstance(optimizer, torch.optim.SGD)
+    assert (type(optimizer).__name__, type(optimizer).__qualname__) == ("SGD", "SGD")
+    assert "lr-" + optimizer.__class__.__name__ == "lr-SGD"  # how LearningRateMonitor names the metric

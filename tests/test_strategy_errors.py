@@ -38,6 +38,8 @@ def test_devices_not_a_multiple_of_stages_fails_before_processes_start():
     ("bad_balance", "module and sum of balance have different length (module: 4, sum of balance: 5)"),
     ("no_example", "Model.example_input_array, which is not set"),
     ("sync_batchnorm", "Trainer(sync_batchnorm=True) is not supported by PipeStrategy"),
+    ("swa", "the StochasticWeightAveraging callback is not supported by PipeStrategy"),
+    ("pruning", "the ModelPruning callback is not supported by PipeStrategy"),
 ])
 def test_bad_model_fails_before_processes_start(what, error, tmp_path):
     started = time.monotonic()

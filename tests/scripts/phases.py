@@ -46,10 +46,23 @@ def main(out: str) -> None:
     again = pl.Trainer(accelerator="cpu", devices=4, strategy=PipeStrategy(balance=[2, 2], microbatches=4),
                        logger=False, enable_progress_bar=False, default_root_dir=out)
     retested = again.test(model, loader, ckpt_path=os.path.join(out, "epochs", "epoch=0.ckpt"), verbose=False)
+    # The model in the script's hands, between Trainers: its state_dict is the whole model's (remote layers
+    # included), and loading one into it reaches every stage, as with the unpipelined model.
+    body = model.sequential_module
+    state_after_retest = {k: v.clone() for k, v in model.state_dict().items()}  # local entries share storage
+    model.load_state_dict(torch.load(os.path.join(out, "final.ckpt"), weights_only=False)["state_dict"])
+    third = pl.Trainer(accelerator="cpu", devices=4, strategy=PipeStrategy(balance=[2, 2], microbatches=4),
+                       logger=False, enable_progress_bar=False, default_root_dir=out)
+    reloaded = third.test(model, loader, verbose=False)
     if trainer.is_global_zero:
         torch.save({"fit": fit_metrics, "best": best.best_model_path, "best_score": float(best.best_model_score),
                     "validate": validated, "test": tested, "retested": retested,
-                    "predict": torch.cat(predicted), "world_size": trainer.world_size}, os.path.join(out, "phases.pt"))
+                    "predict": torch.cat(predicted), "world_size": trainer.world_size,
+                    "state_after_retest": state_after_retest, "reloaded": reloaded,
+                    "indexing": {"len": len(body), "last": type(body[-1]).__name__, "slice": len(body[1:3]),
+                                 "iter": [type(layer).__name__ for layer in body],
+                                 "same": body[3] is getattr(body, "3")}},
+                   os.path.join(out, "phases.pt"))
 
 
 if __name__ == "__main__":
