@@ -137,7 +137,7 @@ def test_overflow_on_a_remote_stage_skips_the_step():
             self.base_ran = True
 
     plugin = NoTrainer("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    _mix_in(plugin, _PipePrecision, "Pipe")
+    _mix_in(plugin, _PipePrecision)
     layer = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
     optimizer._lp_hosts, optimizer._lp_index = Hosts(), 0
