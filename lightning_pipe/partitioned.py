@@ -66,20 +66,16 @@ class PipelinedSequential(nn.Module):
     def __getitem__(self, index: int | slice) -> nn.Module:
         """The layer at ``index`` (or an ``nn.Sequential`` of a slice), as in the original ``nn.Sequential``.
         A remote stage's layer is its placeholder: its weights are in :meth:`state_dict`."""
-        layers = list(self._modules.values())
+        items = list(self._modules.items())
         if isinstance(index, slice):
-            return nn.Sequential(OrderedDict(list(self._modules.items())[index]))
+            return nn.Sequential(OrderedDict(items[index]))
         try:
-            return layers[index]  # type: ignore[return-value]
+            return items[index][1]  # type: ignore[return-value]
         except IndexError:
-            raise IndexError(f"index {index} is out of range for a body of {len(layers)} layers") from None
+            raise IndexError(f"index {index} is out of range for a body of {len(items)} layers") from None
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())  # type: ignore[arg-type]
-
-    def stage_of(self, key: str) -> int:
-        """The stage holding the state entry ``key`` (named within this module: ``"3.weight"``)."""
-        return self.owner[key.split(".", 1)[0]]
 
     def local_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """Stage 0's parameters, by their names in this module."""
@@ -128,12 +124,12 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
         return
     parts: dict[int, dict[str, Any]] = {}
     for key, value in list(state.items()):
-        if key.startswith(prefix) and key[len(prefix):].split(".", 1)[0] in module.owner:
-            j = module.stage_of(key[len(prefix):])
-            if j != 0:
-                parts.setdefault(j, {})[f"{module.name}.{key[len(prefix):]}"] = value
-                if isinstance(value, Tensor):
-                    state[key] = value.to("meta")
+        local = key[len(prefix):] if key.startswith(prefix) else None
+        j = module.owner.get(local.split(".", 1)[0], 0) if local is not None else 0
+        if j != 0:
+            parts.setdefault(j, {})[f"{module.name}.{local}"] = value
+            if isinstance(value, Tensor):
+                state[key] = value.to("meta")
     for j, part in parts.items():
         try:
             module.hosts.call_stage(j, "load_state_dict", part, strict)
