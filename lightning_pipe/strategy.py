@@ -392,9 +392,16 @@ class PipeStrategy(DDPStrategy):
                 "Trainer(sync_batchnorm=True) is not supported by PipeStrategy: BatchNorm layers of a stage would "
                 "synchronise every micro-batch, not the batch. Use PipeStrategy(deferred_batch_norm=True), which "
                 "gives each replica the statistics of its whole batch, and leave sync_batchnorm off")
-        from pytorch_lightning.callbacks import ModelPruning, StochasticWeightAveraging
+        from pytorch_lightning.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
 
         for callback in getattr(trainer, "callbacks", []):
+            if isinstance(callback, BackboneFinetuning):
+                raise ValueError(
+                    "the BackboneFinetuning callback is not supported by PipeStrategy: it adds a parameter group "
+                    "to the optimizer during training, which the stages in other processes cannot follow. Put "
+                    "every parameter in the optimizer from the start and freeze or unfreeze layers by "
+                    "requires_grad (BaseFinetuning.freeze and make_trainable in your own callback), which reaches "
+                    "every stage")
             if isinstance(callback, (StochasticWeightAveraging, ModelPruning)):
                 raise ValueError(
                     f"the {type(callback).__name__} callback is not supported by PipeStrategy: it changes the "

@@ -40,6 +40,7 @@ def test_devices_not_a_multiple_of_stages_fails_before_processes_start():
     ("sync_batchnorm", "Trainer(sync_batchnorm=True) is not supported by PipeStrategy"),
     ("swa", "the StochasticWeightAveraging callback is not supported by PipeStrategy"),
     ("pruning", "the ModelPruning callback is not supported by PipeStrategy"),
+    ("backbone", "the BackboneFinetuning callback is not supported by PipeStrategy"),
 ])
 def test_bad_model_fails_before_processes_start(what, error, tmp_path):
     started = time.monotonic()

@@ -4,7 +4,7 @@
                                     dies, stops answering, is interrupted, or makes a NaN gradient
                                     under detect_anomaly=True) | no_body |
                                     not_sequential | bad_balance | no_example (a model that cannot be split) |
-                                    sync_batchnorm | swa | pruning (Trainer settings or callbacks the
+                                    sync_batchnorm | swa | pruning | backbone (Trainer settings or callbacks the
                                     strategy refuses) |
                                     fused_scaler (a fused optimizer under a gradient scaler, refused at setup) |
                                     slow (stage 1 takes 1.5 s a micro-batch, longer than LP_TIMEOUT in all:
@@ -19,7 +19,7 @@ import sys
 import time
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelPruning, StochasticWeightAveraging
+from pytorch_lightning.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -103,7 +103,8 @@ def main(what: str, out: str) -> None:
                          detect_anomaly=what == "nan", sync_batchnorm=what == "sync_batchnorm", plugins=plugins,
                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
                          callbacks={"swa": [StochasticWeightAveraging(swa_lrs=0.01)],
-                                    "pruning": [ModelPruning("l1_unstructured", amount=0.3)]}.get(what, []),
+                                    "pruning": [ModelPruning("l1_unstructured", amount=0.3)],
+                                    "backbone": [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]}.get(what, []),
                          strategy=PipeStrategy(balance=balance, microbatches=4,
                                                rpc_timeout_sec=float(os.environ.get("LP_TIMEOUT", 20))))
     trainer.fit(model, DataLoader(data(model.config), batch_size=8))
