@@ -89,6 +89,11 @@ class StageHost:
         norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads])
         return float(norms.max() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type))
 
+    def grad_norms(self, norm_type: float) -> dict[str, Tensor]:
+        """The ``norm_type`` norm of each parameter's gradient here, by name, on CPU (parameters without a
+        gradient left out), computed as Lightning's ``grad_norm`` computes it."""
+        return {n: p.grad.detach().norm(norm_type).cpu() for n, p in self.params.items() if p.grad is not None}
+
     def scale_grads(self, k: int, coefficient: float) -> None:
         """Multiply optimizer ``k``'s gradients by ``coefficient`` (global-norm clipping)."""
         for g in self._grads(k):

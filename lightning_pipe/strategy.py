@@ -149,7 +149,8 @@ def _mix_in(obj: Any, mixin: type) -> None:
         # The names stay the original's: Lightning keys checkpoint entries by the qualified name (the precision
         # plugin's scaler state is saved under "MixedPrecision", and must load back under that key), and
         # LearningRateMonitor its metrics by the class name ("lr-SGD", as on one device).
-        obj.__class__ = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        obj.__class__ = type(cls.__name__, (mixin, cls), names)
 
 
 def _mirror(optimizer: torch.optim.Optimizer) -> None:

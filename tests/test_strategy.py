@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,10 @@ CASES = {
     "onecycle-accumulate": {"scheduler": "onecycle", "accumulate": 2, "optimizer": "adamw"},
     "clip-norm-steplr": {"clip": 0.05, "scheduler": "step", "balance": [1, 3]},
     "clip-value-single-backward": {"clip": 0.01, "clip_algorithm": "value", "pipelined_backward": False},
-    "manual-optimization": {"manual": True, "clip": 0.05, "scheduler": "step"},
-    "2replicas-x-2stages": {"devices": 4, "batch_size": 4},
+    # lightning_pipe.grad_norm logged in on_before_optimizer_step reports every stage's gradients (averaged
+    # over the replicas) as Lightning's grad_norm does on one device.
+    "manual-optimization": {"manual": True, "clip": 0.05, "scheduler": "step", "log_grad_norm": True},
+    "2replicas-x-2stages": {"devices": 4, "batch_size": 4, "log_grad_norm": True},
     # Manual clipping right after manual_backward must see the replicas' averaged gradients, as under DDP.
     "2replicas-manual-clip": {"devices": 4, "batch_size": 4, "manual": True, "clip": 0.05, "epochs": 1},
     # Adagrad builds state in its constructor (placeholders too); the sanity check runs validation before
@@ -50,6 +53,11 @@ def test_same_weights_as_one_device(name, tmp_path):
     assert_same_weights(loaded.state_dict(), expected)
     replicas = config.get("devices", 2) // len(config.get("balance", [2, 2]))
     assert result["world_size"] == replicas  # Lightning sees the replicas, not the processes
+    if config.get("log_grad_norm"):
+        plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
+        norms = {k: v for k, v in plain.items() if k.startswith("grad_")}
+        assert "grad_2.0_norm/sequential_module.3.0.weight" in norms  # a remote stage's parameter
+        assert {k: v for k, v in result["metrics"].items() if k.startswith("grad_")} == pytest.approx(norms, rel=1e-5)
     if config.get("scheduler") == "plateau":  # the case proves something only if the LR did move
         lr = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)["optimizer_states"][0]
         assert lr["param_groups"][0]["lr"] < 0.05
@@ -169,3 +177,30 @@ def test_mirrored_optimizers_keep_their_class_names():
     assert isinstance(optimizer, _MirroredOptimizer) and isinstance(optimizer, torch.optim.SGD)
     assert (type(optimizer).__name__, type(optimizer).__qualname__) == ("SGD", "SGD")
     assert "lr-" + optimizer.__class__.__name__ == "lr-SGD"  # how LearningRateMonitor names the metric
+
+
+@pytest.mark.parametrize("norm_type", [2, 1.0, "inf"])
+def test_grad_norm_of_a_plain_module_is_lightnings(norm_type):
+    """Outside a pipeline, lightning_pipe.grad_norm answers exactly as Lightning's (the pipelined case is in
+    test_same_weights_as_one_device); parameters without a gradient are left out, as there."""
+    from pytorch_lightning.utilities import grad_norm as lightning_grad_norm
+
+    import lightning_pipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    model(torch.randn(5, 3))[:, :1].sum().backward()
+    model[3].weight.grad = None
+    ours = lightning_pipe.grad_norm(model, norm_type, group_separator=":")
+    theirs = lightning_grad_norm(model, norm_type, group_separator=":")
+    assert list(ours) == list(theirs) and f"grad_{float(norm_type)}_norm:3.weight" not in ours
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+@pytest.mark.parametrize("norm_type", [0, -2, "nan"])
+def test_grad_norm_refuses_a_norm_that_is_not_positive(norm_type):
+    import lightning_pipe
+
+    with pytest.raises(ValueError, match=r"`norm_type` must be a positive number or 'inf'.*Got"):
+        lightning_pipe.grad_norm(torch.nn.Linear(2, 2), norm_type)

@@ -19,8 +19,8 @@ import sys
 import time
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
 import torch
+from pytorch_lightning.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
 from torch import nn
 from torch.utils.data import DataLoader
 

@@ -15,8 +15,11 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torchmetrics
+from pytorch_lightning.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_pipe
 
 DEFAULTS: dict[str, Any] = {
     "devices": 2, "balance": [2, 2], "microbatches": 4, "checkpoint": "except_last", "pipelined_backward": True,
@@ -24,7 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "manual": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
     "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
     "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
-    "sanity_steps": 0, "configure_model": False, "nodes": 1,
+    "sanity_steps": 0, "configure_model": False, "nodes": 1, "log_grad_norm": False,
 }
 
 
@@ -73,6 +76,13 @@ class Model(pl.LightningModule):
             if sched is not None:
                 sched.step()
         return loss
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.config["log_grad_norm"]:
+            # Through the pipeline, lightning_pipe's; on one device, Lightning's own: the reference.
+            pipelined = isinstance(self.trainer.strategy, lightning_pipe.PipeStrategy)
+            norms = lightning_pipe.grad_norm if pipelined else grad_norm
+            self.log_dict(norms(self, norm_type=2))
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
