@@ -103,8 +103,15 @@ class _MirroredOptimizer:
 
 
 class _PipePrecision:
-    """Mixed into the precision plugin: gradient clipping and fp16 loss scaling see every stage's gradients,
-    not just stage 0's."""
+    """Mixed into the precision plugin: gradients are averaged over the replicas before ``on_after_backward``,
+    and gradient clipping and fp16 loss scaling see every stage's gradients, not just stage 0's."""
+
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
+        # Right after backward, before the on_after_backward hooks: DDP has the gradients averaged by then.
+        strategy = module.trainer.strategy
+        if isinstance(strategy, PipeStrategy):
+            strategy._after_backward()
+        return super().post_backward(tensor, module)  # type: ignore[misc]
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
         # Called after backward and the driver's unscaling, before clipping and scaler.step: remote stages
@@ -266,6 +273,8 @@ class PipeStrategy(DDPStrategy):
         self._owner: dict[str, int] = {}
         self._requires_grad: list[tuple[bool, ...]] = []
         self._fitting = False
+        self._sync_blocked = 0  # inside block_backward_sync: gradients stay per replica (accumulation)
+        self._unaveraged = False  # a backward ran since the gradients were last averaged
 
     # ------------------------------------------------------------------ what Lightning sees: the drivers
     @property
@@ -615,22 +624,37 @@ class PipeStrategy(DDPStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # averaged at each backward
 
         def closure_then_average() -> Any:
-            # Inside the precision plugin's closure: after backward, before clipping and the step.
+            # Inside the precision plugin's closure, before clipping and the step: the closure's backward has
+            # averaged the gradients, unless it was skipped after backwards that accumulated without averaging.
             result = closure()
-            self._average_gradients(raw)
+            if self._unaveraged:
+                self._average_gradients(raw)
             return result
 
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
     @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        # Manual optimization may clip, log or step (even a raw optimizer) right after manual_backward: the
-        # gradients are averaged over the replicas there, as DDP has them by then. Averaging again after a
-        # further backward (accumulation) averages only the new part: the mean of equal values is that value.
-        super().post_backward(closure_loss)
-        if not self.lightning_module.automatic_optimization:
-            for optimizer in self.optimizers:
-                self._average_gradients(getattr(optimizer, "_optimizer", optimizer))
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Backwards inside keep their gradients per replica (Lightning blocks the sync while it accumulates
+        gradients, as DDP's ``no_sync``); the first backward outside averages everything accumulated."""
+        self._sync_blocked += 1
+        try:
+            yield None
+        finally:
+            self._sync_blocked -= 1
+
+    def _after_backward(self) -> None:
+        """Average every optimizer's gradients over the replicas, unless sync is blocked. Called after each
+        backward, before ``on_after_backward``: hooks, clipping and steps, manual ones included, see the
+        averaged gradients, as under DDP. Averaging again after a further backward averages only the new
+        part: the mean of equal values is that value."""
+        self._unaveraged = True
+        if self._sync_blocked:
+            return
+        for optimizer in self.optimizers:
+            self._average_gradients(getattr(optimizer, "_optimizer", optimizer))
+        self._unaveraged = False
 
     def _average_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if self.world_size == 1 or self._hosts is None:

@@ -20,12 +20,14 @@ CASES = {
     "onecycle-accumulate": {"scheduler": "onecycle", "accumulate": 2, "optimizer": "adamw"},
     "clip-norm-steplr": {"clip": 0.05, "scheduler": "step", "balance": [1, 3]},
     "clip-value-single-backward": {"clip": 0.01, "clip_algorithm": "value", "pipelined_backward": False},
-    # lightning_pipe.grad_norm logged in on_before_optimizer_step reports every stage's gradients (averaged
-    # over the replicas) as Lightning's grad_norm does on one device.
+    # lightning_pipe.grad_norm logged in on_after_backward and on_before_optimizer_step reports every stage's
+    # gradients, averaged over the replicas by then as under DDP, as Lightning's grad_norm does on one device.
     "manual-optimization": {"manual": True, "clip": 0.05, "scheduler": "step", "log_grad_norm": True},
-    "2replicas-x-2stages": {"devices": 4, "batch_size": 4, "log_grad_norm": True},
+    # Accumulating, Lightning blocks the sync as for DDP; the last backward of a step averages everything.
+    "2replicas-x-2stages-accumulate": {"devices": 4, "batch_size": 4, "accumulate": 2, "log_grad_norm": True},
     # Manual clipping right after manual_backward must see the replicas' averaged gradients, as under DDP.
-    "2replicas-manual-clip": {"devices": 4, "batch_size": 4, "manual": True, "clip": 0.05, "epochs": 1},
+    "2replicas-manual-clip": {"devices": 4, "batch_size": 4, "manual": True, "clip": 0.05, "epochs": 1,
+                              "log_grad_norm": True},
     # Adagrad builds state in its constructor (placeholders too); the sanity check runs validation before
     # training; the body is built in configure_model, after the processes start.
     "adagrad-sanity-configure-model": {"optimizer": "adagrad", "validate": True, "sanity_steps": 2,
@@ -55,9 +57,10 @@ def test_same_weights_as_one_device(name, tmp_path):
     assert result["world_size"] == replicas  # Lightning sees the replicas, not the processes
     if config.get("log_grad_norm"):
         plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
-        norms = {k: v for k, v in plain.items() if k.startswith("grad_")}
-        assert "grad_2.0_norm/sequential_module.3.0.weight" in norms  # a remote stage's parameter
-        assert {k: v for k, v in result["metrics"].items() if k.startswith("grad_")} == pytest.approx(norms, rel=1e-5)
+        norms = {k: v for k, v in plain.items() if "grad_" in k}
+        for hook in ("", "after_backward/"):  # a remote stage's parameter, in both hooks
+            assert f"{hook}grad_2.0_norm/sequential_module.3.0.weight" in norms
+        assert {k: v for k, v in result["metrics"].items() if "grad_" in k} == pytest.approx(norms, rel=1e-5)
     if config.get("scheduler") == "plateau":  # the case proves something only if the LR did move
         lr = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)["optimizer_states"][0]
         assert lr["param_groups"][0]["lr"] < 0.05

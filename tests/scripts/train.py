@@ -77,12 +77,18 @@ class Model(pl.LightningModule):
                 sched.step()
         return loss
 
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
+    def _log_grad_norms(self, prefix: str) -> None:
         if self.config["log_grad_norm"]:
             # Through the pipeline, lightning_pipe's; on one device, Lightning's own: the reference.
             pipelined = isinstance(self.trainer.strategy, lightning_pipe.PipeStrategy)
-            norms = lightning_pipe.grad_norm if pipelined else grad_norm
-            self.log_dict(norms(self, norm_type=2))
+            norms = (lightning_pipe.grad_norm if pipelined else grad_norm)(self, norm_type=2)
+            self.log_dict({prefix + k: v for k, v in norms.items()})
+
+    def on_after_backward(self) -> None:
+        self._log_grad_norms("after_backward/")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self._log_grad_norms("")
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
