@@ -5,14 +5,20 @@ every layer under its original name, so ``named_parameters()`` (and parameter gr
 ``ModelSummary`` and ``state_dict`` keys are those of the unpipelined model. Layers of remote stages stay
 as parameter-shaped placeholders on the ``meta`` device, holding no memory; moving or casting the module
 (``.to()``, ``.cuda()``, ``.half()``) touches only the real layers. Its forward runs the whole pipeline.
+
+A placeholder never has a gradient (its gradient is in its stage's process): the functions that clip or
+measure every parameter's ``.grad`` would silently cover stage 0 alone, so a placeholder refuses to be read
+by them, saying what covers every stage instead.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
@@ -20,6 +26,73 @@ from lightning_pipe.microbatch import Batch, TensorOrTensors
 from lightning_pipe.pipe import run_pipeline
 
 __all__: list[str] = []
+
+_CLIP_NORM = ("self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm='norm') or "
+              "Trainer(gradient_clip_val=...), which clip by the norm over every stage")
+_CLIP_VALUE = ("self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm='value') or "
+               "Trainer(gradient_clip_val=..., gradient_clip_algorithm='value'), which clip every stage")
+_NORMS = "lightning_pipe.grad_norm(module, norm_type), which covers every stage"
+#: (module, function) reading every parameter's ``.grad`` to clip or measure them -> what to use instead.
+STAGE0_ONLY = {
+    ("torch.nn.utils.clip_grad", "clip_grad_norm_"): _CLIP_NORM,
+    ("torch.nn.utils.clip_grad", "_clip_grads_with_norm_"): _CLIP_NORM,
+    ("torch.nn.utils.clip_grad", "clip_grad_value_"): _CLIP_VALUE,
+    ("pytorch_lightning.utilities.grads", "grad_norm"): _NORMS,
+    ("lightning.pytorch.utilities.grads", "grad_norm"): _NORMS,
+}
+_GRAD = torch.Tensor.grad
+
+
+class Placeholder(nn.Parameter):
+    """A remote stage's parameter as the driver holds it: name, shape, dtype and ``requires_grad``, on the
+    meta device, and never a gradient. Read by a function of :data:`STAGE0_ONLY`, its ``.grad`` raises an
+    error naming the parameter, its stage and what to use instead; anywhere else it is ``None``."""
+
+    param_name = "a parameter of a remote stage"
+    stage = -1
+
+    @property  # type: ignore[override]
+    def grad(self) -> Tensor | None:
+        _refuse_stage0_only(self)
+        return _GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        _GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _GRAD.__delete__(self)
+
+
+def _refuse_stage0_only(p: Placeholder) -> None:
+    frame = sys._getframe(2)  # whoever read .grad (0: this function, 1: the property)
+    for _ in range(2):  # that function, or the one around its comprehension
+        if frame is None:
+            return
+        key = (frame.f_globals.get("__name__"), frame.f_code.co_name)
+        if key in STAGE0_ONLY:
+            raise RuntimeError(
+                f"{key[1]} read the gradient of {p.param_name!r}, which lives in the process of pipeline stage "
+                f"{p.stage}: the driver holds the layers of remote stages as placeholders without gradients, so "
+                f"it would silently cover stage 0 alone. Use {STAGE0_ONLY[key]}")
+        frame = frame.f_back
+
+
+def _to_placeholders(layer: nn.Module, prefix: str, stage: int) -> nn.Module:
+    """``layer`` on the meta device, its parameters :class:`Placeholder` s named ``prefix`` + their name."""
+    layer = layer.to("meta")
+    made: dict[int, Placeholder] = {}
+    for module_name, module in layer.named_modules(remove_duplicate=False):
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                made[id(p)] = Placeholder(p.data, p.requires_grad)
+                made[id(p)].param_name = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
+                made[id(p)].stage = stage
+            module._parameters[name] = made[id(p)]
+    return layer
 
 
 class PipelinedSequential(nn.Module):
@@ -38,7 +111,7 @@ class PipelinedSequential(nn.Module):
         self.name = name
         for child, layer in body.named_children():
             if owner[child] != 0:
-                layer = layer.to("meta")
+                layer = _to_placeholders(layer, f"{name}.{child}.", owner[child])
             self.add_module(child, layer)
         self.owner = owner
         self.pipeline = pipeline

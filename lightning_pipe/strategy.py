@@ -49,7 +49,7 @@ from lightning_pipe.balance import balance_by_size, balance_by_time
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.dataparallel import average_gradients
 from lightning_pipe.launcher import SESSION, PipeLauncher, abort_world, start_session, worker_name
-from lightning_pipe.partitioned import PipelinedSequential
+from lightning_pipe.partitioned import PipelinedSequential, is_placeholder
 from lightning_pipe.pipe import check_balance, check_checkpoint, check_chunks, check_sequential, split_module
 from lightning_pipe.remote import RemotePipeline, StageRunner
 from lightning_pipe.skip.layout import inspect_skip_layout
@@ -143,10 +143,13 @@ class _PipePrecision:
         return None
 
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
         hosts = getattr(optimizer, "_lp_hosts", None)
-        if hosts is not None:
-            hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
+        if hosts is None:
+            return super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
+        params = [p for p in self.main_params(optimizer) if not is_placeholder(p)]  # type: ignore[attr-defined]
+        torch.nn.utils.clip_grad_value_(params, clip_val)
+        hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
+        return None
 
 
 def _mix_in(obj: Any, mixin: type) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ def test_same_weights_as_one_device(name, tmp_path):
         for hook in ("", "after_backward/"):  # a remote stage's parameter, in both hooks
             assert f"{hook}grad_2.0_norm/sequential_module.3.0.weight" in norms
         assert {k: v for k, v in result["metrics"].items() if "grad_" in k} == pytest.approx(norms, rel=1e-5)
+        assert result["metrics"]["refused"] == result["metrics"]["after_backward/refused"] == 1.0
     if config.get("scheduler") == "plateau":  # the case proves something only if the LR did move
         lr = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)["optimizer_states"][0]
         assert lr["param_groups"][0]["lr"] < 0.05
@@ -207,3 +209,46 @@ def test_grad_norm_refuses_a_norm_that_is_not_positive(norm_type):
 
     with pytest.raises(ValueError, match=r"`norm_type` must be a positive number or 'inf'.*Got"):
         lightning_pipe.grad_norm(torch.nn.Linear(2, 2), norm_type)
+
+
+def test_placeholders_refuse_the_functions_that_would_see_stage_0_alone():
+    """On the driver, remote layers are placeholders without gradients: clip_grad_norm_, clip_grad_value_ and
+    Lightning's grad_norm over the whole model would silently cover stage 0 alone, so they are refused with
+    what to use instead; everything else that reads .grad (zeroing, optimizers) sees None, as before."""
+    from pytorch_lightning.utilities import grad_norm as lightning_grad_norm
+    from torch import nn
+
+    import lightning_pipe
+    from lightning_pipe.partitioned import PipelinedSequential, Placeholder
+
+    body = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Tanh(), nn.Linear(3, 2)), nn.Linear(2, 1))
+    module = PipelinedSequential(body, {"0": 0, "1": 1, "2": 1}, None, chunks=1, checkpoint="never")
+    placeholder = module[1][1].weight
+    assert isinstance(placeholder, Placeholder) and placeholder.is_meta and placeholder.shape == (2, 3)
+    assert (placeholder.param_name, placeholder.stage) == ("sequential_module.1.1.weight", 1)
+    assert not any(isinstance(p, Placeholder) for p in module[0].parameters())
+    module[0](torch.randn(4, 3)).sum().backward()  # stage 0's own gradients are here
+
+    refused = {
+        "clip_grad_norm_": (lambda: torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0),
+                            "gradient_clip_algorithm='norm'"),
+        "clip_grad_value_": (lambda: torch.nn.utils.clip_grad_value_(module.parameters(), 1.0),
+                             "gradient_clip_algorithm='value'"),
+        "grad_norm": (lambda: lightning_grad_norm(module, 2), "lightning_pipe.grad_norm"),
+    }
+    before = module[0].weight.grad.clone()
+    for name, (call, advice) in refused.items():
+        with pytest.raises(RuntimeError, match=rf"{name} read the gradient of 'sequential_module.1.1.weight', "
+                                               r"which lives in the process of pipeline stage 1.*stage 0 alone"):
+            call()
+        with pytest.raises(RuntimeError, match=re.escape(advice)):
+            call()
+    assert torch.equal(module[0].weight.grad, before)  # nothing was clipped halfway
+
+    assert list(lightning_pipe.grad_norm(module, 2)) == ["grad_2.0_norm/0.weight", "grad_2.0_norm/0.bias",
+                                                          "grad_2.0_norm_total"]
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    optimizer.step()
+    optimizer.zero_grad()
+    module.zero_grad()
+    assert module[0].weight.grad is None and placeholder.grad is None

@@ -83,6 +83,11 @@ class Model(pl.LightningModule):
             pipelined = isinstance(self.trainer.strategy, lightning_pipe.PipeStrategy)
             norms = (lightning_pipe.grad_norm if pipelined else grad_norm)(self, norm_type=2)
             self.log_dict({prefix + k: v for k, v in norms.items()})
+            if pipelined:  # Lightning's would see stage 0 alone: it is refused, saying what to use
+                try:
+                    grad_norm(self, norm_type=2)
+                except RuntimeError as exc:
+                    self.log(prefix + "refused", float("lightning_pipe.grad_norm" in str(exc)))
 
     def on_after_backward(self) -> None:
         self._log_grad_norms("after_backward/")
