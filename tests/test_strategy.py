@@ -34,6 +34,9 @@ CASES = {
     "adagrad-sanity-configure-model": {"optimizer": "adagrad", "validate": True, "sanity_steps": 2,
                                        "configure_model": True, "epochs": 1},
     "plateau-scheduler": {"scheduler": "plateau", "log_metric": True, "epochs": 3},
+    # Lightning's learning-rate finder: a run of its own, checkpointed before and restored after, then fit
+    # with its suggestion.
+    "lr-finder": {"lr_find": True, "epochs": 1, "samples": 128},
 }
 
 
@@ -63,6 +66,9 @@ def test_same_weights_as_one_device(name, tmp_path):
             assert f"{hook}grad_2.0_norm/sequential_module.3.0.weight" in norms
         assert {k: v for k, v in result["metrics"].items() if "grad_" in k} == pytest.approx(norms, rel=1e-5)
         assert result["metrics"]["refused"] == result["metrics"]["after_backward/refused"] == 1.0
+    if config.get("lr_find"):  # the same suggestion, and one the finder chose, not the starting value
+        plain = json.loads((tmp_path / "plain" / "result.json").read_text())
+        assert result["lr"] == pytest.approx(plain["lr"], rel=1e-6) and result["lr"] != script.DEFAULTS["lr"]
     if config.get("scheduler") == "plateau":  # the case proves something only if the LR did move
         lr = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)["optimizer_states"][0]
         assert lr["param_groups"][0]["lr"] < 0.05

@@ -15,6 +15,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torchmetrics
+from pytorch_lightning.tuner import Tuner
 from pytorch_lightning.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -27,7 +28,7 @@ DEFAULTS: dict[str, Any] = {
     "manual": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
     "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
     "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
-    "sanity_steps": 0, "configure_model": False, "nodes": 1, "log_grad_norm": False,
+    "sanity_steps": 0, "configure_model": False, "nodes": 1, "log_grad_norm": False, "lr_find": False,
 }
 
 
@@ -53,6 +54,7 @@ class Model(pl.LightningModule):
         self.automatic_optimization = not self.config["manual"]
         self.metric = torchmetrics.MeanSquaredError()
         self.example_input_array = torch.zeros(4, self.config["width"])
+        self.lr = self.config["lr"]  # where Lightning's learning-rate finder puts its suggestion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.sequential_module(x))
@@ -109,7 +111,7 @@ class Model(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         c = self.config
         if c["optimizer"] == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=c["lr"], momentum=0.9)
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         elif c["optimizer"] == "adam-fused":
             opt = torch.optim.Adam(self.parameters(), lr=0.01, fused=True)
         elif c["optimizer"] == "adagrad":  # builds per-parameter state in its constructor
@@ -239,12 +241,16 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
         loader = DataLoader(dataset, batch_size=config["batch_size"], sampler=sampler)
     else:
         loader = DataLoader(dataset, batch_size=config["batch_size"], shuffle=False)
+    if config["lr_find"]:
+        # A short run whose weights are restored from a checkpoint afterwards; the suggestion goes to model.lr.
+        Tuner(trainer).lr_find(model, train_dataloaders=loader, min_lr=1e-3, max_lr=0.5, num_training=24,
+                               early_stop_threshold=None)
     trainer.fit(model, loader, loader if config["validate"] else None, ckpt_path=config["resume"],
                 weights_only=True if config["resume"] else None)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     if trainer.is_global_zero:
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step,
+            json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "lr": model.lr,
                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
     return model
 
