@@ -24,6 +24,8 @@ CASES = {
     # lightning_pipe.grad_norm logged in on_after_backward and on_before_optimizer_step reports every stage's
     # gradients, averaged over the replicas by then as under DDP, as Lightning's grad_norm does on one device.
     "manual-optimization": {"manual": True, "clip": 0.05, "scheduler": "step", "log_grad_norm": True},
+    # Two optimizers stepped in turn with toggle_optimizer (GAN style); stage 1 is in the first one only.
+    "manual-two-optimizers-toggled": {"manual": True, "optimizer": "two", "balance": [1, 3]},
     # Accumulating, Lightning blocks the sync as for DDP; the last backward of a step averages everything.
     "2replicas-x-2stages-accumulate": {"devices": 4, "batch_size": 4, "accumulate": 2, "log_grad_norm": True},
     # Manual clipping right after manual_backward must see the replicas' averaged gradients, as under DDP.

@@ -67,7 +67,9 @@ class Model(pl.LightningModule):
             self.metric(out, y)
             self.log("train_mse", self.metric, sync_dist=True)
             self.log("train_loss", loss, sync_dist=True)
-        if not self.automatic_optimization:
+        if not self.automatic_optimization and self.config["optimizer"] == "two":
+            self._alternate(loss, x, y)
+        elif not self.automatic_optimization:
             opt = self.optimizers()
             opt.zero_grad()
             self.manual_backward(loss)
@@ -78,6 +80,17 @@ class Model(pl.LightningModule):
             if sched is not None:
                 sched.step()
         return loss
+
+    def _alternate(self, loss: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Two optimizers stepped in turn, each with the other's parameters frozen (as GANs train): the body's,
+        then the head's on a second forward. Stage 1 holds parameters of the first optimizer only."""
+        body, head = self.optimizers()
+        for opt, closure_loss in ((body, lambda: loss), (head, lambda: 2 * nn.functional.mse_loss(self(x), y))):
+            self.toggle_optimizer(opt)
+            self.manual_backward(closure_loss())
+            opt.step()
+            opt.zero_grad()
+            self.untoggle_optimizer(opt)
 
     def _log_grad_norms(self, prefix: str) -> None:
         if self.config["log_grad_norm"]:
@@ -110,6 +123,9 @@ class Model(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         c = self.config
+        if c["optimizer"] == "two":
+            return [torch.optim.SGD(self.sequential_module.parameters(), lr=self.lr, momentum=0.9),
+                    torch.optim.Adam(self.head.parameters(), lr=0.01)]
         if c["optimizer"] == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         elif c["optimizer"] == "adam-fused":
