@@ -8,7 +8,8 @@ as parameter-shaped placeholders on the ``meta`` device, holding no memory; movi
 
 A placeholder never has a gradient (its gradient is in its stage's process): the functions that clip or
 measure every parameter's ``.grad`` would silently cover stage 0 alone, so a placeholder refuses to be read
-by them, saying what covers every stage instead.
+by them, saying what covers every stage instead. Nor can it be changed in place (an initialiser or a hook
+editing weights): the change would never reach its stage, so the next forward or ``state_dict`` raises.
 """
 
 from __future__ import annotations
@@ -126,6 +127,30 @@ class PipelinedSequential(nn.Module):
         # Module-level functions, not bound methods: no reference cycle keeps a freed body (and its stages).
         self.register_state_dict_post_hook(_remote_state)
         self.register_load_state_dict_pre_hook(_load_remote_state)
+        self.register_load_state_dict_post_hook(_loaded)
+        self._record_placeholders()
+
+    def _record_placeholders(self) -> None:
+        """Remember every placeholder (parameters and buffers of remote layers) and its version counter,
+        which any in-place change bumps, meta tensors included."""
+        self._placeholders = [(f"{self.name}.{child}.{name}", t) for child, layer in self.named_children()
+                              if self.owner[child] != 0
+                              for name, t in [*layer.named_parameters(), *layer.named_buffers()]]
+        self._versions = [t._version for _, t in self._placeholders]
+
+    def check_placeholders(self) -> None:
+        """Raise if a remote layer's placeholder was changed in place here (an initialiser, or a hook or
+        callback editing weights or buffers): the change never reached the stage that holds the layer."""
+        versions = [t._version for _, t in self._placeholders]
+        if versions == self._versions:
+            return
+        changed = [name for (name, _), v, was in zip(self._placeholders, versions, self._versions) if v != was]
+        stages = sorted({self.owner[name[len(self.name) + 1:].split(".", 1)[0]] for name in changed})
+        raise RuntimeError(
+            f"{', '.join(changed)} changed in place in this process, where the layers of remote stages "
+            f"({', '.join(map(str, stages))}) are placeholders without data: the change did not reach the stages "
+            "that hold them, and training would go on without it. Change their weights through "
+            "model.load_state_dict(...), which reaches every stage, or in the layer's own forward")
 
     def _apply(self, fn: Any, recurse: bool = True) -> PipelinedSequential:
         for name, child in self.named_children():
@@ -159,6 +184,7 @@ class PipelinedSequential(nn.Module):
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Run ``input`` through every stage of the pipeline."""
+        self.check_placeholders()
         if self.before_forward is not None:
             self.before_forward()
         size = Batch.of(input, "input of the pipeline").tensors[0].size(0) if self.chunks > 1 else self.chunks
@@ -177,7 +203,9 @@ class PipelinedSequential(nn.Module):
 
 def _remote_state(module: PipelinedSequential, state: dict[str, Any], prefix: str, metadata: Any) -> None:
     """``state_dict`` hook: the remote layers' entries as their stages hold them now (on CPU), not their
-    placeholders, so that ``model.state_dict()`` on the driver is the whole model's."""
+    placeholders, so that ``model.state_dict()`` on the driver is the whole model's (never without a change
+    made here in place, which the stages do not have)."""
+    module.check_placeholders()
     if module.hosts is None or module.local_only:
         return
     cut = len(module.name) + 1
@@ -208,6 +236,11 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
             module.hosts.call_stage(j, "load_state_dict", part, strict)
         except Exception as exc:  # noqa: BLE001 - reported the way load_state_dict reports a layer's error
             errors.append(f"stage {j} could not load its layers' entries: {exc}")
+
+
+def _loaded(module: PipelinedSequential, incompatible: Any) -> None:
+    """``load_state_dict`` hook: the placeholders' own copies counted as changes; the stages loaded theirs."""
+    module._record_placeholders()
 
 
 def is_placeholder(t: Tensor) -> bool:

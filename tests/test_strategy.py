@@ -260,3 +260,42 @@ def test_placeholders_refuse_the_functions_that_would_see_stage_0_alone():
     optimizer.zero_grad()
     module.zero_grad()
     assert module[0].weight.grad is None and placeholder.grad is None
+
+
+@pytest.mark.filterwarnings("ignore:.*copying from a non-meta parameter")  # no stages here to take them
+def test_changing_a_placeholder_in_place_is_an_error_at_the_next_forward_or_state_dict():
+    """An initialiser or a hook editing a remote layer's weights on the driver changes nothing where the layer
+    lives: the next forward (and any state_dict, which checkpoints take) says so instead of training on
+    without it. Loading a state, which reaches every stage, is the way to change them."""
+    from torch import nn
+
+    from lightning_pipe import Pipe
+    from lightning_pipe.partitioned import PipelinedSequential
+
+    def body():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.BatchNorm1d(2))
+
+    local = Pipe(body(), [1, 2], chunks=2).pipeline  # stands in for the remote stages
+    module = PipelinedSequential(body(), {"0": 0, "1": 1, "2": 1}, local, chunks=2, checkpoint="never")
+    x = torch.ones(4, 2)
+    module(x)
+    module[1].weight.requires_grad_(False)  # freezing is no change of the values
+    module.state_dict()
+    module(x)
+
+    torch.nn.init.zeros_(module[1].weight)
+    message = (r"sequential_module.1.weight changed in place in this process, where the layers of remote stages "
+               r"\(1\) are placeholders without data: the change did not reach")
+    with pytest.raises(RuntimeError, match=message):
+        module(x)
+    with pytest.raises(RuntimeError, match=message):
+        module.state_dict()
+    module[2].reset_running_stats()  # buffers too
+    with pytest.raises(RuntimeError, match=r"sequential_module.1.weight, sequential_module.2.running_mean, "
+                                           r"sequential_module.2.running_var, sequential_module.2.num_batches_tracked"):
+        module(x)
+
+    module.load_state_dict(body().state_dict())
+    module(x)
+    module.state_dict()
