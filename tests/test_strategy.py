@@ -18,19 +18,18 @@ CASES = {
     "2stages-sgd": {},
     "3stages-chunks8-always": {"devices": 3, "balance": [1, 2, 1], "microbatches": 8, "checkpoint": "always"},
     "chunks1-never-adamw-groups": {"microbatches": 1, "checkpoint": "never", "optimizer": "adamw"},
-    "onecycle-accumulate": {"scheduler": "onecycle", "accumulate": 2, "optimizer": "adamw"},
     "clip-norm-steplr": {"clip": 0.05, "scheduler": "step", "balance": [1, 3]},
     "clip-value-single-backward": {"clip": 0.01, "clip_algorithm": "value", "pipelined_backward": False},
-    # lightning_pipe.grad_norm logged in on_after_backward and on_before_optimizer_step reports every stage's
-    # gradients, averaged over the replicas by then as under DDP, as Lightning's grad_norm does on one device.
-    "manual-optimization": {"manual": True, "clip": 0.05, "scheduler": "step", "log_grad_norm": True},
     # Two optimizers stepped in turn with toggle_optimizer (GAN style); stage 1 is in the first one only.
     "manual-two-optimizers-toggled": {"manual": True, "optimizer": "two", "balance": [1, 3]},
+    # lightning_pipe.grad_norm logged in on_after_backward and on_before_optimizer_step reports every stage's
+    # gradients, averaged over the replicas by then as under DDP, as Lightning's grad_norm does on one device.
     # Accumulating, Lightning blocks the sync as for DDP; the last backward of a step averages everything.
-    "2replicas-x-2stages-accumulate": {"devices": 4, "batch_size": 4, "accumulate": 2, "log_grad_norm": True},
+    "2replicas-x-2stages-onecycle-accumulate": {"devices": 4, "batch_size": 4, "accumulate": 2, "log_grad_norm": True,
+                                                "scheduler": "onecycle", "optimizer": "adamw"},
     # Manual clipping right after manual_backward must see the replicas' averaged gradients, as under DDP.
-    "2replicas-manual-clip": {"devices": 4, "batch_size": 4, "manual": True, "clip": 0.05, "epochs": 1,
-                              "log_grad_norm": True},
+    "2replicas-manual-optimization-clip": {"devices": 4, "batch_size": 4, "manual": True, "clip": 0.05,
+                                           "scheduler": "step", "epochs": 1, "log_grad_norm": True},
     # Adagrad builds state in its constructor (placeholders too); the sanity check runs validation before
     # training; the body is built in configure_model, after the processes start.
     "adagrad-sanity-configure-model": {"optimizer": "adagrad", "validate": True, "sanity_steps": 2,
