@@ -34,11 +34,14 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    remote = _remote_norms(module, norm_type)
+    remote, reached = _remote_norms(module, norm_type)
     device = next((p.device for p in module.parameters() if not is_placeholder(p)), torch.device("cpu"))
     norms: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
         if is_placeholder(p):
+            if id(p) not in reached and p.requires_grad:
+                raise ValueError(f"grad_norm cannot reach the stage that holds {name!r}: call it on the "
+                                 "LightningModule (self) or on its pipelined body, whose stages it asks")
             value = remote.get(name)
             if value is not None:
                 value = value.to(device)
@@ -51,15 +54,18 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     return norms
 
 
-def _remote_norms(module: nn.Module, norm_type: float) -> dict[str, Tensor]:
-    """The gradient norms of the remote stages' parameters, by their names in ``module``."""
+def _remote_norms(module: nn.Module, norm_type: float) -> tuple[dict[str, Tensor], set[int]]:
+    """The gradient norms of the remote stages' parameters, by their names in ``module``, and the ids of
+    the placeholders whose stages were asked."""
     out: dict[str, Tensor] = {}
+    reached: set[int] = set()
     for prefix, sub in module.named_modules():
         if not isinstance(sub, PipelinedSequential) or sub.hosts is None:
             continue
+        reached.update(id(p) for p in sub.parameters() if is_placeholder(p))
         cut = len(sub.name) + 1  # the stages name parameters as the LightningModule does
         for part in sub.hosts.call("grad_norms", norm_type):
             for name, value in part.items():
                 local = name[cut:]
                 out[f"{prefix}.{local}" if prefix else local] = value
-    return out
+    return out, reached

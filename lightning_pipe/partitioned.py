@@ -52,6 +52,13 @@ class Placeholder(nn.Parameter):
     param_name = "a parameter of a remote stage"
     stage = -1
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Placeholder:
+        if id(self) not in memo:
+            copied = Placeholder(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+            copied.param_name, copied.stage = self.param_name, self.stage
+            memo[id(self)] = copied
+        return memo[id(self)]
+
     @property  # type: ignore[override]
     def grad(self) -> Tensor | None:
         _refuse_stage0_only(self)
@@ -67,33 +74,41 @@ class Placeholder(nn.Parameter):
 
 
 def _refuse_stage0_only(p: Placeholder) -> None:
-    frame = sys._getframe(2)  # whoever read .grad (0: this function, 1: the property)
+    if not p.requires_grad:
+        return  # frozen: no gradient in its stage either, so stage 0's answer is the whole model's
+    try:
+        frame = sys._getframe(2)  # whoever read .grad (0: this function, 1: the property)
+    except ValueError:  # read from outside any Python function
+        return
     for _ in range(2):  # that function, or the one around its comprehension
         if frame is None:
             return
         key = (frame.f_globals.get("__name__"), frame.f_code.co_name)
         if key in STAGE0_ONLY:
             raise RuntimeError(
-                f"{key[1]} read the gradient of {p.param_name!r}, which lives in the process of pipeline stage "
-                f"{p.stage}: the driver holds the layers of remote stages as placeholders without gradients, so "
-                f"it would silently cover stage 0 alone. Use {STAGE0_ONLY[key]}")
+                f"{key[1].lstrip('_')} read the gradient of {p.param_name!r}, which lives in the process of "
+                f"pipeline stage {p.stage}: the driver holds the layers of remote stages as placeholders without "
+                f"gradients, so it would silently cover stage 0 alone. Use {STAGE0_ONLY[key]}")
         frame = frame.f_back
 
 
-def _to_placeholders(layer: nn.Module, prefix: str, stage: int) -> nn.Module:
-    """``layer`` on the meta device, its parameters :class:`Placeholder` s named ``prefix`` + their name."""
-    layer = layer.to("meta")
+def _wrap_placeholders(layer: nn.Module, prefix: str, stage: int) -> None:
+    """Make the (meta) parameters of ``layer`` :class:`Placeholder` s named ``prefix`` + their name, keeping
+    those that are already and any sharing between its modules."""
     made: dict[int, Placeholder] = {}
     for module_name, module in layer.named_modules(remove_duplicate=False):
         for name, p in list(module._parameters.items()):
-            if p is None:
+            if p is None or isinstance(p, Placeholder) or not p.is_meta or p.is_inference():
                 continue
             if id(p) not in made:
                 made[id(p)] = Placeholder(p.data, p.requires_grad)
                 made[id(p)].param_name = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
                 made[id(p)].stage = stage
             module._parameters[name] = made[id(p)]
-    return layer
+
+
+def _version(t: Tensor) -> int:
+    return -1 if t.is_inference() else t._version  # an inference tensor has no version counter (nor changes)
 
 
 class PipelinedSequential(nn.Module):
@@ -112,7 +127,8 @@ class PipelinedSequential(nn.Module):
         self.name = name
         for child, layer in body.named_children():
             if owner[child] != 0:
-                layer = _to_placeholders(layer, f"{name}.{child}.", owner[child])
+                layer = layer.to("meta")
+                _wrap_placeholders(layer, f"{name}.{child}.", owner[child])
             self.add_module(child, layer)
         self.owner = owner
         self.pipeline = pipeline
@@ -128,29 +144,52 @@ class PipelinedSequential(nn.Module):
         self.register_state_dict_post_hook(_remote_state)
         self.register_load_state_dict_pre_hook(_load_remote_state)
         self.register_load_state_dict_post_hook(_loaded)
+        self._placeholders: list[tuple[str, Tensor]] = []
+        self._versions: list[int] = []
+        self._loading: tuple[set[str], dict[str, int]] | None = None
         self._record_placeholders()
 
-    def _record_placeholders(self) -> None:
-        """Remember every placeholder (parameters and buffers of remote layers) and its version counter,
-        which any in-place change bumps, meta tensors included."""
-        self._placeholders = [(f"{self.name}.{child}.{name}", t) for child, layer in self.named_children()
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._placeholders, self._versions = [], []
+        self._record_placeholders()  # a copy's tensors start new version counters (and unpickled, plain class)
+
+    def _record_placeholders(self, loading: tuple[set[str], dict[str, int]] | None = None) -> None:
+        """Remember every placeholder (parameters and buffers of remote layers, by name in this module) and
+        its version counter, which any in-place change bumps, meta tensors included. After a load,
+        ``loading`` holds the names loaded and the counters just before: those loaded, or changed by the load
+        itself, are taken afresh; the others keep theirs, so a change made before still shows. Parameters put
+        in by ``load_state_dict(assign=True)`` become placeholders again."""
+        for child, layer in self.named_children():
+            if self.owner[child] != 0:
+                _wrap_placeholders(layer, f"{self.name}.{child}.", self.owner[child])
+        recorded = dict(zip((name for name, _ in self._placeholders), self._versions))
+        loaded, before_load = loading if loading is not None else (set(), {})
+        self._placeholders = [(f"{child}.{name}", t) for child, layer in self.named_children()
                               if self.owner[child] != 0
                               for name, t in [*layer.named_parameters(), *layer.named_buffers()]]
-        self._versions = [t._version for _, t in self._placeholders]
+        self._versions = []
+        for name, t in self._placeholders:
+            now = _version(t)
+            fresh = loading is None or name in loaded or name not in recorded or now != before_load.get(name)
+            self._versions.append(now if fresh else recorded[name])
 
     def check_placeholders(self) -> None:
         """Raise if a remote layer's placeholder was changed in place here (an initialiser, or a hook or
         callback editing weights or buffers): the change never reached the stage that holds the layer."""
-        versions = [t._version for _, t in self._placeholders]
+        versions = [_version(t) for _, t in self._placeholders]
         if versions == self._versions:
             return
         changed = [name for (name, _), v, was in zip(self._placeholders, versions, self._versions) if v != was]
-        stages = sorted({self.owner[name[len(self.name) + 1:].split(".", 1)[0]] for name in changed})
+        stages = sorted({self.owner[name.split(".", 1)[0]] for name in changed})
+        shown = ", ".join(f"{self.name}.{name}" for name in changed[:6])
+        more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
         raise RuntimeError(
-            f"{', '.join(changed)} changed in place in this process, where the layers of remote stages "
+            f"{shown}{more} changed in place in this process, where the layers of remote stages "
             f"({', '.join(map(str, stages))}) are placeholders without data: the change did not reach the stages "
             "that hold them, and training would go on without it. Change their weights through "
-            "model.load_state_dict(...), which reaches every stage, or in the layer's own forward")
+            "model.load_state_dict(...), which reaches every stage, or in the layer's own forward (a change "
+            "through .data is not seen here, nor anywhere)")
 
     def _apply(self, fn: Any, recurse: bool = True) -> PipelinedSequential:
         for name, child in self.named_children():
@@ -221,16 +260,18 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
     """``load_state_dict`` hook: the remote layers' entries go to their stages; their placeholders here are
     given placeholders of the entries (``state`` is load_state_dict's own copy), which still have their
     shapes checked and count as loaded."""
-    if module.hosts is None:
-        return
     parts: dict[int, dict[str, Any]] = {}
     for key, value in list(state.items()):
         local = key[len(prefix):] if key.startswith(prefix) else None
         j = module.owner.get(local.split(".", 1)[0], 0) if local is not None else 0
         if j != 0:
             parts.setdefault(j, {})[f"{module.name}.{local}"] = value
-            if isinstance(value, Tensor):
+            if isinstance(value, Tensor) and module.hosts is not None:
                 state[key] = value.to("meta")
+    module._loading = ({name[len(module.name) + 1:] for part in parts.values() for name in part},
+                       {name: _version(t) for name, t in module._placeholders})
+    if module.hosts is None:
+        return
     for j, part in parts.items():
         try:
             module.hosts.call_stage(j, "load_state_dict", part, strict)
@@ -239,8 +280,10 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
 
 
 def _loaded(module: PipelinedSequential, incompatible: Any) -> None:
-    """``load_state_dict`` hook: the placeholders' own copies counted as changes; the stages loaded theirs."""
-    module._record_placeholders()
+    """``load_state_dict`` hook: the loaded placeholders' own copies are no change (their stages loaded the
+    entries); a placeholder changed before and not loaded still counts as changed."""
+    module._record_placeholders(module._loading)
+    module._loading = None
 
 
 def is_placeholder(t: Tensor) -> bool:

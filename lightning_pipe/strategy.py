@@ -632,6 +632,7 @@ class PipeStrategy(DDPStrategy):
             result = closure()
             if self._unaveraged:
                 self._average_gradients(raw)
+                self._unaveraged = False
             return result
 
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)

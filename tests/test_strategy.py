@@ -252,13 +252,22 @@ def test_placeholders_refuse_the_functions_that_would_see_stage_0_alone():
             call()
     assert torch.equal(module[0].weight.grad, before)  # nothing was clipped halfway
 
-    assert list(lightning_pipe.grad_norm(module, 2)) == ["grad_2.0_norm/0.weight", "grad_2.0_norm/0.bias",
-                                                          "grad_2.0_norm_total"]
+    # Without the remote stages at hand (no hosts here), lightning_pipe.grad_norm says so rather than guess.
+    with pytest.raises(ValueError, match=r"grad_norm cannot reach the stage that holds '1.1.weight'"):
+        lightning_pipe.grad_norm(module, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     optimizer.step()
     optimizer.zero_grad()
     module.zero_grad()
     assert module[0].weight.grad is None and placeholder.grad is None
+
+    # Remote layers frozen: no gradient anywhere but stage 0, whose answer is then the whole model's.
+    module[1].requires_grad_(False)
+    module[2].requires_grad_(False)
+    module[0](torch.randn(4, 3)).sum().backward()
+    ours, theirs = lightning_pipe.grad_norm(module, 2), lightning_grad_norm(module, 2)
+    assert list(ours) == list(theirs) == ["grad_2.0_norm/0.weight", "grad_2.0_norm/0.bias", "grad_2.0_norm_total"]
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
 
 
 @pytest.mark.filterwarnings("ignore:.*copying from a non-meta parameter")  # no stages here to take them
@@ -269,7 +278,7 @@ def test_changing_a_placeholder_in_place_is_an_error_at_the_next_forward_or_stat
     from torch import nn
 
     from lightning_pipe import Pipe
-    from lightning_pipe.partitioned import PipelinedSequential
+    from lightning_pipe.partitioned import PipelinedSequential, Placeholder
 
     def body():
         torch.manual_seed(0)
@@ -298,3 +307,27 @@ def test_changing_a_placeholder_in_place_is_an_error_at_the_next_forward_or_stat
     module.load_state_dict(body().state_dict())
     module(x)
     module.state_dict()
+
+    # A load that leaves a changed placeholder out does not make the change disappear.
+    torch.nn.init.zeros_(module[1].bias)
+    module.load_state_dict({"1.weight": torch.zeros(2, 2)}, strict=False)
+    with pytest.raises(RuntimeError, match=r"^sequential_module.1.bias changed in place"):
+        module(x)
+    module.load_state_dict(body().state_dict())
+    module(x)
+
+    # assign=True puts plain meta parameters in: they become placeholders again, names and all.
+    module.load_state_dict({k: v.to("meta") for k, v in body().state_dict().items()}, assign=True)
+    assert isinstance(module[1].weight, Placeholder) and module[1].weight.param_name == "sequential_module.1.weight"
+    module(x)
+    # A copy (of a body without a pipeline: a running one's threads cannot be copied) has new version
+    # counters, which is no change, and keeps the placeholders' names and stages.
+    original = PipelinedSequential(body(), {"0": 0, "1": 1, "2": 1}, None, chunks=2, checkpoint="never")
+    original.load_state_dict(body().state_dict())
+    copied = copy.deepcopy(original)
+    copied.check_placeholders()
+    assert (copied[2].weight.param_name, copied[2].weight.stage) == ("sequential_module.2.weight", 1)
+    torch.nn.init.ones_(copied[2].weight)
+    with pytest.raises(RuntimeError, match=r"^sequential_module.2.weight changed in place"):
+        copied.check_placeholders()
+    original.check_placeholders()
