@@ -261,15 +261,23 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
     given placeholders of the entries (``state`` is load_state_dict's own copy), which still have their
     shapes checked and count as loaded."""
     parts: dict[int, dict[str, Any]] = {}
+    empty: list[str] = []
     for key, value in list(state.items()):
         local = key[len(prefix):] if key.startswith(prefix) else None
         j = module.owner.get(local.split(".", 1)[0], 0) if local is not None else 0
-        if j != 0:
+        if j != 0 and isinstance(value, Tensor) and value.is_meta:
+            empty.append(key)
+        elif j != 0:
             parts.setdefault(j, {})[f"{module.name}.{local}"] = value
             if isinstance(value, Tensor) and module.hosts is not None:
                 state[key] = value.to("meta")
     module._loading = ({name[len(module.name) + 1:] for part in parts.values() for name in part},
                        {name: _version(t) for name, t in module._placeholders})
+    if empty:
+        shown = ", ".join(empty[:6]) + (f" and {len(empty) - 6} more" if len(empty) > 6 else "")
+        errors.append(f"{shown} hold no data (meta tensors): copies of this process's placeholders for the "
+                      "layers of remote stages, whose weights are in those stages? Take a state with every "
+                      "stage's weights from model.state_dict(), which fetches them")
     if module.hosts is None:
         return
     for j, part in parts.items():

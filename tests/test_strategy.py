@@ -284,8 +284,19 @@ def test_changing_a_placeholder_in_place_is_an_error_at_the_next_forward_or_stat
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.BatchNorm1d(2))
 
-    local = Pipe(body(), [1, 2], chunks=2).pipeline  # stands in for the remote stages
-    module = PipelinedSequential(body(), {"0": 0, "1": 1, "2": 1}, local, chunks=2, checkpoint="never")
+    class Stages:  # stands in for the remote stages' handle: takes what is loaded, holds nothing to fetch
+        def __init__(self):
+            self.loaded = {}
+
+        def call(self, method, *args):
+            return []
+
+        def call_stage(self, j, method, part, strict):
+            self.loaded.update(part)
+
+    local = Pipe(body(), [1, 2], chunks=2).pipeline  # stands in for the remote stages' forward
+    module = PipelinedSequential(body(), {"0": 0, "1": 1, "2": 1}, local, chunks=2, checkpoint="never",
+                                 hosts=Stages())
     x = torch.ones(4, 2)
     module(x)
     module[1].weight.requires_grad_(False)  # freezing is no change of the values
@@ -305,6 +316,7 @@ def test_changing_a_placeholder_in_place_is_an_error_at_the_next_forward_or_stat
         module(x)
 
     module.load_state_dict(body().state_dict())
+    assert set(module.hosts.loaded) == {f"sequential_module.{k}" for k in body().state_dict() if k[0] in "12"}
     module(x)
     module.state_dict()
 
@@ -317,9 +329,16 @@ def test_changing_a_placeholder_in_place_is_an_error_at_the_next_forward_or_stat
     module(x)
 
     # assign=True puts plain meta parameters in: they become placeholders again, names and all.
-    module.load_state_dict({k: v.to("meta") for k, v in body().state_dict().items()}, assign=True)
+    module.load_state_dict(body().state_dict(), assign=True)
     assert isinstance(module[1].weight, Placeholder) and module[1].weight.param_name == "sequential_module.1.weight"
     module(x)
+    # Entries without data for remote layers (copies of placeholders) are refused, not sent to the stages.
+    module.hosts.loaded.clear()
+    with pytest.raises(RuntimeError, match=r"1.weight, 1.bias, 2.weight, 2.bias, 2.running_mean, 2.running_var "
+                                           r"and 1 more hold no data \(meta tensors\): copies of this process's "
+                                           r"placeholders"):
+        module.load_state_dict({k: v.to("meta") for k, v in body().state_dict().items()})
+    assert module.hosts.loaded == {}
     # A copy (of a body without a pipeline: a running one's threads cannot be copied) has new version
     # counters, which is no change, and keeps the placeholders' names and stages.
     original = PipelinedSequential(body(), {"0": 0, "1": 1, "2": 1}, None, chunks=2, checkpoint="never")
