@@ -138,6 +138,7 @@ class PipelinedSequential(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.before_forward: Callable[[], None] | None = None
+        self.on_backward: Callable[[], None] | None = None  # called when the output's gradient arrives
         self._warned_small = False
         self.local_only = False  # True: state_dict() leaves remote layers' entries as placeholders
         # Module-level functions, not bound methods: no reference cycle keeps a freed body (and its stages).
@@ -232,8 +233,14 @@ class PipelinedSequential(nn.Module):
             rank_zero_warn(f"a batch of {size} samples was split into {size} micro-batches, fewer than "
                            f"microbatches={self.chunks}: stages overlap less. Use batches of at least "
                            f"{self.chunks} samples (or drop_last=True), or fewer micro-batches")
-        return run_pipeline(self.pipeline, input, chunks=self.chunks, checkpoint=self.checkpoint,
-                            training=self.training, parameters=self.parameters())
+        out = run_pipeline(self.pipeline, input, chunks=self.chunks, checkpoint=self.checkpoint,
+                           training=self.training, parameters=self.parameters())
+        tied = next((t for t in (out if isinstance(out, tuple) else (out,))
+                     if isinstance(t, Tensor) and t.requires_grad), None)
+        if tied is not None and self.on_backward is not None:
+            check = self.on_backward
+            tied.register_hook(lambda grad: (check(), grad)[1])
+        return out
 
     def extra_repr(self) -> str:
         stages = max(self.owner.values()) + 1

@@ -278,6 +278,7 @@ class PipeStrategy(DDPStrategy):
         self._fitting = False
         self._sync_blocked = 0  # inside block_backward_sync: gradients stay per replica (accumulation)
         self._unaveraged = False  # a backward ran since the gradients were last averaged
+        self._in_backward = 0  # inside Lightning's backward (automatic, or manual_backward)
 
     # ------------------------------------------------------------------ what Lightning sees: the drivers
     @property
@@ -512,6 +513,7 @@ class PipeStrategy(DDPStrategy):
         assert self._pipeline is not None and self._hosts is not None
         self._pipeline.pipelined = self.pipelined_backward
         body.before_forward = self._sync_requires_grad
+        body.on_backward = self._check_backward_path
         self._requires_grad = self._requires_grad_flags()
         recording = self.timeline is not None
         stage = self._pipeline.runner.stage
@@ -647,6 +649,23 @@ class PipeStrategy(DDPStrategy):
             yield None
         finally:
             self._sync_blocked -= 1
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        self._in_backward += 1
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._in_backward -= 1
+
+    def _check_backward_path(self) -> None:
+        """The pipeline's backward started: refuse one that bypasses Lightning's backward when there are
+        replicas, whose gradients would then never be averaged (DDP's hooks would have averaged them)."""
+        if not self._in_backward and self.world_size > 1:
+            raise RuntimeError(
+                "the pipeline's backward ran outside Lightning's backward (loss.backward() instead of "
+                f"self.manual_backward(loss)?): with {self.world_size} replicas its gradients would not be averaged "
+                "over them, and the replicas would drift apart. Call self.manual_backward(loss)")
 
     def _after_backward(self) -> None:
         """Average every optimizer's gradients over the replicas, unless sync is blocked. Called after each

@@ -350,3 +350,33 @@ def test_changing_a_placeholder_in_place_is_an_error_at_the_next_forward_or_stat
     with pytest.raises(RuntimeError, match=r"^sequential_module.2.weight changed in place"):
         copied.check_placeholders()
     original.check_placeholders()
+
+
+def test_backward_outside_lightnings_is_refused_with_replicas():
+    """With replicas, a bare loss.backward() (instead of self.manual_backward) would leave each replica its own
+    gradients, never averaged: the pipeline refuses it as its backward starts. Inside Lightning's backward,
+    or with one replica, it runs."""
+    from torch import nn
+
+    from lightning_pipe import Pipe, PipeStrategy
+    from lightning_pipe.partitioned import PipelinedSequential
+    from lightning_pipe.topology import Topology
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    module = PipelinedSequential(copy.deepcopy(body), {"0": 0, "1": 1}, Pipe(body, [1, 1], chunks=2).pipeline,
+                                 chunks=2, checkpoint="never")
+    strategy = PipeStrategy(balance=[1, 1])
+    strategy._topology = Topology(world=4, stages=2)  # 2 replicas
+    module.on_backward = strategy._check_backward_path
+    x = torch.ones(4, 2)
+    with pytest.raises(RuntimeError, match=r"outside Lightning's backward \(loss.backward\(\) instead of "
+                                           r"self.manual_backward\(loss\)\?\): with 2 replicas its gradients"):
+        module(x).sum().backward()
+    assert body[1].weight.grad is None  # refused before the pipeline's backward started
+    strategy._in_backward = 1  # what PipeStrategy.backward sets around Lightning's backward
+    module(x).sum().backward()
+    assert body[1].weight.grad is not None  # the pipeline's backward ran (the stand-in pipeline holds body)
+    strategy._in_backward = 0
+    strategy._topology = Topology(world=2, stages=2)  # one replica: nothing to average
+    module(x).sum().backward()
