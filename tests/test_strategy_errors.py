@@ -71,6 +71,18 @@ def test_failing_stage_ends_every_process(where, error, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_bare_backward_with_replicas_is_refused_and_every_process_ends(tmp_path):
+    """Manual optimization calling loss.backward() itself, with 2 replicas: nothing would average their
+    gradients, so the first step fails saying what to call instead, and all 4 processes end."""
+    started = time.monotonic()
+    result = run_script("fail.py", "bare_backward", str(tmp_path), timeout=90, expect_ok=False)
+    assert result.returncode != 0
+    assert ("RuntimeError: the pipeline's backward ran outside Lightning's backward (loss.backward() instead of "
+            "self.manual_backward(loss)?): with 2 replicas" in result.stdout), result.stdout[-4000:]
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(120)
 def test_fused_optimizer_under_a_gradient_scaler_is_refused(tmp_path):
     """A fused optimizer skips an overflowing step inside its own kernel, which the other stages would not
     see (they would step with infinite gradients): refused at setup, and every process ends."""

@@ -7,6 +7,7 @@
                                     sync_batchnorm | swa | pruning | backbone (Trainer settings or callbacks the
                                     strategy refuses) |
                                     fused_scaler (a fused optimizer under a gradient scaler, refused at setup) |
+                                    bare_backward (manual optimization calling loss.backward() with 2 replicas) |
                                     slow (stage 1 takes 1.5 s a micro-batch, longer than LP_TIMEOUT in all:
                                     it must train, not time out)
 """
@@ -79,9 +80,22 @@ class _NaNBackward(torch.autograd.Function):
         return grad * float("nan")
 
 
+class BareBackward(Model):
+    """Manual optimization that calls ``loss.backward()`` itself instead of ``self.manual_backward(loss)``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(self(x), y)
+        loss.backward()
+        opt.step()
+
+
 def main(what: str, out: str) -> None:
-    model = Model({"samples": 16 if what == "slow" else 64, "batch_size": 8,
-                   "optimizer": "adam-fused" if what == "fused_scaler" else "sgd"})
+    config = {"samples": 16 if what == "slow" else 64, "batch_size": 8,
+              "optimizer": "adam-fused" if what == "fused_scaler" else "sgd", "manual": what == "bare_backward"}
+    model = (BareBackward if what == "bare_backward" else Model)(config)
     balance = [2, 2]
     plugins = []
     if what == "fused_scaler":
@@ -99,7 +113,8 @@ def main(what: str, out: str) -> None:
     elif what == "no_example":
         model.example_input_array = None
         balance = None
-    trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
+    devices = 4 if what == "bare_backward" else 2
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, max_epochs=1, logger=False, enable_progress_bar=False,
                          detect_anomaly=what == "nan", sync_batchnorm=what == "sync_batchnorm", plugins=plugins,
                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
                          callbacks={"swa": [StochasticWeightAveraging(swa_lrs=0.01)],
