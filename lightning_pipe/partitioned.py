@@ -107,6 +107,11 @@ def _wrap_placeholders(layer: nn.Module, prefix: str, stage: int) -> None:
             module._parameters[name] = made[id(p)]
 
 
+def _listed(names: list[str], limit: int = 6) -> str:
+    """``names`` for an error message: the first ``limit``, then how many more."""
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def _version(t: Tensor) -> int:
     return -1 if t.is_inference() else t._version  # an inference tensor has no version counter (nor changes)
 
@@ -183,10 +188,9 @@ class PipelinedSequential(nn.Module):
             return
         changed = [name for (name, _), v, was in zip(self._placeholders, versions, self._versions) if v != was]
         stages = sorted({self.owner[name.split(".", 1)[0]] for name in changed})
-        shown = ", ".join(f"{self.name}.{name}" for name in changed[:6])
-        more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+        shown = _listed([f"{self.name}.{name}" for name in changed])
         raise RuntimeError(
-            f"{shown}{more} changed in place in this process, where the layers of remote stages "
+            f"{shown} changed in place in this process, where the layers of remote stages "
             f"({', '.join(map(str, stages))}) are placeholders without data: the change did not reach the stages "
             "that hold them, and training would go on without it. Change their weights through "
             "model.load_state_dict(...), which reaches every stage, or in the layer's own forward (a change "
@@ -281,8 +285,7 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
     module._loading = ({name[len(module.name) + 1:] for part in parts.values() for name in part},
                        {name: _version(t) for name, t in module._placeholders})
     if empty:
-        shown = ", ".join(empty[:6]) + (f" and {len(empty) - 6} more" if len(empty) > 6 else "")
-        errors.append(f"{shown} hold no data (meta tensors): copies of this process's placeholders for the "
+        errors.append(f"{_listed(empty)} hold no data (meta tensors): copies of this process's placeholders for the "
                       "layers of remote stages, whose weights are in those stages? Take a state with every "
                       "stage's weights from model.state_dict(), which fetches them")
     if module.hosts is None:
