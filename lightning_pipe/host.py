@@ -32,6 +32,18 @@ __all__: list[str] = []
 
 _HOSTS: dict[str, StageHost] = {}
 
+#: A module's mode in :func:`layer_modes`: training, and (BatchNorm) not tracking running statistics.
+_TRAINING, _UNTRACKED = 1, 2
+
+
+def layer_modes(layers: Sequence[nn.Module]) -> bytes:
+    """The mode of every module of ``layers`` (in ``modules()`` order), as the driver has set it: whether it
+    is training (``layer.eval()`` on one layer), and for a BatchNorm whether it tracks running statistics
+    (``BaseFinetuning.freeze(..., train_bn=False)`` turns that off)."""
+    return bytes((_TRAINING if m.training else 0) |
+                 (_UNTRACKED if isinstance(m, nn.modules.batchnorm._BatchNorm) and not m.track_running_stats else 0)
+                 for layer in layers for m in layer.modules())
+
 
 class StageHost:
     """Partition ``index`` of pipeline ``key`` in this process, with what training it needs.
@@ -171,6 +183,35 @@ class StageHost:
         """Follow the driver's ``requires_grad`` of this stage's parameters (frozen layers)."""
         for name, flag in flags.items():
             self.params[name].requires_grad_(flag)
+
+    def set_modes(self, training: bool, modes: bytes) -> None:
+        """Set every module of the partition to the mode of the driver's copy (see :func:`layer_modes`);
+        from now on the run's training flag no longer overrides them."""
+        modules = [m for layer in self.partition.children() for m in layer.modules()]
+        if len(modules) != len(modes):
+            raise RuntimeError(f"stage {self.stage.index} holds {len(modules)} modules but the driver's copy of its "
+                               f"layers has {len(modes)}: the layers were changed in one process only")
+        self.partition.training = training
+        for module, mode in zip(modules, modes):
+            module.training = bool(mode & _TRAINING)
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.track_running_stats = not mode & _UNTRACKED
+        self.runner.modes_from_driver = True
+
+    def zero_named(self, names: Sequence[str], set_to_none: bool = True) -> None:
+        """Zero the gradients of the parameters ``names`` as ``nn.Module.zero_grad`` does."""
+        for name in names:
+            p = self.params.get(name)
+            if p is None or p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
 
     def close(self) -> None:
         """Stop serving this pipeline here."""

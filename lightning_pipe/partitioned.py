@@ -2,19 +2,23 @@
 
 After partitioning, the LightningModule's ``sequential_module`` is a :class:`PipelinedSequential`. It keeps
 every layer under its original name, so ``named_parameters()`` (and parameter groups built from it),
-``ModelSummary`` and ``state_dict`` keys are those of the unpipelined model. Layers of remote stages stay
-as parameter-shaped placeholders on the ``meta`` device, holding no memory; moving or casting the module
+``ModelSummary`` and ``state_dict`` keys are those of the unpipelined model. Layers of remote stages stay as
+parameter-shaped placeholders on the ``meta`` device, holding no memory; moving or casting the module
 (``.to()``, ``.cuda()``, ``.half()``) touches only the real layers. Its forward runs the whole pipeline.
 
 A placeholder never has a gradient (its gradient is in its stage's process): the functions that clip or
-measure every parameter's ``.grad`` would silently cover stage 0 alone, so a placeholder refuses to be read
-by them, saying what covers every stage instead. Nor can it be changed in place (an initialiser or a hook
-editing weights): the change would never reach its stage, so the next forward or ``state_dict`` raises.
+measure every parameter's ``.grad`` would silently cover stage 0 alone, so a placeholder refuses to be read by
+them, saying what covers every stage instead; ``zero_grad()`` of a module holding placeholders (the
+LightningModule: Lightning calls it as fit starts and before validation) zeroes them in their stages. Nor can
+it be changed in place (an initialiser or a hook editing weights): the change would never reach its stage, so
+the next forward or ``state_dict`` raises.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -74,12 +78,15 @@ class Placeholder(nn.Parameter):
 
 
 def _refuse_stage0_only(p: Placeholder) -> None:
-    if not p.requires_grad:
-        return  # frozen: no gradient in its stage either, so stage 0's answer is the whole model's
     try:
         frame = sys._getframe(2)  # whoever read .grad (0: this function, 1: the property)
     except ValueError:  # read from outside any Python function
         return
+    if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _ZERO_GRAD:
+        _zero_remote(p, frame)
+        return
+    if not p.requires_grad:
+        return  # frozen: no gradient in its stage either, so stage 0's answer is the whole model's
     for _ in range(2):  # that function, or the one around its comprehension
         if frame is None:
             return
@@ -90,6 +97,36 @@ def _refuse_stage0_only(p: Placeholder) -> None:
                 f"pipeline stage {p.stage}: the driver holds the layers of remote stages as placeholders without "
                 f"gradients, so it would silently cover stage 0 alone. Use {STAGE0_ONLY[key]}")
         frame = frame.f_back
+
+
+#: ``nn.Module.zero_grad``, which reads every parameter's ``.grad``: for placeholders, it reaches their stages.
+_ZERO_GRAD = ("torch.nn.modules.module", "zero_grad")
+_BODIES: weakref.WeakSet[PipelinedSequential] = weakref.WeakSet()  # every split body (not copies of one)
+_zeroing = threading.local()  # the zero_grad call in progress: its module and how many placeholders it has left
+
+
+def _zero_remote(p: Placeholder, frame: Any) -> None:
+    """``module.zero_grad()`` is reading ``p.grad``. On the first placeholder it reads, the gradients of every
+    placeholder of ``module`` (the LightningModule, the body or a layer) are zeroed in their stages, one call
+    per stage; the module's other placeholders, read next by the same call, are then passed over."""
+    module = frame.f_locals.get("self")
+    state = getattr(_zeroing, "state", None)
+    if state is not None and state[0] == id(module) and state[1] > 0:
+        _zeroing.state = (state[0], state[1] - 1)
+        return
+    if not isinstance(module, nn.Module):
+        return
+    placeholders = {id(q) for q in module.parameters() if isinstance(q, Placeholder)}
+    _zeroing.state = (id(module), len(placeholders) - 1)
+    set_to_none = frame.f_locals.get("set_to_none", True)
+    for body in list(_BODIES):
+        names: dict[int, list[str]] = {}
+        for q in body.parameters():
+            if id(q) in placeholders:
+                names.setdefault(q.stage, []).append(q.param_name)  # type: ignore[attr-defined]
+        if body.hosts is not None:
+            for j, stage_names in names.items():
+                body.hosts.call_stage(j, "zero_named", stage_names, set_to_none)
 
 
 def _wrap_placeholders(layer: nn.Module, prefix: str, stage: int) -> None:
@@ -154,6 +191,7 @@ class PipelinedSequential(nn.Module):
         self._versions: list[int] = []
         self._loading: tuple[set[str], dict[str, int]] | None = None
         self._record_placeholders()
+        _BODIES.add(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

@@ -101,6 +101,7 @@ class Run:
         self.training = training  # the mode remote stages must be in (local ones follow their module)
         self.autocast = autocast_state()  # what remote stages must run under (local ones capture it)
         self.anomaly = torch.is_anomaly_enabled()  # autograd's anomaly detection, a per-process switch
+        self.dtype = torch.get_default_dtype()  # what tensors created without a dtype get (64-true sets it)
         self.sizes = list(sizes)
         self.checkpoint_stop = checkpoint_stop
         self.seed = LazySeed()

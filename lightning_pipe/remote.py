@@ -152,6 +152,9 @@ class StageRunner:
         # instead of one delivery and its acknowledgement per micro-batch.
         self._held: dict[int, dict[int, Any]] = {}
         self._beat = 0.0  # when this stage last told the driver it is still working
+        # False: the run's training flag sets every layer's mode. True: each layer's mode is set as the
+        # driver's copy of it is (by PipeStrategy: ``layer.eval()`` on one layer, frozen BatchNorm).
+        self.modes_from_driver = False
 
     def describe(self) -> str:
         """The stage and the process, for error messages."""
@@ -200,7 +203,7 @@ class StageRunner:
         """Forward of micro-batch ``i`` in mode ``training`` under the driver's ``autocast``; sends the
         outputs on and returns the sends in flight."""
         j = self.index
-        if self.stage.partition.training != training:
+        if not self.modes_from_driver and self.stage.partition.training != training:
             self.stage.partition.train(training)
         if inputs is None:
             tensors, flags, atomic = self._take((self.key, run, "F", i, j, j - 1))
@@ -250,12 +253,15 @@ class StageRunner:
 
     def run_actions(self, kind: str, run: int, groups: Sequence[Sequence[int]], m: int, save: bool,
                     checkpoint_stop: int, training: bool, autocast: list[tuple[str, torch.dtype]],
-                    anomaly: bool = False) -> list[Future[Any]]:
+                    anomaly: bool = False, dtype: torch.dtype | None = None) -> list[Future[Any]]:
         """This stage's share of one step, in schedule order: forward (``"F"``) of each micro-batch, or
-        backward (``"B"``) of each group of micro-batches, with the driver's anomaly detection. Returns the
-        sends still in flight."""
+        backward (``"B"``) of each group of micro-batches, with the driver's anomaly detection and default
+        dtype (``precision="64-true"`` sets it there: tensors a layer creates must have it here too).
+        Returns the sends still in flight."""
         sends: list[Future[Any]] = []
         self._beat = time.monotonic()
+        if dtype is not None and torch.get_default_dtype() != dtype:
+            torch.set_default_dtype(dtype)  # a process of its own, serving this stage
         with torch.autograd.set_detect_anomaly(anomaly):
             for group in groups:
                 if kind == "F":
@@ -415,14 +421,14 @@ def _chain(runner: StageRunner, work: Callable[[], tuple[list[Future[Any]], Any]
 
 @rpc.functions.async_execution
 def _act(key: str, kind: str, run: int, groups: list[list[int]], m: int, save: bool, checkpoint_stop: int,
-         training: bool, autocast: list[tuple[str, torch.dtype]], anomaly: bool,
+         training: bool, autocast: list[tuple[str, torch.dtype]], anomaly: bool, dtype: torch.dtype,
          deliveries: Sequence[tuple[Slot, Any]] = ()) -> torch.futures.Future:
     runner = _RUNNERS[key]
     for slot, payload in deliveries:  # inputs that travelled with the actions (the output gradients)
         MAILBOX.put(slot, payload)
 
     def work() -> tuple[list[Future[Any]], Any]:
-        sends = runner.run_actions(kind, run, groups, m, save, checkpoint_stop, training, autocast, anomaly)
+        sends = runner.run_actions(kind, run, groups, m, save, checkpoint_stop, training, autocast, anomaly, dtype)
         return sends, runner.take_held(run) if kind == "F" else None
 
     return _chain(runner, work)
@@ -618,7 +624,7 @@ class RemotePipeline:
         # The last stage answers with its outputs when it is in another process; here, they are delivered.
         collected, answers = self._submit(run, forward_plan(m, n), local,
                                           lambda groups: (key, "F", run.id, groups, m, save, run.checkpoint_stop,
-                                                          run.training, run.autocast, run.anomaly),
+                                                          run.training, run.autocast, run.anomaly, run.dtype),
                                           collect if n == 1 else None)
         outputs = collected if n == 1 else [answers[n - 1][i] for i in range(m)]
         return [Batch(_unpack(tensors, flags), atomic) for tensors, flags, atomic in outputs]
@@ -646,7 +652,8 @@ class RemotePipeline:
                     result[i] = grads  # type: ignore[assignment]
 
         self._submit(run, plan, local,
-                     lambda groups: (key, "B", run.id, groups, m, True, 0, run.training, [], run.anomaly),
+                     lambda groups: (key, "B", run.id, groups, m, True, 0, run.training, [], run.anomaly,
+                                     run.dtype),
                      deliveries={n - 1: deliveries} if n > 1 else None)
         return [result[i] for i in range(m)]
 

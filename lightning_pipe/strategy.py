@@ -275,6 +275,7 @@ class PipeStrategy(DDPStrategy):
         self._hosts: host.HostGroup | None = None
         self._owner: dict[str, int] = {}
         self._requires_grad: list[tuple[bool, ...]] = []
+        self._modes: list[tuple[bool, bytes] | None] = []  # per stage, as last sent (see _sync_layers)
         self._fitting = False
         self._sync_blocked = 0  # inside block_backward_sync: gradients stay per replica (accumulation)
         self._unaveraged = False  # a backward ran since the gradients were last averaged
@@ -512,9 +513,11 @@ class PipeStrategy(DDPStrategy):
         """Make the split ``body`` run with this strategy's settings."""
         assert self._pipeline is not None and self._hosts is not None
         self._pipeline.pipelined = self.pipelined_backward
-        body.before_forward = self._sync_requires_grad
+        body.before_forward = self._sync_layers
         body.on_backward = self._check_backward_path
         self._requires_grad = self._requires_grad_flags()
+        self._modes = [None] * self.stages  # sent before the first forward
+        self._pipeline.runner.modes_from_driver = True  # stage 0's layers are the body's: their modes are set
         recording = self.timeline is not None
         stage = self._pipeline.runner.stage
         if recording != (stage.recorder is not None):
@@ -568,10 +571,25 @@ class PipeStrategy(DDPStrategy):
             flags[self._owner[name]].extend(p.requires_grad for p in child.parameters())
         return [tuple(f) for f in flags]
 
-    def _sync_requires_grad(self) -> None:
-        """Freezing or unfreezing layers of remote stages on the driver reaches their processes."""
+    def _sync_layers(self) -> None:
+        """What the driver sets on its copies of remote stages' layers reaches their processes before each
+        forward: freezing or unfreezing (``requires_grad``), and each module's mode (``layer.eval()`` on one
+        layer, BatchNorm frozen by ``BaseFinetuning.freeze``), as the body's training flag does."""
         if self._hosts is None:
             return
+        body = self._body(self.lightning_module)
+        layers: list[list[nn.Module]] = [[] for _ in range(self.stages)]
+        for name, child in body.named_children():
+            layers[self._owner[name]].append(child)
+        for j in range(1, self.stages):
+            modes = (body.training, host.layer_modes(layers[j]))
+            if modes != self._modes[j]:
+                self._hosts.call_stage(j, "set_modes", *modes)
+                self._modes[j] = modes
+        self._sync_requires_grad()
+
+    def _sync_requires_grad(self) -> None:
+        """Freezing or unfreezing layers of remote stages on the driver reaches their processes."""
         flags = self._requires_grad_flags()
         if flags == self._requires_grad:
             return

@@ -38,6 +38,14 @@ CASES = {
     # Lightning's learning-rate finder: a run of its own, checkpointed before and restored after, then fit
     # with its suggestion.
     "lr-finder": {"lr_find": True, "epochs": 1, "samples": 128},
+    # What is set on the driver's copies of the layers reaches their stages: layer.eval() on a layer of stage 0
+    # and one of stage 1 (dropout off there, also after validation), BatchNorm frozen by BaseFinetuning (its
+    # statistics no longer tracked), zero_grad before validation (manual accumulation leaves gradients over),
+    # and precision="64-true"'s default dtype for tensors a layer makes.
+    "modes-frozen-bn-zero-grad-float64": {"manual": True, "manual_accumulate": 3, "validate": True, "samples": 56,
+                                          "dropout": 0.5, "eval_layers": [1, 3], "batchnorm": True,
+                                          "freeze_bn_layers": [2], "microbatches": 1, "precision": "64-true",
+                                          "default_dtype_layer": True},
 }
 
 
@@ -56,8 +64,12 @@ def test_same_weights_as_one_device(name, tmp_path):
     result = train(config, tmp_path / "pipe")
     expected = plain_weights(config, tmp_path / "plain")
     # The consolidated checkpoint loads into the plain module, with no strategy at all.
-    loaded = script.Model.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu")
-    assert_same_weights(loaded.state_dict(), expected)
+    loaded = script.Model.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu").state_dict()
+    assert_same_weights(loaded, {k: v.to(loaded[k].dtype) for k, v in expected.items()})  # a float32 model
+    if config.get("precision") == "64-true":  # the checkpoint holds float64 weights: compare them as they are
+        saved = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)["state_dict"]
+        assert saved["sequential_module.3.0.weight"].dtype == torch.float64
+        assert_same_weights(saved, expected)
     replicas = config.get("devices", 2) // len(config.get("balance", [2, 2]))
     assert result["world_size"] == replicas  # Lightning sees the replicas, not the processes
     if config.get("log_grad_norm"):

@@ -29,7 +29,20 @@ DEFAULTS: dict[str, Any] = {
     "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
     "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
     "sanity_steps": 0, "configure_model": False, "nodes": 1, "log_grad_norm": False, "lr_find": False,
+    "manual_accumulate": 1, "eval_layers": [], "batchnorm": False, "freeze_bn_layers": [],
+    "default_dtype_layer": False,
 }
+
+
+class Rotate(nn.Module):
+    """Multiplies by a matrix it makes in forward with the default dtype (float64 under precision="64-true")."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (torch.eye(self.width) * 0.9 + 0.01)
 
 
 def make_body(config: dict[str, Any]) -> nn.Sequential:
@@ -37,6 +50,10 @@ def make_body(config: dict[str, Any]) -> nn.Sequential:
     width = config["width"]
     for i in range(config["layers"]):
         block: list[nn.Module] = [nn.Linear(width, width), nn.Tanh()]
+        if config["batchnorm"]:
+            block.insert(1, nn.BatchNorm1d(width))
+        if config["default_dtype_layer"]:
+            block.append(Rotate(width))
         if config["dropout"] and i % 2:
             block.append(nn.Dropout(config["dropout"]))
         layers.append(nn.Sequential(*block))
@@ -53,7 +70,9 @@ class Model(pl.LightningModule):
         self.head = nn.Linear(self.config["width"], 1)  # outside the body: stays on the driver
         self.automatic_optimization = not self.config["manual"]
         self.metric = torchmetrics.MeanSquaredError()
-        self.example_input_array = torch.zeros(4, self.config["width"])
+        # ModelSummary runs it as it is (Lightning converts batches, not this) under the precision's dtype.
+        dtype = torch.float64 if self.config["precision"] == "64-true" else torch.float32
+        self.example_input_array = torch.zeros(4, self.config["width"], dtype=dtype)
         self.lr = self.config["lr"]  # where Lightning's learning-rate finder puts its suggestion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +88,14 @@ class Model(pl.LightningModule):
             self.log("train_loss", loss, sync_dist=True)
         if not self.automatic_optimization and self.config["optimizer"] == "two":
             self._alternate(loss, x, y)
+        elif not self.automatic_optimization and self.config["manual_accumulate"] > 1:
+            # Gradients accumulate over several batches, zeroed after each step: what is left at the end of the
+            # epoch is dropped by the zero_grad Lightning calls before validation (on every stage).
+            opt = self.optimizers()
+            self.manual_backward(loss)
+            if (batch_idx + 1) % self.config["manual_accumulate"] == 0:
+                opt.step()
+                opt.zero_grad()
         elif not self.automatic_optimization:
             opt = self.optimizers()
             opt.zero_grad()
@@ -103,6 +130,14 @@ class Model(pl.LightningModule):
                     grad_norm(self, norm_type=2)
                 except RuntimeError as exc:
                     self.log(prefix + "refused", float("lightning_pipe.grad_norm" in str(exc)))
+
+    def on_train_start(self) -> None:
+        from pytorch_lightning.callbacks import BaseFinetuning
+
+        for i in self.config["eval_layers"]:  # Lightning keeps these modes through validation
+            self.sequential_module[i].eval()
+        for i in self.config["freeze_bn_layers"]:  # frozen weights, and BatchNorm statistics no longer tracked
+            BaseFinetuning.freeze(self.sequential_module[i], train_bn=False)
 
     def on_after_backward(self) -> None:
         self._log_grad_norms("after_backward/")
