@@ -80,7 +80,16 @@ class _MirroredOptimizer:
         def start() -> None:
             stepping.extend(self._lp_hosts.start("step", self._lp_index, optim.hyperparameters(self)))  # type: ignore[arg-type]
 
+        evaluations = [0]
+
         def closure_then_start() -> Any:
+            evaluations[0] += 1
+            if evaluations[0] > 1:
+                raise RuntimeError(
+                    f"{type(self).__name__}.step evaluated its closure a second time in one step (as LBFGS and "
+                    "sharpness-aware optimizers such as SAM do): the stages in other processes stepped after the "
+                    "first evaluation and cannot follow a second one. Use an optimizer that evaluates the closure "
+                    "once per step (SGD, Adam, AdamW, ...)")
             result = closure()  # type: ignore[misc]
             if not stepping:
                 start()
@@ -407,8 +416,11 @@ class PipeStrategy(DDPStrategy):
                 "Trainer(sync_batchnorm=True) is not supported by PipeStrategy: BatchNorm layers of a stage would "
                 "synchronise every micro-batch, not the batch. Use PipeStrategy(deferred_batch_norm=True), which "
                 "gives each replica the statistics of its whole batch, and leave sync_batchnorm off")
+        from pytorch_lightning import callbacks as pl_callbacks
         from pytorch_lightning.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
 
+        # WeightAveraging (EMAWeightAveraging) exists from Lightning 2.6 on.
+        weight_averaging = getattr(pl_callbacks, "WeightAveraging", StochasticWeightAveraging)
         for callback in getattr(trainer, "callbacks", []):
             if isinstance(callback, BackboneFinetuning):
                 raise ValueError(
@@ -417,13 +429,14 @@ class PipeStrategy(DDPStrategy):
                     "every parameter in the optimizer from the start and freeze or unfreeze layers by "
                     "requires_grad (BaseFinetuning.freeze and make_trainable in your own callback), which reaches "
                     "every stage")
-            if isinstance(callback, (StochasticWeightAveraging, ModelPruning)):
+            if isinstance(callback, (StochasticWeightAveraging, weight_averaging, ModelPruning)):
                 raise ValueError(
                     f"the {type(callback).__name__} callback is not supported by PipeStrategy: it changes the "
                     "weights of the driver's copy of the model, where only stage 0's layers are (the other "
                     "stages' live in their own processes), so it would fail or leave them unchanged. Remove it "
                     "from Trainer(callbacks=...)" + (" and average saved checkpoints' weights instead"
-                                                     if isinstance(callback, StochasticWeightAveraging) else ""))
+                                                     if isinstance(callback, (StochasticWeightAveraging,
+                                                                              weight_averaging)) else ""))
 
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process

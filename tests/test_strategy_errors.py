@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import pytest
 import pytorch_lightning as pl
+import torch
 from strategy_utils import run_script
 
 from lightning_pipe import PipeStrategy
@@ -109,3 +111,59 @@ def test_batch_smaller_than_microbatches_warns_with_the_values():
                                          r"microbatches=4"):
         out = module(torch.ones(3, 2))
     torch.testing.assert_close(out, body(torch.ones(3, 2)))
+
+
+def test_weight_averaging_callbacks_are_refused():
+    """EMAWeightAveraging copies the driver's model, whose remote layers are placeholders without data."""
+    from types import SimpleNamespace
+
+    from pytorch_lightning.callbacks import EMAWeightAveraging
+
+    with pytest.raises(ValueError, match="the EMAWeightAveraging callback is not supported by PipeStrategy"):
+        PipeStrategy().check_settings(SimpleNamespace(callbacks=[EMAWeightAveraging()]))
+
+
+class _TwoEvaluations(torch.optim.SGD):
+    """Evaluates its closure twice per step, as sharpness-aware minimisation (SAM) does."""
+
+    def step(self, closure=None):
+        closure()
+        return super().step(closure)
+
+
+class _Stages:
+    """The remote stages' handle, recording what the driver started on them."""
+
+    def __init__(self):
+        self.started = []
+
+    def start(self, method, *args):
+        self.started.append(method)
+        done = Future()
+        done.set_result(None)
+        return [done]
+
+
+@pytest.mark.parametrize("optimizer,started", [(_TwoEvaluations, None), (torch.optim.SGD, ["step"])])
+def test_an_optimizer_evaluating_its_closure_twice_is_refused(optimizer, started):
+    """The stages step once the closure has run; a second evaluation would find them stepped already."""
+    from lightning_pipe.strategy import _MirroredOptimizer, _mix_in
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    opt = optimizer([weight], lr=0.1)
+    _mix_in(opt, _MirroredOptimizer)
+    opt._lp_hosts, opt._lp_index = _Stages(), 0
+
+    def closure():
+        weight.grad = None
+        loss = weight.square().sum()
+        loss.backward()
+        return loss
+
+    if started is None:
+        with pytest.raises(RuntimeError, match=r"evaluated its closure a second time in one step \(as LBFGS and "
+                                               r"sharpness-aware optimizers such as SAM do\)"):
+            opt.step(closure)
+    else:
+        opt.step(closure)
+        assert opt._lp_hosts.started == started and torch.allclose(weight.detach(), torch.full((2,), 0.8))
