@@ -18,6 +18,7 @@ from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.microbatch import Batch, TensorOrTensors, gather, scatter
@@ -136,6 +137,7 @@ class _PipeFunction(torch.autograd.Function):
         batches = pipeline.forward(run, microbatches, save=True)
         outputs = gather(batches)
         ctx.pipeline, ctx.run = pipeline, run
+        ctx.phony = get_gradient_edge(phony).node  # backward tells by it whether parameters' gradients are wanted
         ctx.input_devices = [t.device for t in inputs]
         ctx.needs = [t.requires_grad for t in inputs]
         ctx.set_materialize_grads(False)
@@ -153,6 +155,18 @@ class _PipeFunction(torch.autograd.Function):
         if run is None:
             raise RuntimeError("backward ran twice through the same pipe output; retain_graph is not supported "
                                "through a pipe (its stages free what they saved); run the forward again")
+        if torch.is_grad_enabled():  # true in a backward only under create_graph=True
+            raise RuntimeError(
+                "a second-order gradient (create_graph=True, as a gradient penalty takes) cannot go through the "
+                "pipeline: its stages run backward as local autograd, which is not differentiated again. Compute "
+                "such a term on layers outside the pipelined body, or use a first-order regularizer")
+        if run.parameters_need_grad and not _wanted(ctx.phony):
+            raise RuntimeError(
+                "torch.autograd.grad (or backward(inputs=...)) asked for some gradients only, but the pipeline's "
+                "stages put the gradients of all their parameters in .grad as they run backward, which would change "
+                "the next optimizer step. Through the pipeline, take gradients with loss.backward() (Lightning's "
+                "backward); for gradients with respect to the input alone, freeze the body's parameters "
+                "(requires_grad_(False)) before its forward and unfreeze them after")
         ctx.pipeline = ctx.run = None  # free the run's saved state as soon as backward is done
         inline = next((g.device for g in grad_outputs if g is not None and g.is_cuda), None)
         grads = pipeline.backward(run, scatter_grads(grad_outputs, run.sizes), inline_device=inline)
@@ -166,6 +180,13 @@ class _PipeFunction(torch.autograd.Function):
         return (None, None, None, None, *result)
 
 
+def _wanted(node: Any) -> bool:
+    """Whether the running backward accumulates into the leaf of ``node`` (False under ``torch.autograd.grad``
+    or ``backward(inputs=...)`` that leave it out)."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    return True if will_execute is None else bool(will_execute(node))
+
+
 def run_pipeline(pipeline: Any, input: TensorOrTensors, *, chunks: int, checkpoint: str, training: bool,
                  parameters: Iterator[Tensor]) -> TensorOrTensors:
     """Scatter ``input`` into micro-batches, run them through ``pipeline`` and gather the output.
@@ -176,9 +197,10 @@ def run_pipeline(pipeline: Any, input: TensorOrTensors, *, chunks: int, checkpoi
     batch = Batch.of(input, "input of the pipe")
     microbatches = scatter(batch, chunks)
     sizes = [mb.tensors[0].size(0) for mb in microbatches]
-    save = torch.is_grad_enabled() and (
-        any(t.requires_grad for t in batch.tensors) or any(p.requires_grad for p in parameters))
+    parameters_need_grad = torch.is_grad_enabled() and any(p.requires_grad for p in parameters)
+    save = torch.is_grad_enabled() and (any(t.requires_grad for t in batch.tensors) or parameters_need_grad)
     run = Run(pipeline.stages, sizes, checkpoint_stop(checkpoint, len(sizes), training), training)
+    run.parameters_need_grad = parameters_need_grad
     if not save:
         return gather(pipeline.forward(run, microbatches, save=False)).value
     phony = torch.empty(0, requires_grad=True)

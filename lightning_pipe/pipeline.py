@@ -106,6 +106,7 @@ class Run:
         self.checkpoint_stop = checkpoint_stop
         self.seed = LazySeed()
         self.failed = False
+        self.parameters_need_grad = True  # whether backward puts gradients in the stages' parameters' .grad
         self.atomic = True  # whether the output is one tensor (False: a tuple)
         for stage in stages:
             weakref.finalize(self, stage.release, self.id)

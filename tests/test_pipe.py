@@ -218,3 +218,30 @@ def test_copies_are_asynchronous_only_towards_a_gpu():
 
     assert _move(Probe(), torch.device("cpu")).call == ("cpu", False)
     assert _move(Probe(), torch.device("cuda", 0)).call == ("cuda", True)
+
+
+def test_gradients_of_the_input_alone_are_refused_while_parameters_train():
+    """autograd.grad(y, x) through a pipe would still fill the stages' parameters' .grad (and change the next
+    step): it is refused, saying why. With the parameters frozen it gives the input's gradient, as plain."""
+    torch.manual_seed(0)
+    m = model()
+    pipe = Pipe(m, [2, 2], devices=["cpu", "cpu"], chunks=2, checkpoint="except_last")
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"asked for some gradients only, but the pipeline's stages put the "
+                                           r"gradients of all their parameters in \.grad"):
+        torch.autograd.grad(pipe(x).sum(), x)
+    with pytest.raises(RuntimeError, match="asked for some gradients only"):
+        pipe(x).sum().backward(inputs=[x])
+    assert all(p.grad is None for p in m.parameters())  # refused before any stage ran backward
+    m.requires_grad_(False)
+    (got,) = torch.autograd.grad(pipe(x).sum(), x)
+    (want,) = torch.autograd.grad(nn.Sequential(*m).forward(x).sum(), x)
+    torch.testing.assert_close(got, want)
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_second_order_gradients_are_refused():
+    pipe = Pipe(model(), [2, 2], devices=["cpu", "cpu"], chunks=2)
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"a second-order gradient \(create_graph=True"):
+        torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
