@@ -825,8 +825,10 @@ class PipeStrategy(DDPStrategy):
             raw.load_state_dict(own)
             _optimizers_to_device([raw], self.root_device)
             assert self._hosts is not None
-            for j, states in remote.items():
-                self._hosts.call_stage(j, "load_optimizer_state", raw._lp_index, states)
+            # Every stage loads, also one the checkpoint has no state for (saved before any step, as the
+            # learning-rate finder's is): what it built since must go, as it does from the driver's.
+            for j in range(1, self.stages):
+                self._hosts.call_stage(j, "load_optimizer_state", raw._lp_index, remote.get(j, {}))
 
     def record_timeline(self, on: bool = True) -> None:
         """Start (or stop) recording when each stage of this driver's pipeline runs each micro-batch, from

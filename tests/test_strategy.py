@@ -38,6 +38,8 @@ CASES = {
     # Lightning's learning-rate finder: a run of its own, checkpointed before and restored after, then fit
     # with its suggestion.
     "lr-finder": {"lr_find": True, "epochs": 1, "samples": 128},
+    # The callback form restores a checkpoint saved before any step: every stage drops the finder's momentum.
+    "lr-finder-callback": {"lr_find": "callback", "epochs": 1, "samples": 128},
     # What is set on the driver's copies of the layers reaches their stages: layer.eval() on a layer of stage 0
     # and one of stage 1 (dropout off there, also after validation), BatchNorm frozen by BaseFinetuning (its
     # statistics no longer tracked), zero_grad before validation (manual accumulation leaves gradients over),
@@ -392,3 +394,4 @@ def test_backward_outside_lightnings_is_refused_with_replicas():
     strategy._in_backward = 0
     strategy._topology = Topology(world=2, stages=2)  # one replica: nothing to average
     module(x).sum().backward()
+

@@ -241,6 +241,11 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     if not config["manual"] and config["clip"]:
         kwargs.update(gradient_clip_val=config["clip"], gradient_clip_algorithm=config["clip_algorithm"])
     callbacks = []
+    if config["lr_find"] == "callback":  # the finder as a callback, run as fit starts
+        from pytorch_lightning.callbacks import LearningRateFinder
+
+        callbacks.append(LearningRateFinder(min_lr=1e-3, max_lr=0.5, num_training_steps=24,
+                                            early_stop_threshold=None))
     if config["measure_memory"] and not plain:
         callbacks.append(MemoryProbe(config["measure_memory"], os.path.join(out, "memory.json")))
     if config["save_every"] == "epoch":
@@ -292,7 +297,7 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
         loader = DataLoader(dataset, batch_size=config["batch_size"], sampler=sampler)
     else:
         loader = DataLoader(dataset, batch_size=config["batch_size"], shuffle=False)
-    if config["lr_find"]:
+    if config["lr_find"] and config["lr_find"] != "callback":
         # A short run whose weights are restored from a checkpoint afterwards; the suggestion goes to model.lr.
         Tuner(trainer).lr_find(model, train_dataloaders=loader, min_lr=1e-3, max_lr=0.5, num_training=24,
                                early_stop_threshold=None)
