@@ -266,6 +266,11 @@ class PipelinedSequential(nn.Module):
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Run ``input`` through every stage of the pipeline."""
+        if torch.jit.is_tracing():
+            raise RuntimeError(
+                "the pipelined body cannot be traced (torch.jit.trace, or TensorBoardLogger(log_graph=True), which "
+                "traces the model at the start of fit): its layers run in other processes, outside the trace. Use "
+                "TensorBoardLogger(log_graph=False), or trace the plain model without PipeStrategy")
         self.check_placeholders()
         if self.before_forward is not None:
             self.before_forward()

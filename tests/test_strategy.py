@@ -395,3 +395,17 @@ def test_backward_outside_lightnings_is_refused_with_replicas():
     strategy._topology = Topology(world=2, stages=2)  # one replica: nothing to average
     module(x).sum().backward()
 
+
+def test_tracing_the_pipelined_body_is_refused_saying_why():
+    """torch.jit.trace (TensorBoardLogger(log_graph=True) runs it as fit starts) cannot see layers that run
+    in other processes: it is refused with what to do, not left to fail deep in the pipeline."""
+    from lightning_pipe import Pipe
+    from lightning_pipe.partitioned import PipelinedSequential
+
+    body = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    module = PipelinedSequential(copy.deepcopy(body), {"0": 0, "1": 1}, Pipe(body, [1, 1], chunks=2).pipeline,
+                                 chunks=2, checkpoint="never")
+    with pytest.raises(RuntimeError, match=r"the pipelined body cannot be traced \(torch.jit.trace, or "
+                                           r"TensorBoardLogger\(log_graph=True\)"):
+        torch.jit.trace(module, torch.ones(4, 2))
+    assert module(torch.ones(4, 2)).shape == (4, 2)  # not tracing: it runs
