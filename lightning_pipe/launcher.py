@@ -20,11 +20,12 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -58,8 +59,13 @@ def worker_name(rank: int) -> str:
 
 
 def start_session(topology: Topology, rank: int, main_address: str, main_port: int, *, backend: str,
-                  pg_timeout: timedelta, rpc_timeout: float, rpc_threads: int = 16) -> None:
-    """Join the stage process group and RPC (once per process; later calls must agree)."""
+                  pg_timeout: timedelta, rpc_timeout: float, rpc_threads: int = 16,
+                  devices: Sequence[torch.device] | None = None) -> None:
+    """Join the stage process group and RPC (once per process; later calls must agree).
+
+    ``devices[r]``: the device of process ``r``. Between processes on GPUs, RPC sends CUDA tensors from GPU
+    to GPU (TensorPipe device maps: CUDA IPC on one machine), not through host memory.
+    """
     if SESSION.topology is not None:
         if (SESSION.topology, SESSION.rank) != (topology, rank):
             raise RuntimeError(f"this process already runs as rank {SESSION.rank} of {SESSION.topology}; a "
@@ -85,6 +91,10 @@ def start_session(topology: Topology, rank: int, main_address: str, main_port: i
     # about a quarter of a core, which stages computing on CPU cannot spare.
     options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=rpc_timeout,
                                               num_worker_threads=rpc_threads, _transports=["uv"])
+    if devices is not None and devices[rank].type == "cuda":
+        for peer, device in enumerate(devices):
+            if peer != rank and device.type == "cuda":
+                options.set_device_map(worker_name(peer), {devices[rank]: device})
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=topology.world, rpc_backend_options=options)
     SESSION.topology, SESSION.rank = topology, rank
     _start_orphan_watchdog()

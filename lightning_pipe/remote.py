@@ -35,7 +35,7 @@ from lightning_pipe.pipeline import Run, _Skipped, drain
 from lightning_pipe.rng import LazySeed
 from lightning_pipe.schedule import Action, backward_plan, forward_plan, stage_order
 from lightning_pipe.skip.layout import SkipLayout, inspect_skip_layout
-from lightning_pipe.stage import Grads, Stage
+from lightning_pipe.stage import Grads, Stage, _move
 from lightning_pipe.worker import Inline, Worker, autocast_context
 
 __all__: list[str] = []
@@ -103,9 +103,44 @@ def _alive(key: str, run: int) -> None:
             _PROGRESS[(key, run)] = time.monotonic()
 
 
-def _pack(batch_tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[bool]]:
-    # Tensors cross processes detached and on CPU; the flags say which ones need a gradient back.
-    return [t.detach().cpu() for t in batch_tensors], [t.requires_grad for t in batch_tensors]
+def _pack(batch_tensors: Sequence[Tensor], direct: torch.device | None = None) -> tuple[list[Tensor], list[bool]]:
+    # Tensors cross processes detached, on CPU unless they are on the GPU ``direct`` that RPC maps to the
+    # receiver's; the flags say which ones need a gradient back.
+    return list(_wire(batch_tensors, direct)), [t.requires_grad for t in batch_tensors]
+
+
+def _wire(tensors: Sequence[Tensor | None], direct: torch.device | None = None) -> tuple[Tensor | None, ...]:
+    """``tensors`` as they go to another process: detached; on CPU, except those on ``direct``, a GPU from
+    which RPC sends them to the receiver's GPU as they are (a TensorPipe device map)."""
+    return tuple(None if t is None else t.detach() if t.device == direct else t.detach().cpu() for t in tensors)
+
+
+def _maps(peer: str, device: torch.device) -> bool:
+    """Whether RPC sends CUDA tensors on ``device`` to process ``peer`` as they are (a device map for it)."""
+    try:
+        mapping = rpc.api._get_current_rpc_agent()._get_device_map(rpc.get_worker_info(peer))
+    except Exception:  # noqa: BLE001 - no TensorPipe agent, or an older one: through host memory
+        return False
+    return any(torch.device(local) == device for local in mapping)
+
+
+def _landed(payload: Any) -> Any:
+    """``payload`` as received by RPC, ready for this process's threads: CUDA tensors arrive on a stream of
+    RPC's own, so wait for it, and let the memory allocator know that the default stream uses them."""
+    tensors = [t for t in _tensors(payload) if t.is_cuda]
+    for device in {t.device for t in tensors}:
+        torch.cuda.current_stream(device).synchronize()
+    for t in tensors:
+        t.record_stream(torch.cuda.default_stream(t.device))
+    return payload
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _unpack(tensors: Sequence[Tensor], flags: Sequence[bool]) -> tuple[Tensor, ...]:
@@ -122,7 +157,7 @@ def where(name: str) -> str:
 
 
 def _deliver(slot: Slot, payload: Any) -> None:
-    MAILBOX.put(slot, payload)
+    MAILBOX.put(slot, _landed(payload))
 
 
 class StageRunner:
@@ -155,6 +190,15 @@ class StageRunner:
         # False: the run's training flag sets every layer's mode. True: each layer's mode is set as the
         # driver's copy of it is (by PipeStrategy: ``layer.eval()`` on one layer, frozen BatchNorm).
         self.modes_from_driver = False
+        self._direct: dict[int, torch.device | None] = {}
+
+    def direct(self, dst: int) -> torch.device | None:
+        """This stage's GPU if RPC sends its tensors to stage ``dst`` (``n``: the driver) as they are,
+        GPU to GPU; None if they go through host memory."""
+        if dst not in self._direct:
+            device, peer = self.stage.device, self.peers[dst]
+            self._direct[dst] = device if device.type == "cuda" and peer != self.me and _maps(peer, device) else None
+        return self._direct[dst]
 
     def describe(self) -> str:
         """The stage and the process, for error messages."""
@@ -218,14 +262,15 @@ class StageRunner:
                                               checkpoint=i < checkpoint_stop, last=i == m - 1)
         if not save and i == m - 1:
             self._seeds.pop(run, None)  # nothing to recompute: the seed is not needed any more
-        payload = (*_pack(out.tensors), out.atomic)
         if j + 1 == self.n and self.peers[self.n] != self.me:
-            self._held.setdefault(run, {})[i] = payload
+            # Through host memory: it goes back in an RPC answer, which the driver waits for on no stream.
+            self._held.setdefault(run, {})[i] = (*_pack(out.tensors), out.atomic)
             sends = []
         else:
+            payload = (*_pack(out.tensors, self.direct(j + 1)), out.atomic)
             sends = [self._send(j + 1, (self.key, run, "F", i, j + 1, j), payload)]
         for skip, dst in self.layout.exports[j].items():
-            sends.append(self._send(dst, (self.key, run, "F", i, dst, skip), _pack([exports[skip]])))
+            sends.append(self._send(dst, (self.key, run, "F", i, dst, skip), _pack([exports[skip]], self.direct(dst))))
         return [s for s in sends if s is not None]
 
     def backward(self, run: int, microbatches: Sequence[int]) -> list[Future[Any]] | list[Grads]:
@@ -246,9 +291,10 @@ class StageRunner:
             return [grad_inputs for grad_inputs, _ in results]
         sends = []
         for i, (grad_inputs, grad_imports) in zip(microbatches, results):
-            sends.append(self._send(j - 1, (self.key, run, "B", i, j - 1, j), _cpu(grad_inputs)))
+            sends.append(self._send(j - 1, (self.key, run, "B", i, j - 1, j), _wire(grad_inputs, self.direct(j - 1))))
             for skip, src in self.layout.imports[j].items():
-                sends.append(self._send(src, (self.key, run, "B", i, src, skip), _cpu((grad_imports.get(skip),))))
+                sends.append(self._send(src, (self.key, run, "B", i, src, skip),
+                                        _wire((grad_imports.get(skip),), self.direct(src))))
         return [s for s in sends if s is not None]
 
     def run_actions(self, kind: str, run: int, groups: Sequence[Sequence[int]], m: int, save: bool,
@@ -312,10 +358,6 @@ class StageRunner:
         self._seeds.pop(run, None)
         self._held.pop(run, None)
         self.stage.release(run)
-
-
-def _cpu(grads: Sequence[Tensor | None]) -> tuple[Tensor | None, ...]:
-    return tuple(None if g is None else g.detach().cpu() for g in grads)
 
 
 class _Failure:
@@ -425,7 +467,7 @@ def _act(key: str, kind: str, run: int, groups: list[list[int]], m: int, save: b
          deliveries: Sequence[tuple[Slot, Any]] = ()) -> torch.futures.Future:
     runner = _RUNNERS[key]
     for slot, payload in deliveries:  # inputs that travelled with the actions (the output gradients)
-        MAILBOX.put(slot, payload)
+        MAILBOX.put(slot, _landed(payload))
 
     def work() -> tuple[list[Future[Any]], Any]:
         sends = runner.run_actions(kind, run, groups, m, save, checkpoint_stop, training, autocast, anomaly, dtype)
@@ -483,6 +525,7 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
     j = list(names).index(me)
     parts = split_module(module, balance)
     layout = inspect_skip_layout(parts)
+    parts[j].to(device)
     stage = Stage(j, parts[j], torch.device(device), offset=sum(balance[:j]), exports=layout.exports[j].keys(),
                   imports=layout.imports[j].keys())
     runner = StageRunner(key, stage, [*names, names[0]], layout, timeout)
@@ -532,18 +575,21 @@ class RemotePipeline:
     def _submit(self, run: Run, plan: list[list[Action]], local: Callable[[list[list[int]]], Any],
                 args: Callable[[list[list[int]]], tuple[Any, ...]],
                 collect: Callable[[], Any] | None = None,
-                deliveries: dict[int, list[tuple[Slot, Any]]] | None = None) -> Any:
+                deliveries: dict[int, list[tuple[Slot, Any]]] | None = None, inline: bool = False) -> Any:
         """Give every stage its actions of ``plan`` at once (one message per stage, not per action), run
         ``collect`` (the driver's own waits, each bounded) meanwhile, and wait for every stage.
         ``deliveries[j]``: mailbox items that travel to stage ``j`` in the same message as its actions.
         Returns what ``collect`` returned and each stage's answer (None for stage 0).
+
+        ``inline``: stage 0's share runs on the calling thread, once the others have theirs. A backward on a
+        GPU is called on autograd's thread for that device, which stage 0's own autograd call needs: on the
+        stage's worker, that call would wait for the very thread that waits for it.
 
         Nothing waits unboundedly: a failure aborts the others, who then get at most the RPC timeout to
         stop; once the driver has what it needs (stage 0 done, ``collect`` returned), stages still busy get
         the RPC timeout from their last sign of progress (a share finished, or a slow stage's word that it
         finished another micro-batch) before they are reported as not answering.
         """
-        futures: list[Future[Any]] = []
         sends: list[Future[Any]] = []
         aborted = threading.Event()
 
@@ -558,11 +604,12 @@ class RemotePipeline:
             if isinstance(out, list):  # sends in flight: waited for below, not on the worker
                 sends.extend(out)
 
-        for j in range(self.n):
+        futures: list[Future[Any]] = [Future() for _ in range(self.n)]  # stage j's share, in stage order
+        for j in [*range(1, self.n), 0] if inline else range(self.n):
             groups = [[a.microbatch] if a.microbatch >= 0 else list(range(len(run.sizes)))
                       for a in stage_order(plan, j)]
             if j == 0:
-                future = self.runner.worker.submit(partial(start, groups))
+                future = (Inline() if inline else self.runner.worker).submit(partial(start, groups))
             else:
                 # No RPC timeout on the whole share: its waits are bounded one by one, a lost process fails
                 # the call at once, and a silent one is caught below.
@@ -571,7 +618,7 @@ class RemotePipeline:
                                    timeout=0)
                 future = to_concurrent(rf, self._describe(j))
             future.add_done_callback(on_done)
-            futures.append(future)
+            futures[j] = future
         collected = None
         progress = (self.key, run.id)
         with _PROGRESS_LOCK:
@@ -627,7 +674,10 @@ class RemotePipeline:
                                                           run.training, run.autocast, run.anomaly, run.dtype),
                                           collect if n == 1 else None)
         outputs = collected if n == 1 else [answers[n - 1][i] for i in range(m)]
-        return [Batch(_unpack(tensors, flags), atomic) for tensors, flags, atomic in outputs]
+        # They travelled through host memory; the driver's code goes on with them where stage 0 is (its GPU).
+        device = self.runner.stage.device
+        return [Batch(_unpack([_move(t, device) for t in tensors], flags), atomic)
+                for tensors, flags, atomic in outputs]
 
     def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
                  inline_device: torch.device | None = None) -> list[Grads]:
@@ -639,7 +689,8 @@ class RemotePipeline:
             pipelined = self.pipelined
         # The output gradients go to the last stage inside the message carrying its actions: one message
         # instead of m + 1, on the critical path between the forward and the backward.
-        deliveries = [((key, run.id, "B", i, n - 1, n), _cpu(grads)) for i, grads in enumerate(grad_outputs)]
+        direct = self.runner.direct(n - 1)
+        deliveries = [((key, run.id, "B", i, n - 1, n), _wire(grads, direct)) for i, grads in enumerate(grad_outputs)]
         if n == 1:
             for slot, payload in deliveries:
                 MAILBOX.put(slot, payload)
@@ -654,7 +705,8 @@ class RemotePipeline:
         self._submit(run, plan, local,
                      lambda groups: (key, "B", run.id, groups, m, True, 0, run.training, [], run.anomaly,
                                      run.dtype),
-                     deliveries={n - 1: deliveries} if n > 1 else None)
+                     deliveries={n - 1: deliveries} if n > 1 else None,
+                     inline=inline_device is not None and self.runner.stage.device == inline_device)
         return [result[i] for i in range(m)]
 
     def call(self, stage: int, method: str, *args: Any) -> Any:

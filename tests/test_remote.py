@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed.rpc as rpc
@@ -44,7 +46,31 @@ class _SingleBackward:
         return self.pipeline.backward(run, grads, **{**kwargs, "pipelined": False})
 
 
-def _transparency(rank: int, world: int, balance: list[int], configs: list[tuple[int, str, bool]]):
+class _InlineStage0:
+    """A pipeline whose stage 0 runs its backward on the calling thread, as it does when that thread is
+    autograd's thread for stage 0's GPU; records which threads ran stage 0's backward."""
+
+    def __init__(self, pipeline) -> None:
+        self.pipeline = pipeline
+        self.stages = pipeline.stages
+        self.forward = pipeline.forward
+        self.threads: set[int] = set()
+        self.caller: int | None = None
+        runner = pipeline.runner
+        original = runner.backward
+
+        def backward(*args, **kwargs):
+            self.threads.add(threading.get_ident())
+            return original(*args, **kwargs)
+
+        runner.backward = backward
+
+    def backward(self, run, grads, **kwargs):
+        self.caller = threading.get_ident()
+        return self.pipeline.backward(run, grads, **{**kwargs, "inline_device": self.pipeline.runner.stage.device})
+
+
+def _transparency(rank: int, world: int, balance: list[int], configs: list[tuple[int, str, bool | str]]):
     pipeline = pipeline_over_rpc("test", build(), balance, [f"worker{r}" for r in range(world)], timeout=20)
     if pipeline is None:
         return None  # this process hosts its stage until rpc.shutdown
@@ -54,12 +80,15 @@ def _transparency(rank: int, world: int, balance: list[int], configs: list[tuple
         x = torch.randn(10, 6)
         x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
         expected = reference(x1)
-        actual = run_pipeline(pipeline if pipelined else _SingleBackward(pipeline), x2, chunks=chunks,
-                              checkpoint=checkpoint, training=True, parameters=iter([]))
+        driver = {True: pipeline, False: _SingleBackward(pipeline), "inline": _InlineStage0(pipeline)}[pipelined]
+        actual = run_pipeline(driver, x2, chunks=chunks, checkpoint=checkpoint, training=True, parameters=iter([]))
         torch.testing.assert_close(actual, expected)
         expected.pow(2).sum().backward()
         actual.pow(2).sum().backward()
         torch.testing.assert_close(x2.grad, x1.grad)
+        if pipelined == "inline":
+            assert driver.threads == {driver.caller}
+            pipeline.runner.backward = type(pipeline.runner).backward.__get__(pipeline.runner)
         grads = {}
         for j in range(len(balance)):
             grads.update(pipeline.call(j, "named_grads"))
@@ -80,7 +109,7 @@ def _transparency(rank: int, world: int, balance: list[int], configs: list[tuple
 @pytest.mark.parametrize("balance", [[2, 3, 2], [1, 5, 1]])
 def test_remote_stages_match_one_process(balance):
     configs = [(1, "never", True), (4, "always", True), (3, "except_last", True), (10, "never", True),
-               (4, "always", False), (5, "never", False)]
+               (4, "always", False), (5, "never", False), (4, "except_last", "inline")]
     out = run_processes(_transparency, 3, balance, configs, timeout=150)
     assert out[0] == 6 * len(configs)  # every parameter's gradient was compared, in every configuration
 
