@@ -1,4 +1,4 @@
-"""Shared test setup: every test starts from the same seed."""
+"""Shared test setup: every test starts from the same seed, and tests the CPU paths unless it is a CUDA test."""
 
 import pytest
 import torch
@@ -7,3 +7,11 @@ import torch
 @pytest.fixture(autouse=True)
 def manual_seed_zero() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def cpu_by_default(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``Pipe`` made without ``devices`` takes every GPU there is; outside the CUDA tests (``test_cuda*``)
+    it takes the CPU, so the suite checks the same paths on a machine with a GPU as on one without."""
+    if not request.node.path.name.startswith("test_cuda"):
+        monkeypatch.setattr("lightning_pipe.pipe._default_devices", lambda n: [torch.device("cpu")] * n)

@@ -12,9 +12,11 @@ from strategy_utils import assert_same_weights, run_script
 
 
 @pytest.mark.timeout(300)
-def test_fit_validate_test_predict_in_one_script(tmp_path):
-    run_script("phases.py", str(tmp_path), timeout=240)
-    out = torch.load(tmp_path / "phases.pt", weights_only=False)
+@pytest.mark.parametrize("accelerator", [
+    "cpu", pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_fit_validate_test_predict_in_one_script(accelerator, tmp_path):
+    run_script("phases.py", str(tmp_path), accelerator, timeout=240)
+    out = torch.load(tmp_path / "phases.pt", weights_only=False, map_location="cpu")
     assert out["world_size"] == 2
     model = script.Model.load_from_checkpoint(tmp_path / "final.ckpt", map_location="cpu").eval()
     x, y = script.data(model.config).tensors

@@ -30,7 +30,7 @@ DEFAULTS: dict[str, Any] = {
     "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
     "sanity_steps": 0, "configure_model": False, "nodes": 1, "log_grad_norm": False, "lr_find": False,
     "manual_accumulate": 1, "eval_layers": [], "batchnorm": False, "freeze_bn_layers": [],
-    "default_dtype_layer": False,
+    "default_dtype_layer": False, "accelerator": "cpu",
 }
 
 
@@ -221,6 +221,18 @@ class MemoryProbe(pl.Callback):
                 json.dump(self.seen, f)
 
 
+def placement(accelerator: str, devices: int) -> tuple[int, dict[str, Any]]:
+    """``Trainer(devices=...)`` and the PipeStrategy arguments that run ``devices`` processes on
+    ``accelerator``: with fewer GPUs than processes, they share the GPUs (the stages' weights and work are
+    small here). NCCL refuses two processes of one group on one GPU; gloo averages CUDA tensors too."""
+    if accelerator != "gpu" or torch.cuda.device_count() >= devices:
+        return devices, {}
+    gpus = torch.cuda.device_count()
+    # Lightning checks Trainer(devices=...) against the GPUs there are; the processes are the strategy's devices.
+    return 1, {"parallel_devices": [torch.device("cuda", i % gpus) for i in range(devices)],
+               "process_group_backend": "gloo"}
+
+
 def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Trainer:
     from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -233,7 +245,7 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
         precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
     kwargs: dict[str, Any] = dict(
-        accelerator="cpu", max_epochs=config["epochs"], max_steps=config["max_steps"], logger=False,
+        accelerator=config["accelerator"], max_epochs=config["epochs"], max_steps=config["max_steps"], logger=False,
         enable_progress_bar=False, enable_model_summary=not plain, **precision,
         accumulate_grad_batches=config["accumulate"], default_root_dir=out, num_sanity_val_steps=config["sanity_steps"],
         limit_val_batches=2 if config["validate"] else 0, deterministic=True,
@@ -258,11 +270,12 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     if plain:
         return pl.Trainer(devices=1, callbacks=callbacks, **kwargs)
     strategy: Any = config["strategy"]
+    devices, shared = placement(config["accelerator"], config["devices"])
     if strategy == "pipe":
         strategy = PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
                                 checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],
-                                rpc_timeout_sec=60, timeline=config["timeline"])
-    return pl.Trainer(devices=config["devices"], num_nodes=config["nodes"], strategy=strategy, callbacks=callbacks,
+                                rpc_timeout_sec=60, timeline=config["timeline"], **shared)
+    return pl.Trainer(devices=devices, num_nodes=config["nodes"], strategy=strategy, callbacks=callbacks,
                       **kwargs)
 
 
@@ -304,9 +317,13 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
     trainer.fit(model, loader, loader if config["validate"] else None, ckpt_path=config["resume"],
                 weights_only=True if config["resume"] else None)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    route = None  # how tensors go from the driver's stage to stage 1: None (host memory), or GPU to GPU
+    if isinstance(trainer.strategy, lightning_pipe.PipeStrategy):
+        route = str(trainer.strategy._pipeline.runner.direct(1))
     if trainer.is_global_zero:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "lr": model.lr,
+                       "route": route,
                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
     return model
 
