@@ -185,10 +185,14 @@ class Stage:
                     module.commit()
         if save and checkpoint:
             # Run without grad, the outputs cannot tell whether they depend on anything that needs a
-            # gradient; they do if any input or parameter does (backward skips those that turn out not to).
+            # gradient; they do if any input or parameter does (backward skips those that turn out not to),
+            # except an input handed on as it is (an attention mask), which needs one only if it did.
             needs = any(t.requires_grad for t in (*leaves, *got.values())) or \
                 any(p.requires_grad for p in self.partition.parameters())
-            mark = lambda t: t.detach().requires_grad_(needs and (t.is_floating_point() or t.is_complex()))  # noqa: E731
+            through = {id(g): t.requires_grad
+                       for g, t in zip((*given, *given_imports.values()), (*leaves, *got.values()))}
+            mark = lambda t: t.detach().requires_grad_(  # noqa: E731
+                through.get(id(t), needs) and (t.is_floating_point() or t.is_complex()))
         else:
             mark = _handoff
         return outputs.with_tensors([mark(t) for t in outputs.tensors]), {k: mark(t) for k, t in exports.items()}

@@ -123,6 +123,31 @@ def test_tuple_input_and_output():
     assert isinstance(out, tuple) and torch.allclose(out[0], a * 4) and torch.allclose(out[1], b + 2)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_an_input_handed_on_as_it_is_needs_a_gradient_only_if_it_did(checkpoint):
+    """A float mask that every layer hands on unchanged comes out without grad, as from the plain module,
+    also from checkpointed micro-batches (which run without grad and cannot see what depends on what)."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+
+        def forward(self, xs):
+            x, mask = xs
+            return self.linear(x) * mask, mask
+
+    m = nn.Sequential(Masked(), Masked(), Masked())
+    x, mask = torch.randn(6, 3), (torch.rand(6, 3) > 0.5).float()
+    expected = copy.deepcopy(m)((x, mask))
+    out = Pipe(m, [1, 2], chunks=3, checkpoint=checkpoint)((x, mask))
+    assert [t.requires_grad for t in out] == [t.requires_grad for t in expected] == [True, False]
+    torch.testing.assert_close(out[1], mask)
+    out[0].sum().backward()
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out[1].sum().backward()  # as from the plain module
+
+
 def test_deepcopy_gets_its_own_workers():
     pipe = Pipe(model(), [2, 2], chunks=2)
     x = torch.randn(4, 4)
