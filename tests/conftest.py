@@ -15,3 +15,13 @@ def cpu_by_default(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     it takes the CPU, so the suite checks the same paths on a machine with a GPU as on one without."""
     if not request.node.path.name.startswith("test_cuda"):
         monkeypatch.setattr("lightning_pipe.pipe._default_devices", lambda n: [torch.device("cpu")] * n)
+
+
+@pytest.fixture
+def full_precision_matmul():
+    """Float32 matrix products in full precision (no TF32) on CUDA, whatever the machine's default, for
+    comparisons with float32 references; restored afterwards."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = tf32

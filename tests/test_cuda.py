@@ -14,7 +14,8 @@ from torch import nn
 from lightning_pipe import Pipe
 from lightning_pipe.skip import pop, skippable, stash
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("full_precision_matmul")]
 
 # Partitions on one GPU, and hand-offs from host to device and back (the GPU -> CPU copy must be complete
 # before the CPU partition reads it).
@@ -24,14 +25,6 @@ PLACEMENTS = {
     "gpu-cpu-gpu": ["cuda:0", "cpu", "cuda:0"],
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # CPU and GPU kernels sum in different orders
-
-
-@pytest.fixture(autouse=True)
-def full_precision_matmul():
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def build(dropout: float = 0.0) -> nn.Sequential:

@@ -14,7 +14,7 @@ from scripts import train as script
 from strategy_utils import assert_same_weights, train
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.timeout(300)]
+              pytest.mark.timeout(300), pytest.mark.usefixtures("full_precision_matmul")]
 
 REMOTE = "sequential_module.3.0.weight"  # a layer of the last stage, in another process
 
@@ -46,15 +46,6 @@ def pipe_weights(config: dict, out: Path) -> dict[str, torch.Tensor]:
     result = train(config, out, timeout=240)
     assert result["route"] == "cuda:0"  # activations went from GPU to GPU (device maps), not through host memory
     return script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu").state_dict()
-
-
-@pytest.fixture(autouse=True)
-def full_precision_matmul():
-    """Lightning leaves TF32 off unless asked; keep it so, whatever the machine's default."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 @pytest.mark.parametrize("name", list(CASES))
