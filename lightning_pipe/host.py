@@ -236,8 +236,11 @@ def process_memory(runner: StageRunner) -> dict[str, int]:
 def configure(key: str, index: int, partition: nn.Sequential, offset: int, device: str, peers: Sequence[str],
               layout: SkipLayout, timeout: float, prefix: str, record: bool = False) -> None:
     """Host partition ``index`` of pipeline ``key`` here (an RPC entry point, called by the driver)."""
+    from lightning_pipe.pipe import normalize_device
+
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))  # collectives (NCCL) use the current device
+    device = str(normalize_device(device))  # "cuda" is cuda:N, as the tensors placed there say
     old = _HOSTS.pop(key, None)
     if old is not None:
         old.close()

@@ -60,11 +60,12 @@ def worker_name(rank: int) -> str:
 
 def start_session(topology: Topology, rank: int, main_address: str, main_port: int, *, backend: str,
                   pg_timeout: timedelta, rpc_timeout: float, rpc_threads: int = 16,
-                  devices: Sequence[torch.device] | None = None) -> None:
+                  devices: Sequence[torch.device | None] | None = None) -> None:
     """Join the stage process group and RPC (once per process; later calls must agree).
 
-    ``devices[r]``: the device of process ``r``. Between processes on GPUs, RPC sends CUDA tensors from GPU
-    to GPU (TensorPipe device maps: CUDA IPC on one machine), not through host memory.
+    ``devices[r]``: the device of process ``r`` if it runs on this machine (None: another machine). Between
+    processes on this machine's GPUs, RPC sends CUDA tensors from GPU to GPU (TensorPipe device maps: CUDA
+    IPC), not through host memory. Between machines tensors go through host memory either way, so no map.
     """
     if SESSION.topology is not None:
         if (SESSION.topology, SESSION.rank) != (topology, rank):
@@ -91,10 +92,11 @@ def start_session(topology: Topology, rank: int, main_address: str, main_port: i
     # about a quarter of a core, which stages computing on CPU cannot spare.
     options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=rpc_timeout,
                                               num_worker_threads=rpc_threads, _transports=["uv"])
-    if devices is not None and devices[rank].type == "cuda":
-        for peer, device in enumerate(devices):
-            if peer != rank and device.type == "cuda":
-                options.set_device_map(worker_name(peer), {devices[rank]: device})
+    mine = devices[rank] if devices is not None else None
+    if mine is not None and mine.type == "cuda":
+        for peer, device in enumerate(devices or ()):
+            if peer != rank and device is not None and device.type == "cuda":
+                options.set_device_map(worker_name(peer), {mine: device})
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=topology.world, rpc_backend_options=options)
     SESSION.topology, SESSION.rank = topology, rank
     _start_orphan_watchdog()

@@ -193,11 +193,12 @@ class StageRunner:
         self._direct: dict[int, torch.device | None] = {}
 
     def direct(self, dst: int) -> torch.device | None:
-        """This stage's GPU if RPC sends its tensors to stage ``dst`` (``n``: the driver) as they are,
-        GPU to GPU; None if they go through host memory."""
+        """This stage's GPU if its tensors go to stage ``dst`` (``n``: the driver) as they are, GPU to GPU
+        (in this process, or by RPC with a device map); None if they go through host memory."""
         if dst not in self._direct:
             device, peer = self.stage.device, self.peers[dst]
-            self._direct[dst] = device if device.type == "cuda" and peer != self.me and _maps(peer, device) else None
+            mapped = device.type == "cuda" and (peer == self.me or _maps(peer, device))
+            self._direct[dst] = device if mapped else None
         return self._direct[dst]
 
     def describe(self) -> str:
@@ -517,7 +518,7 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
     is ready; elsewhere it hosts this process's stage and returns None (RPC threads serve it until
     ``rpc.shutdown``). This is what ``PipeStrategy`` does for Lightning, without Lightning.
     """
-    from lightning_pipe.pipe import split_module  # pipe.py depends on this module's neighbours, not on it
+    from lightning_pipe.pipe import normalize_device, split_module  # pipe.py depends on this module's neighbours
 
     me = rpc.get_worker_info().name
     if me not in names:
@@ -525,8 +526,9 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
     j = list(names).index(me)
     parts = split_module(module, balance)
     layout = inspect_skip_layout(parts)
+    device = normalize_device(device)  # "cuda" is cuda:N, as the tensors placed there say
     parts[j].to(device)
-    stage = Stage(j, parts[j], torch.device(device), offset=sum(balance[:j]), exports=layout.exports[j].keys(),
+    stage = Stage(j, parts[j], device, offset=sum(balance[:j]), exports=layout.exports[j].keys(),
                   imports=layout.imports[j].keys())
     runner = StageRunner(key, stage, [*names, names[0]], layout, timeout)
     if j != 0:
@@ -605,25 +607,26 @@ class RemotePipeline:
                 sends.extend(out)
 
         futures: list[Future[Any]] = [Future() for _ in range(self.n)]  # stage j's share, in stage order
-        for j in [*range(1, self.n), 0] if inline else range(self.n):
-            groups = [[a.microbatch] if a.microbatch >= 0 else list(range(len(run.sizes)))
-                      for a in stage_order(plan, j)]
-            if j == 0:
-                future = (Inline() if inline else self.runner.worker).submit(partial(start, groups))
-            else:
-                # No RPC timeout on the whole share: its waits are bounded one by one, a lost process fails
-                # the call at once, and a silent one is caught below.
-                extra = (deliveries or {}).get(j)
-                rf = rpc.rpc_async(self.runner.peers[j], _act, args=(*args(groups), extra) if extra else args(groups),
-                                   timeout=0)
-                future = to_concurrent(rf, self._describe(j))
-            future.add_done_callback(on_done)
-            futures[j] = future
         collected = None
         progress = (self.key, run.id)
         with _PROGRESS_LOCK:
             _PROGRESS[progress] = 0.0
         try:
+            # Inside the try: a stage that cannot be reached aborts those that already have their actions.
+            for j in [*range(1, self.n), 0] if inline else range(self.n):
+                groups = [[a.microbatch] if a.microbatch >= 0 else list(range(len(run.sizes)))
+                          for a in stage_order(plan, j)]
+                if j == 0:
+                    future = (Inline() if inline else self.runner.worker).submit(partial(start, groups))
+                else:
+                    # No RPC timeout on the whole share: its waits are bounded one by one, a lost process fails
+                    # the call at once, and a silent one is caught below.
+                    extra = (deliveries or {}).get(j)
+                    rf = rpc.rpc_async(self.runner.peers[j], _act, timeout=0,
+                                       args=(*args(groups), extra) if extra else args(groups))
+                    future = to_concurrent(rf, self._describe(j))
+                future.add_done_callback(on_done)
+                futures[j] = future
             if collect is not None:
                 try:
                     collected = collect()

@@ -374,9 +374,11 @@ class PipeStrategy(DDPStrategy):
         self.set_world_ranks()
         self.share_cores()
         assert self.cluster_environment is not None
-        # Every node has the same devices (as Lightning assumes): process r uses device r % num_processes.
-        devices = [torch.device(self.parallel_devices[r % self.num_processes]) for r in range(self.topology.world)] \
-            if self.parallel_devices else None
+        # Every node has the same devices (as Lightning assumes): process r uses device r % num_processes, on
+        # node r // num_processes. Only this node's count: RPC maps GPUs within a machine.
+        devices = [torch.device(self.parallel_devices[r % self.num_processes])
+                   if r // self.num_processes == self.node_rank else None
+                   for r in range(self.topology.world)] if self.parallel_devices else None
         start_session(self.topology, self._rank, self.cluster_environment.main_address,
                       self.cluster_environment.main_port, backend=self._get_process_group_backend(),
                       pg_timeout=self._timeout or default_pg_timeout, rpc_timeout=self.rpc_timeout_sec,
