@@ -375,7 +375,7 @@ class PipeStrategy(DDPStrategy):
         self.share_cores()
         assert self.cluster_environment is not None
         # Every node has the same devices (as Lightning assumes): process r uses device r % num_processes, on
-        # node r // num_processes. Only this node's count: RPC maps GPUs within a machine.
+        # node r // num_processes. Processes on other nodes get None: RPC maps GPUs within a machine only.
         devices = [torch.device(self.parallel_devices[r % self.num_processes])
                    if r // self.num_processes == self.node_rank else None
                    for r in range(self.topology.world)] if self.parallel_devices else None
