@@ -16,10 +16,13 @@ does the same work; gradients accumulate in both engines alike.
 
 ``--paired N``: instead, one 2-process job holds both engines (RPC and a gloo group side by side, each engine
 with its own copy of the weights) and alternates them step by step, N steps each, with a barrier between
-steps: both see the same moment of a noisy machine, and the per-pair ratios give the spread.
+steps: both see the same moment of a noisy machine, and the per-pair ratios give the spread. ``--jobs K``
+runs K such jobs one after another: a job's median moves by a few percent from one job to the next (where
+the scheduler happens to put the threads of that job), more than within one, so K jobs give the spread
+that matters and the median over all their pairs.
 
     python benchmarks/bench_vs_pipelining.py [--width 1024] [--layers 8] [--batch 512] [--chunks 8]
-                                             [--rounds 6] [--steps 6] [--transport default] [--paired 40]
+                                             [--rounds 6] [--steps 6] [--transport default] [--paired 40 --jobs 5]
 """
 
 from __future__ import annotations
@@ -199,20 +202,36 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
 
 
 def paired(args: argparse.Namespace) -> None:
-    """Both engines in one job, alternating step by step; print the per-pair throughput ratios."""
+    """Both engines in one job, alternating step by step (``args.jobs`` such jobs); print the per-pair
+    throughput ratios, per job and over all jobs."""
     start = time.perf_counter()
-    out = run_processes(_job, 2, "paired", args, timeout=args.timeout, label="paired")[0]
-    ratios = sorted(t / o for o, t in zip(out["ours"], out["theirs"]))
+    print(f"{args.jobs} job(s) of {args.paired} pairs of steps, each job holding both engines, alternating "
+          "(first of a pair swapped each time), a barrier before each step; timed on process 0\n")
+    steps: dict[str, list[float]] = {"ours": [], "theirs": []}
+    ratios: list[float] = []
+    medians: list[float] = []
+    for job in range(args.jobs):
+        out = run_processes(_job, 2, "paired", args, timeout=args.timeout, label="paired")[0]
+        mine = [t / o for o, t in zip(out["ours"], out["theirs"])]
+        medians.append(statistics.median(mine))
+        ratios += mine
+        for engine in steps:
+            steps[engine] += out[engine]
+        print(f"job {job + 1}: median step ours {statistics.median(out['ours']) * 1e3:.1f} ms, theirs "
+              f"{statistics.median(out['theirs']) * 1e3:.1f} ms; throughput ours/theirs, median of its pairs "
+              f"{medians[-1]:.3f}; ours faster in {sum(r > 1 for r in mine)} of {len(mine)}", flush=True)
+    ratios.sort()
     q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
-    ours, theirs = statistics.median(out["ours"]), statistics.median(out["theirs"])
-    print(f"{args.paired} pairs of steps, one job holding both engines, alternating (first of a pair swapped "
-          "each time), a barrier before each step; timed on process 0\n")
-    print(f"{'engine':<8}{'median step':>13}{'samples/s':>12}")
+    ours, theirs = statistics.median(steps["ours"]), statistics.median(steps["theirs"])
+    print(f"\n{'engine':<8}{'median step':>13}{'samples/s':>12}")
     print(f"{'ours':<8}{ours * 1e3:>11.1f}ms{args.batch / ours:>12.1f}")
     print(f"{'theirs':<8}{theirs * 1e3:>11.1f}ms{args.batch / theirs:>12.1f}")
-    print(f"throughput ours/theirs per pair: median {statistics.median(ratios):.3f}, quartiles {q(0.25):.3f}-"
-          f"{q(0.75):.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}; ours faster in "
+    print(f"throughput ours/theirs over all {len(ratios)} pairs: median {statistics.median(ratios):.3f}, quartiles "
+          f"{q(0.25):.3f}-{q(0.75):.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}; ours faster in "
           f"{sum(r > 1 for r in ratios)} of {len(ratios)} pairs   (target >= 1.0)")
+    if args.jobs > 1:
+        print(f"per-job medians: {min(medians):.3f}-{max(medians):.3f}, their median {statistics.median(medians):.3f}; "
+              f"ours ahead in {sum(m > 1 for m in medians)} of {args.jobs} jobs")
     print(f"wall time of the benchmark: {time.perf_counter() - start:.1f} s")
 
 
@@ -238,9 +257,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per job before it is killed")
     parser.add_argument("--paired", type=int, default=0, metavar="N",
                         help="one job holding both engines, N steps each, alternating step by step")
+    parser.add_argument("--jobs", type=int, default=1, metavar="K", help="with --paired: K such jobs, one after another")
     args = parser.parse_args()
     if args.warmup < 1 or args.batch % args.chunks:
         parser.error("--warmup must be >= 1 and --batch a multiple of --chunks (equal micro-batches)")
+    if args.jobs < 1 or (args.jobs > 1 and not args.paired):
+        parser.error(f"--jobs must be >= 1 and goes with --paired (got --jobs {args.jobs}, --paired {args.paired})")
 
     print(f"model: {args.layers} x (Linear({args.width}, {args.width}) + ReLU), 2 stages of "
           f"{args.layers // 2} and {args.layers - args.layers // 2} blocks; batch {args.batch}, {args.chunks} "

@@ -8,10 +8,12 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_pipe.checkpoint import is_recomputing
+from lightning_pipe.rng import no_random_layer
 
 __all__ = ["DeferredBatchNorm"]
 
 
+@no_random_layer
 class DeferredBatchNorm(_BatchNorm):
     """BatchNorm that normalises each micro-batch by its own statistics but updates the running
     statistics once per mini-batch, with the statistics of all its micro-batches together.

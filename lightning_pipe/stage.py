@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.checkpoint import checkpointing, recomputing
 from lightning_pipe.microbatch import Batch
-from lightning_pipe.rng import StageRandom, mix_seed
+from lightning_pipe.rng import StageRandom, draws_no_random, mix_seed
 from lightning_pipe.skip.namespace import SkipKey
 from lightning_pipe.skip.tracker import SkipTracker, use_skip_tracker
 from lightning_pipe.timeline import Recorder
@@ -128,7 +128,10 @@ class Stage:
         """Run the layers on ``value``; raise as soon as one modifies a tensor of ``watch`` in place."""
         tracker = SkipTracker(imports, self.exports)
         versions = _versions(watch)
-        with use_skip_tracker(tracker), StageRandom(lambda: mix_seed(seed(), self.index, microbatch)):
+        # Asked at every forward: a hook registered since the last one may draw random numbers.
+        random = nullcontext() if draws_no_random(self.partition) else \
+            StageRandom(lambda: mix_seed(seed(), self.index, microbatch))
+        with use_skip_tracker(tracker), random:
             for k, (name, layer) in enumerate(self.partition.named_children()):
                 try:
                     value = layer(value)

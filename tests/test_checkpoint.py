@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pipe import Pipe, is_checkpointing, is_recomputing
-from lightning_pipe.rng import StageRandom, attention
+import lightning_pipe.stage as stage_module
+from lightning_pipe.batchnorm import DeferredBatchNorm
+from lightning_pipe.rng import StageRandom, attention, draws_no_random
 
 
 class Counter(nn.Module):
@@ -102,6 +104,73 @@ def test_model_without_randomness_leaves_the_default_generator_alone():
     torch.manual_seed(3)
     torch.randn(4, 3)
     assert torch.equal(torch.rand(1), after_pipe)
+
+
+class MyLinear(nn.Linear):
+    """A subclass of a layer that draws nothing: its forward may be anything."""
+
+
+def test_draws_no_random_only_for_known_layers_without_hooks():
+    assert draws_no_random(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.LayerNorm(3), nn.BatchNorm1d(3),
+                                         DeferredBatchNorm(3), nn.Conv1d(3, 3, 1), nn.GELU(), nn.Identity()))
+    for random in (nn.Dropout(0.1), nn.AlphaDropout(0.1), nn.RReLU(), nn.MultiheadAttention(4, 2),
+                   nn.TransformerEncoderLayer(4, 2), MyLinear(3, 3), Counter()):
+        assert not draws_no_random(nn.Sequential(nn.Linear(3, 3), random)), type(random).__name__
+    layer = nn.Linear(3, 3)
+    for register in (layer.register_forward_hook, layer.register_forward_pre_hook,
+                     nn.modules.module.register_module_forward_hook,
+                     nn.modules.module.register_module_forward_pre_hook):
+        handle = register(lambda *args: None)
+        try:
+            assert not draws_no_random(nn.Sequential(layer, nn.ReLU()))
+        finally:
+            handle.remove()
+        assert draws_no_random(nn.Sequential(layer, nn.ReLU()))
+
+
+def test_the_random_mode_is_left_out_only_where_nothing_draws(monkeypatch):
+    entered = []
+
+    class Recording(StageRandom):
+        def __enter__(self):
+            entered.append(True)
+            return super().__enter__()
+
+    monkeypatch.setattr(stage_module, "StageRandom", Recording)
+    Pipe(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3)), [2, 1], chunks=2)(torch.randn(4, 3))
+    assert entered == []
+    Pipe(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.Linear(3, 3)), [2, 1], chunks=2)(torch.randn(4, 3))
+    assert len(entered) == 2  # the partition with dropout, once per micro-batch
+
+
+@pytest.mark.parametrize("where", ["layer", "global"])
+def test_a_hook_that_draws_noise_is_replayed_in_recomputation(where):
+    """A forward hook on a partition of layers that draw nothing puts it back under the mode: the noise it
+    draws is the stage's, and recomputation replays it."""
+
+    def noisy(module, args, output):
+        return output + torch.rand_like(output)
+
+    def run_with(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        register = model[2].register_forward_hook if where == "layer" else \
+            nn.modules.module.register_module_forward_hook
+        handle = register(noisy)
+        try:
+            pipe = Pipe(model, [2, 3], chunks=4, checkpoint=mode)
+            torch.manual_seed(5)
+            y = pipe(torch.randn(8, 4))
+            y.square().sum().backward()
+        finally:
+            handle.remove()
+        return y.detach(), [p.grad.clone() for p in pipe.parameters()]
+
+    y0, g0 = run_with("never")
+    y, g = run_with("always")
+    assert torch.equal(y, y0)
+    for a, b in zip(g, g0):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_recomputation_does_not_touch_batchnorm_running_stats():
