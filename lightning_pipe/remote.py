@@ -540,13 +540,45 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
 
 
 # ---------------------------------------------------------------------- the driver side
-class _RemoteStageRef:
-    """What a :class:`Run` releases when it is freed: the saved state of a remote stage."""
+class _Settled:
+    """Runs that left nothing behind on any remote stage (their backward, or a forward that saved nothing,
+    finished without error), each with the number of remote stages yet to hear that it was freed: freeing
+    them needs no message. Runs are freed by whichever thread drops them, hence the lock."""
 
-    def __init__(self, key: str, peer: str) -> None:
+    def __init__(self) -> None:
+        self._left: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, run: int, stages: int) -> None:
+        """Mark ``run`` settled on ``stages`` remote stages (none: nothing to remember)."""
+        if stages > 0:
+            with self._lock:
+                self._left[run] = stages
+
+    def take(self, run: int) -> bool:
+        """Whether ``run`` is settled on the remote stage that asks (each asks once, when it is freed)."""
+        with self._lock:
+            left = self._left.pop(run, 0)
+            if left > 1:
+                self._left[run] = left - 1
+            return left > 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._left)
+
+
+class _RemoteStageRef:
+    """What a :class:`Run` releases when it is freed: the saved state of a remote stage, unless the run is
+    among the ``settled`` ones (it left nothing behind on any stage: one message less per step)."""
+
+    def __init__(self, key: str, peer: str, settled: _Settled) -> None:
         self.key, self.peer = key, peer
+        self.settled = settled
 
     def release(self, run: int) -> None:
+        if self.settled.take(run):
+            return
         try:
             rpc.rpc_async(self.peer, _release, args=(self.key, run))
         except Exception:  # noqa: BLE001 - RPC already shut down: nothing is kept any more
@@ -566,8 +598,9 @@ class RemotePipeline:
         self.runner = runner
         self.key = runner.key
         self.n = runner.n
+        self._settled = _Settled()
         # What a Run releases when freed: this process's runner and every remote stage.
-        self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, p) for p in runner.peers[1:self.n]]
+        self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, p, self._settled) for p in runner.peers[1:self.n]]
         self.pipelined = True  # backward micro-batch by micro-batch (False: one backward per stage)
         register(runner)
 
@@ -676,6 +709,8 @@ class RemotePipeline:
                                           lambda groups: (key, "F", run.id, groups, m, save, run.checkpoint_stop,
                                                           run.training, run.autocast, run.anomaly, run.dtype),
                                           collect if n == 1 else None)
+        if not save:
+            self._settled.add(run.id, n - 1)
         outputs = collected if n == 1 else [answers[n - 1][i] for i in range(m)]
         # They travelled through host memory; the driver's code goes on with them where stage 0 is (its GPU).
         device = self.runner.stage.device
@@ -710,6 +745,7 @@ class RemotePipeline:
                                      run.dtype),
                      deliveries={n - 1: deliveries} if n > 1 else None,
                      inline=inline_device is not None and self.runner.stage.device == inline_device)
+        self._settled.add(run.id, n - 1)
         return [result[i] for i in range(m)]
 
     def call(self, stage: int, method: str, *args: Any) -> Any:

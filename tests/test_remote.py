@@ -114,6 +114,73 @@ def test_remote_stages_match_one_process(balance):
     assert out[0] == 6 * len(configs)  # every parameter's gradient was compared, in every configuration
 
 
+def _stage_state(key: str) -> dict[str, int]:
+    """What the remote stage of pipeline ``key`` in this process keeps, and how often it was told to release."""
+    from lightning_pipe.remote import _RUNNERS
+
+    runner = _RUNNERS[key]
+    if not hasattr(runner, "released"):
+        runner.released = 0
+        original = runner.release
+
+        def release(run: int) -> None:
+            runner.released += 1
+            original(run)
+
+        runner.release = release
+    return {"saved": len(runner.stage._saved), "seeds": len(runner._seeds), "held": len(runner._held),
+            "released": runner.released}
+
+
+def _releases(rank: int, world: int):
+    import gc
+    import time
+
+    pipeline = pipeline_over_rpc("test", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    states = lambda: [rpc.rpc_sync(f"worker{j}", _stage_state, args=("test",)) for j in (1, 2)]  # noqa: E731
+    states()
+    seen = {}
+    for case in ("backward", "eval", "unused", "backward of one micro-batch group"):
+        x = torch.randn(8, 6, requires_grad=True)
+        kwargs = dict(chunks=4, checkpoint="except_last", training=case != "eval", parameters=iter([]))
+        if case == "eval":
+            with torch.no_grad():
+                y = run_pipeline(pipeline, x, **kwargs)
+        else:
+            driver = _SingleBackward(pipeline) if case.startswith("backward of one") else pipeline
+            y = run_pipeline(driver, x, **kwargs)
+            if case != "unused":
+                y.pow(2).sum().backward()
+        del y
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while True:  # a release message travels on its own: wait for it a little
+            seen[case] = states()
+            if case != "unused" or all(s["released"] for s in seen[case]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    remembered = len(pipeline._settled)
+    pipeline.close()
+    return seen, remembered
+
+
+@pytest.mark.timeout(120)
+def test_runs_done_with_need_no_release_message():
+    """A run whose backward (or saving-nothing forward) finished leaves nothing on remote stages, so freeing
+    it sends them nothing; a forward freed without its backward is released there."""
+    seen, remembered = run_processes(_releases, 3, timeout=100)[0]
+    for case, stages in seen.items():
+        for j, state in enumerate(stages, 1):
+            assert (state["saved"], state["seeds"], state["held"]) == (0, 0, 0), (case, j, state)
+    released = {case: [s["released"] for s in stages] for case, stages in seen.items()}
+    assert released["backward"] == [0, 0] and released["eval"] == [0, 0]
+    assert released["unused"] == [1, 1]  # counted since the start: the one run that needed it
+    assert released["backward of one micro-batch group"] == [1, 1]  # nothing more after it
+    assert remembered == 0  # the driver forgets settled runs as they are freed
+
+
 class Unsendable(torch.Tensor):
     """A tensor that cannot be pickled, so it cannot travel to another process."""
 
