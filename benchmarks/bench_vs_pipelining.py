@@ -19,17 +19,20 @@ with its own copy of the weights) and alternates them step by step, N steps each
 steps: both see the same moment of a noisy machine, and the per-pair ratios give the spread. ``--jobs K``
 runs K such jobs one after another: a job's median moves by a few percent from one job to the next (where
 the scheduler happens to put the threads of that job), more than within one, so K jobs give the spread
-that matters and the median over all their pairs.
+that matters and the median over all their pairs. ``--pin``: process r runs on core r only (both engines
+alike), so that a process's helper threads share its core with its compute instead of using an idle one.
 
     python benchmarks/bench_vs_pipelining.py [--width 1024] [--layers 8] [--batch 512] [--chunks 8]
-                                             [--rounds 6] [--steps 6] [--transport default] [--paired 40 --jobs 5]
+                                             [--rounds 6] [--steps 6] [--transport default] [--paired 40 --jobs 5] [--pin]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
+import threading
 import time
 import warnings
 from typing import Any
@@ -162,6 +165,38 @@ def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
 
 
 # ---------------------------------------------------------------------- both, step by step in one job
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds used so far by each thread of this process, with its name (Linux; empty elsewhere)."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / _TICK)  # utime + stime
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that ended meanwhile
+    return out
+
+
+def _kind(tid: int, name: str, compute: set[int]) -> str:
+    if tid in compute:
+        return "compute"
+    if name.startswith("TP_"):
+        return "TensorPipe I/O"
+    if name.startswith("gloo"):
+        return "gloo I/O"
+    return "other"
+
+
 def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
@@ -185,15 +220,31 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     def theirs_step() -> None:
         schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
 
+    # CPU by kind of thread, per engine: each step's share is what the threads used from the barrier before
+    # it to the barrier after it (read outside the timed part). Compute: where each engine runs its stage.
+    from lightning_pipe.remote import _RUNNERS
+
+    def compute(engine: str) -> set[int]:  # the stage's worker thread has started once a step has run
+        thread = _RUNNERS["bench"].worker._thread if engine == "ours" else threading.current_thread()
+        return {thread.native_id} if thread is not None and thread.native_id is not None else set()
+
+    cpu: dict[str, dict[str, float]] = {"ours": {}, "theirs": {}}
     times: dict[str, list[float]] = {"ours": [], "theirs": []}
     for k in range(args.warmup + args.paired):
         for name, step in (("ours", ours_step), ("theirs", theirs_step))[:: 1 if k % 2 == 0 else -1]:
             dist.barrier()
+            before = _thread_cpu()
             start = time.perf_counter()
             step()
             if k >= args.warmup:
                 times[name].append(time.perf_counter() - start)
-    dist.barrier()
+            dist.barrier()
+            if k >= args.warmup:
+                for tid, (thread, used) in _thread_cpu().items():
+                    kind = _kind(tid, thread, compute(name))
+                    cpu[name][kind] = cpu[name].get(kind, 0.0) + used - before.get(tid, (thread, 0.0))[1]
+    times["cpu"] = {engine: {kind: used / args.paired for kind, used in kinds.items()}  # type: ignore[assignment]
+                    for engine, kinds in cpu.items()}
     if ours is not None:
         ours.close()
     rpc.shutdown(timeout=args.timeout)
@@ -210,8 +261,14 @@ def paired(args: argparse.Namespace) -> None:
     steps: dict[str, list[float]] = {"ours": [], "theirs": []}
     ratios: list[float] = []
     medians: list[float] = []
+    cpu: dict[tuple[int, str, str], list[float]] = {}  # (process, engine, kind of thread) -> per job
     for job in range(args.jobs):
-        out = run_processes(_job, 2, "paired", args, timeout=args.timeout, label="paired")[0]
+        both = run_processes(_job, 2, "paired", args, timeout=args.timeout, label="paired")
+        for rank, result in both.items():
+            for engine, kinds in result["cpu"].items():
+                for kind, used in kinds.items():
+                    cpu.setdefault((rank, engine, kind), []).append(used)
+        out = both[0]
         mine = [t / o for o, t in zip(out["ours"], out["theirs"])]
         medians.append(statistics.median(mine))
         ratios += mine
@@ -229,6 +286,14 @@ def paired(args: argparse.Namespace) -> None:
     print(f"throughput ours/theirs over all {len(ratios)} pairs: median {statistics.median(ratios):.3f}, quartiles "
           f"{q(0.25):.3f}-{q(0.75):.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}; ours faster in "
           f"{sum(r > 1 for r in ratios)} of {len(ratios)} pairs   (target >= 1.0)")
+    if cpu:
+        print("\nCPU per step by thread, ms (median over jobs; compute: the thread running the stage, which "
+              "also starts its sends; a step's share runs from the barrier before it to the one after):")
+        for rank in (0, 1):
+            for engine in ("ours", "theirs"):
+                kinds = sorted((k for r, e, k in cpu if (r, e) == (rank, engine)), key=lambda k: k != "compute")
+                line = ", ".join(f"{k} {statistics.median(cpu[(rank, engine, k)]) * 1e3:.1f}" for k in kinds)
+                print(f"  process {rank}, {engine:<6}: {line}")
     if args.jobs > 1:
         print(f"per-job medians: {min(medians):.3f}-{max(medians):.3f}, their median {statistics.median(medians):.3f}; "
               f"ours ahead in {sum(m > 1 for m in medians)} of {args.jobs} jobs")
@@ -238,6 +303,8 @@ def paired(args: argparse.Namespace) -> None:
 def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace) -> Any:
     warnings.filterwarnings("ignore", message="You are using a Backend")  # said by rpc.shutdown's barrier
     torch.set_num_threads(1)
+    if args.pin:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # every thread started from now on too
     return {"ours": _ours, "theirs": _theirs, "paired": _paired}[engine](rank, port, args)
 
 
@@ -258,7 +325,10 @@ def main() -> None:
     parser.add_argument("--paired", type=int, default=0, metavar="N",
                         help="one job holding both engines, N steps each, alternating step by step")
     parser.add_argument("--jobs", type=int, default=1, metavar="K", help="with --paired: K such jobs, one after another")
+    parser.add_argument("--pin", action="store_true", help="run process r on core r only (needs 2 cores)")
     args = parser.parse_args()
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        parser.error(f"--pin needs 2 cores; this process may use {len(os.sched_getaffinity(0))}")
     if args.warmup < 1 or args.batch % args.chunks:
         parser.error("--warmup must be >= 1 and --batch a multiple of --chunks (equal micro-batches)")
     if args.jobs < 1 or (args.jobs > 1 and not args.paired):
@@ -271,6 +341,8 @@ def main() -> None:
           "(process 0): the last stage's output travels back to it and the output gradient travels out")
     print("theirs: torch.distributed.pipelining PipelineStage + ScheduleGPipe over gloo; loss on the last "
           "stage (process 1), grads scaled by 1/n_microbatches (= the whole batch's mean loss)")
+    if args.pin:
+        print("pinned: process r runs on core r only, helper threads included")
     if args.paired:
         return paired(args)
     print(f"{args.rounds} rounds x {args.steps} timed steps (after {args.warmup} warm-up) per engine, "
