@@ -23,7 +23,8 @@ that matters and the median over all their pairs. ``--pin``: process r runs on c
 alike), so that a process's helper threads share its core with its compute instead of using an idle one.
 
     python benchmarks/bench_vs_pipelining.py [--width 1024] [--layers 8] [--batch 512] [--chunks 8]
-                                             [--rounds 6] [--steps 6] [--transport default] [--paired 40 --jobs 5] [--pin]
+                                             [--rounds 6] [--steps 6] [--transport default]
+                                             [--paired 40 --jobs 5] [--pin]
 """
 
 from __future__ import annotations
@@ -324,7 +325,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per job before it is killed")
     parser.add_argument("--paired", type=int, default=0, metavar="N",
                         help="one job holding both engines, N steps each, alternating step by step")
-    parser.add_argument("--jobs", type=int, default=1, metavar="K", help="with --paired: K such jobs, one after another")
+    parser.add_argument("--jobs", type=int, default=1, metavar="K",
+                        help="with --paired: K such jobs, one after another")
     parser.add_argument("--pin", action="store_true", help="run process r on core r only (needs 2 cores)")
     args = parser.parse_args()
     if args.pin and len(os.sched_getaffinity(0)) < 2:

@@ -600,7 +600,8 @@ class RemotePipeline:
         self.n = runner.n
         self._settled = _Settled()
         # What a Run releases when freed: this process's runner and every remote stage.
-        self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, p, self._settled) for p in runner.peers[1:self.n]]
+        self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, p, self._settled)
+                                             for p in runner.peers[1:self.n]]
         self.pipelined = True  # backward micro-batch by micro-batch (False: one backward per stage)
         register(runner)
 

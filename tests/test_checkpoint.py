@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe import Pipe, is_checkpointing, is_recomputing
 import lightning_pipe.stage as stage_module
+from lightning_pipe import Pipe, is_checkpointing, is_recomputing
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.rng import StageRandom, attention, draws_no_random
 
