@@ -20,6 +20,7 @@ import contextlib
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -143,12 +144,20 @@ def _abort_process(reason: str) -> None:
     threading.Timer(0.2, os._exit, args=(1,)).start()  # let the RPC reply go out first
 
 
-def abort_world(reason: str) -> None:
-    """Tell every other process to exit with status 1 (best effort), and mark this one failed."""
+def abort_world(reason: str, error: BaseException | None = None) -> None:
+    """Tell every other process to exit with status 1 (best effort), and mark this one failed.
+
+    ``error``, the failure, is printed here first, with its notes (which stage, which process): as the other
+    processes exit, a launcher that watches them (Lightning's kills every process of the job within 5 s of
+    one exiting with an error) may end this one before its traceback is printed."""
     topology = SESSION.topology
     if topology is None or SESSION.failed:
         return
     SESSION.failed = True
+    if error is not None:
+        text = "".join(traceback.format_exception_only(error)).rstrip()
+        print(f"[lightning_pipe rank {SESSION.rank}] failed, stopping every process of the job:\n{text}",
+              file=sys.stderr, flush=True)
     futures = []
     for rank in range(topology.world):
         if rank != SESSION.rank:

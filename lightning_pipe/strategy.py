@@ -878,7 +878,7 @@ class PipeStrategy(DDPStrategy):
         if SESSION.topology is not None:
             # Every other process exits (an interrupt included: under torchrun or SLURM nobody else ends
             # them), and this one leaves RPC without the graceful shutdown barrier that waits for all.
-            abort_world(f"{type(exception).__name__}: {exception}")
+            abort_world(f"{type(exception).__name__}: {exception}", exception)
 
     @classmethod
     @override
