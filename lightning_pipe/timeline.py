@@ -23,8 +23,9 @@ __all__ = ["Event", "Recorder", "bubble_fraction", "read_chrome_trace", "render"
 
 @dataclass(frozen=True)
 class Event:
-    """Stage ``stage`` ran ``kind`` ("F" or "B") of micro-batch ``microbatch`` of step ``run`` from ``start``
-    to ``end`` (seconds since the epoch, so that processes on one machine share a clock)."""
+    """Stage ``stage`` ran ``kind`` of micro-batch ``microbatch`` of step ``run`` from ``start`` to ``end``
+    (seconds since the epoch, so that processes on one machine share a clock). Kinds: ``"F"`` forward,
+    ``"B"`` backward, ``"W"`` the parameters' gradients of a backward whose input gradients went first."""
 
     stage: int
     kind: str
@@ -100,7 +101,8 @@ def bubble_fraction(events: Sequence[Event]) -> tuple[float, float]:
 
 
 def render(events: Sequence[Event], path: str, title: str = "") -> None:
-    """Draw ``events`` as stages × time (forward blue, backward orange, bubbles blank) into a PNG."""
+    """Draw ``events`` as stages × time (forward blue, backward orange, parameters' gradients computed after
+    the input gradients red, bubbles blank) into a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,8 +111,9 @@ def render(events: Sequence[Event], path: str, title: str = "") -> None:
     origin = min(e.start for e in events)
     stages = sorted({e.stage for e in events})
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(stages) + 1.5))
+    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52"}
     for e in events:
-        color = "#4C72B0" if e.kind == "F" else "#DD8452"
+        color = colors.get(e.kind, "#DD8452")
         ax.barh(e.stage, (e.end - e.start) * 1e3, left=(e.start - origin) * 1e3, color=color,
                 edgecolor="white", linewidth=0.5)
     ax.set_yticks(stages, [f"stage {s}" for s in stages])
@@ -120,8 +123,10 @@ def render(events: Sequence[Event], path: str, title: str = "") -> None:
     ax.set_title(f"{title} bubble: measured {measured:.0%}, GPipe theory {theory:.0%}".strip())
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="#4C72B0", label="forward"), Patch(color="#DD8452", label="backward")],
-              loc="upper right")
+    handles = [Patch(color=colors["F"], label="forward"), Patch(color=colors["B"], label="backward")]
+    if any(e.kind == "W" for e in events):
+        handles.append(Patch(color=colors["W"], label="parameters' gradients, after the input gradients"))
+    ax.legend(handles=handles, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

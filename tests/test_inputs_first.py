@@ -1,0 +1,117 @@
+"""A stage's backward in two parts: the gradients that go upstream first, its parameters' gradients later."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.batchnorm import DeferredBatchNorm
+from lightning_pipe.microbatch import Batch
+from lightning_pipe.stage import Stage, twice_safe
+
+
+class Scale(nn.Module):
+    """A user-defined layer: its backward could hold anything, so it is never run twice."""
+
+    def forward(self, x):
+        return x * 2
+
+
+def body() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.2),
+                         nn.Linear(8, 3))
+
+
+def test_twice_safe_only_for_built_in_layers_without_hooks():
+    assert twice_safe(body())
+    assert twice_safe(nn.Sequential(nn.TransformerEncoderLayer(8, 2), nn.Dropout(0.1), nn.GELU()))
+    assert not twice_safe(nn.Sequential(nn.Linear(3, 3), Scale()))
+    # Buffers: the graph kept between the two parts may have saved them, and recomputing other micro-batches
+    # meanwhile changes them in place.
+    assert not twice_safe(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    assert not twice_safe(nn.Sequential(nn.Linear(3, 3), DeferredBatchNorm(3)))
+    layer = nn.Linear(3, 3)
+    registers = (layer.register_full_backward_hook, layer.register_full_backward_pre_hook,
+                 layer.register_forward_hook, layer.register_forward_pre_hook,
+                 nn.modules.module.register_module_full_backward_hook,
+                 nn.modules.module.register_module_full_backward_pre_hook,
+                 nn.modules.module.register_module_forward_hook)
+    for register in registers:
+        handle = register(lambda *args: None)
+        try:
+            assert not twice_safe(nn.Sequential(layer, nn.ReLU())), register
+        finally:
+            handle.remove()
+        assert twice_safe(nn.Sequential(layer, nn.ReLU()))
+
+
+def _forward(stage: Stage, xs: list[torch.Tensor], checkpoint: bool) -> list[torch.Tensor]:
+    outs = []
+    for i, x in enumerate(xs):
+        out, _ = stage.forward("run", i, Batch((x.requires_grad_(),), True), {}, seed=lambda: 0, save=True,
+                               checkpoint=checkpoint, last=i == len(xs) - 1)
+        outs.append(out.tensors[0])
+    return outs
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_inputs_first_gives_the_same_gradients_with_the_parameters_left_for_later(checkpoint):
+    module = body()
+    whole, split = Stage(1, copy.deepcopy(module), torch.device("cpu")), Stage(1, module, torch.device("cpu"))
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    grads = [torch.randn(4, 3) for _ in range(3)]
+    outs = _forward(whole, [x.clone() for x in xs], checkpoint)
+    assert len(_forward(split, [x.clone() for x in xs], checkpoint)) == len(outs)
+    expected = [whole.backward("run", [(i, (grads[i],), {})]) for i in reversed(range(3))]
+
+    got, finish = split.backward_inputs_first("run", [(2, (grads[2],), {})])
+    assert all(p.grad is None for p in split.partition.parameters())  # nothing but what goes upstream yet
+    got += [split.backward("run", [(i, (grads[i],), {})])[0] for i in (1, 0)]
+    finish()
+    finish()  # once only: a second call adds nothing
+    for (a, _), (b, _) in zip(got, [e[0] for e in expected]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for (name, p), q in zip(split.partition.named_parameters(), whole.partition.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)  # the same sums, micro-batch 2's added last
+    assert not split.has_saved("run")
+
+
+def test_inputs_first_dropped_after_a_failure_computes_nothing_more():
+    stage = Stage(1, body(), torch.device("cpu"))
+    _forward(stage, [torch.randn(4, 6)], checkpoint=True)
+    results, finish = stage.backward_inputs_first("run", [(0, (torch.randn(4, 3),), {})])
+    assert results[0][0][0] is not None and results[0][0][0].shape == (4, 6)
+    finish(False)
+    finish()  # dropped: nothing left to compute
+    assert all(p.grad is None for p in stage.partition.parameters())
+
+
+def test_batchnorm_partitions_run_their_backward_at_once():
+    """Recomputing a micro-batch changes BatchNorm's running statistics in place, which the graph of the one
+    before saved: a partition with buffers gets its whole backward at once, so the recomputation in between
+    breaks nothing."""
+    torch.manual_seed(0)
+    stage = Stage(1, nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), torch.device("cpu"))
+    assert not twice_safe(stage.partition)
+    _forward(stage, [torch.randn(4, 8) for _ in range(2)], checkpoint=True)
+    _, finish = stage.backward_inputs_first("run", [(1, (torch.randn(4, 2),), {})])
+    assert all(p.grad is not None for p in stage.partition.parameters())
+    stage.backward("run", [(0, (torch.randn(4, 2),), {})])  # recomputes micro-batch 0 in training mode
+    finish()
+    assert not stage.has_saved("run")
+
+
+def test_a_user_defined_layer_gets_its_whole_backward_at_once():
+    module = nn.Sequential(nn.Linear(6, 3), Scale())
+    stage = Stage(1, module, torch.device("cpu"))
+    _forward(stage, [torch.randn(4, 6)], checkpoint=False)
+    results, finish = stage.backward_inputs_first("run", [(0, (torch.randn(4, 3),), {})])
+    assert all(p.grad is not None for p in module.parameters())  # nothing was left for later
+    grads = [p.grad.clone() for p in module.parameters()]
+    finish()
+    assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), grads))
+
