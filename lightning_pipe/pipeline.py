@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_pipe.microbatch import Batch
 from lightning_pipe.rng import LazySeed
-from lightning_pipe.schedule import Action, backward_plan, forward_plan
+from lightning_pipe.schedule import Action, backward_plan, forward_plan, stage_order
 from lightning_pipe.skip.layout import SkipLayout
 from lightning_pipe.stage import Grads, Stage
 from lightning_pipe.worker import Inline, Worker, autocast_state
@@ -124,12 +124,16 @@ class LocalPipeline:
         self.workers = [Worker(f"lightning_pipe.stage{j}") for j in range(len(stages))]
 
     def _submit(self, executors: Sequence[Executor], futures: dict[tuple[int, int], Future[Any]],
-                run: Run, plan: list[list[Action]], task: Callable[..., None]) -> None:
+                run: Run, plan: list[list[Action]], task: Callable[..., None],
+                then: Callable[[Run, int], None] | None = None) -> None:
+        """Queue ``task`` for every action of ``plan`` on its stage's executor and, after a stage's
+        actions, ``then(run, stage)`` on it; wait for all of them."""
         for action in itertools.chain.from_iterable(plan):
             fn = partial(task, run, futures, action.microbatch, action.stage)
             futures[(action.microbatch, action.stage)] = executors[action.stage].submit(fn)
+        last = [executors[j].submit(partial(then, run, j)) for j in range(len(executors))] if then else []
         try:
-            drain([futures[(a.microbatch, a.stage)] for a in itertools.chain.from_iterable(plan)])
+            drain([futures[(a.microbatch, a.stage)] for a in itertools.chain.from_iterable(plan)] + last)
         except BaseException:
             run.failed = True
             raise
@@ -177,6 +181,20 @@ class LocalPipeline:
             for s, w in zip(self.stages, self.workers)
         ]
         futures: dict[tuple[int, int], Future[Any]] = {}
+        if pipelined:
+            plan = backward_plan(m, n)
+        else:
+            plan = [[Action(j, "B", -1)] for j in reversed(range(n))]
+        # The stage before waits for each later stage's first backward: it gets its gradients before that
+        # stage computes its parameters' gradients of that backward, left for after its other actions.
+        first = {j: stage_order(plan, j)[0].microbatch for j in range(1, n)}
+        later: dict[int, list[Callable[..., None]]] = {j: [] for j in range(n)}
+
+        def finish(run: Run, j: int) -> None:
+            for weights in later[j]:
+                weights(not run.failed)
+            if run.failed:
+                raise _Skipped()
 
         def task(run: Run, futures: dict[tuple[int, int], Future[Any]], i: int, j: int) -> None:
             if run.failed:
@@ -190,7 +208,11 @@ class LocalPipeline:
             items = [(k, grads.pop((k, j + 1)), {key: grads.pop((k, key)) for key in self.layout.exports[j]})
                      for k in mbs]
             try:
-                results = self.stages[j].backward(run.id, items)
+                if first.get(j) == i:
+                    results, weights = self.stages[j].backward_inputs_first(run.id, items)
+                    later[j].append(weights)
+                else:
+                    results = self.stages[j].backward(run.id, items)
             except BaseException:
                 run.failed = True
                 raise
@@ -198,11 +220,7 @@ class LocalPipeline:
                 grads[(k, j)] = grad_inputs
                 grads.update({(k, key): g for key, g in grad_imports.items()})
 
-        if pipelined:
-            plan = backward_plan(m, n)
-        else:
-            plan = [[Action(j, "B", -1)] for j in reversed(range(n))]
-        self._submit(executors, futures, run, plan, task)
+        self._submit(executors, futures, run, plan, task, then=finish)
         return [grads.pop((i, 0)) for i in range(m)]
 
 

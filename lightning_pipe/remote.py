@@ -274,10 +274,13 @@ class StageRunner:
             sends.append(self._send(dst, (self.key, run, "F", i, dst, skip), _pack([exports[skip]], self.direct(dst))))
         return [s for s in sends if s is not None]
 
-    def backward(self, run: int, microbatches: Sequence[int]) -> list[Future[Any]] | list[Grads]:
+    def backward(self, run: int, microbatches: Sequence[int], later: list[Callable[..., None]] | None = None
+                 ) -> list[Future[Any]] | list[Grads]:
         """Backward of ``microbatches`` (several: one autograd call); sends input grads upstream.
 
-        Stage 0 returns its input gradients instead of sending them.
+        Stage 0 returns its input gradients instead of sending them. With ``later``, only what goes upstream
+        is computed before it is sent, where that is safe (:meth:`Stage.backward_inputs_first`), and the
+        function that computes the rest is appended to ``later``.
         """
         j = self.index
         items = []
@@ -285,7 +288,11 @@ class StageRunner:
             grads = self._take((self.key, run, "B", i, j, j + 1))
             skip_grads = {skip: self._take((self.key, run, "B", i, j, skip))[0] for skip in self.layout.exports[j]}
             items.append((i, grads, skip_grads))
-        results = self.stage.backward(run, items)
+        if later is None:
+            results = self.stage.backward(run, items)
+        else:
+            results, finish = self.stage.backward_inputs_first(run, items)
+            later.append(finish)
         if not self.stage.has_saved(run):
             self._seeds.pop(run, None)  # the run's last backward here: nothing will be recomputed
         if j == 0:
@@ -309,14 +316,25 @@ class StageRunner:
         self._beat = time.monotonic()
         if dtype is not None and torch.get_default_dtype() != dtype:
             torch.set_default_dtype(dtype)  # a process of its own, serving this stage
+        # The stage before waits for this stage's first backward: it gets its gradients before this stage
+        # computes its parameters' gradients of that backward, which are left for the end of the share.
+        later: list[Callable[..., None]] = []
         with torch.autograd.set_detect_anomaly(anomaly):
-            for group in groups:
-                if kind == "F":
-                    (i,) = group
-                    sends += self.forward(run, i, m, save, checkpoint_stop, training, autocast)
-                else:
-                    sends += self.backward(run, group)  # type: ignore[arg-type]
-                self._still_working(run)
+            try:
+                for k, group in enumerate(groups):
+                    if kind == "F":
+                        (i,) = group
+                        sends += self.forward(run, i, m, save, checkpoint_stop, training, autocast)
+                    else:
+                        first = k == 0 and self.index > 0
+                        sends += self.backward(run, group, later if first else None)  # type: ignore[arg-type]
+                    self._still_working(run)
+            except BaseException:
+                for finish in later:
+                    finish(False)
+                raise
+            for finish in later:
+                finish()
         return sends
 
     def _still_working(self, run: int) -> None:

@@ -115,3 +115,32 @@ def test_a_user_defined_layer_gets_its_whole_backward_at_once():
     finish()
     assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), grads))
 
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_the_local_engine_leaves_later_stages_parameters_gradients_for_last(pipelined):
+    from lightning_pipe import Pipe
+    from lightning_pipe.timeline import Recorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
+    pipe = Pipe(copy.deepcopy(model), [2, 2, 2], chunks=4, checkpoint="except_last")
+    recorders = []
+    for stage in pipe.pipeline.stages:
+        stage.recorder = Recorder()
+        recorders.append(stage.recorder)
+    if not pipelined:
+        original = pipe.pipeline.backward
+        pipe.pipeline.backward = lambda run, grads, **kwargs: original(run, grads, **{**kwargs, "pipelined": False})
+    x = torch.randn(8, 6)
+    pipe(x.clone().requires_grad_()).square().sum().backward()
+    model(x).square().sum().backward()
+    for (name, p), q in zip(pipe.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    for j, recorder in enumerate(recorders):
+        done = [(e.kind, e.microbatch) for e in sorted(recorder.events(), key=lambda e: (e.start, e.end))
+                if e.kind != "F"]
+        if not pipelined:
+            expected = [("B", i) for i in range(4)] + [("W", i) for i in range(4)] * (j > 0)
+            assert sorted(done) == sorted(expected), j
+        else:
+            assert done == [("B", i) for i in (3, 2, 1, 0)] + [("W", 3)] * (j > 0), j

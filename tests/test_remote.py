@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -179,6 +180,55 @@ def test_runs_done_with_need_no_release_message():
     assert released["unused"] == [1, 1]  # counted since the start: the one run that needed it
     assert released["backward of one micro-batch group"] == [1, 1]  # nothing more after it
     assert remembered == 0  # the driver forgets settled runs as they are freed
+
+
+def _events(key: str) -> list[tuple[float, str, int]]:
+    """The events recorded so far by this process's stage of pipeline ``key`` (recording starts
+    with the first call)."""
+    from lightning_pipe.remote import _RUNNERS
+    from lightning_pipe.timeline import Recorder
+
+    stage = _RUNNERS[key].stage
+    if stage.recorder is None:
+        stage.recorder = Recorder()
+    return sorted((e.start, e.kind, e.microbatch) for e in stage.recorder.events())
+
+
+def _inputs_first(rank: int, world: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16),
+                          nn.Linear(16, 2))
+    pipeline = pipeline_over_rpc("test", copy.deepcopy(model), [2, 4], [f"worker{r}" for r in range(world)],
+                                 timeout=20)
+    if pipeline is None:
+        return None
+    rpc.rpc_sync("worker1", _events, args=("test",))
+    x = torch.randn(8, 6)
+    for checkpoint in ("except_last", "always"):
+        out = run_pipeline(pipeline, x, chunks=4, checkpoint=checkpoint, training=True,
+                           parameters=pipeline.runner.stage.partition.parameters())
+        out.square().sum().backward()
+    order = [kind + str(i) for _, kind, i in rpc.rpc_sync("worker1", _events, args=("test",))]
+    grads = {**pipeline.call(0, "named_grads"), **pipeline.call(1, "named_grads")}
+    for _ in range(2):
+        model(x).square().sum().backward()
+    expected = dict(model.named_parameters())
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name].grad, msg=name)
+    pipeline.close()
+    return order, len(grads)
+
+
+@pytest.mark.timeout(120)
+def test_later_stages_send_input_gradients_before_computing_their_parameters_gradients():
+    """The last stage's first backward (micro-batch 3) computes what stage 0 waits for, sends it, and leaves
+    its parameters' gradients of that micro-batch for after the others; the gradients are still the plain
+    model's, with and without recomputation."""
+    order, compared = run_processes(_inputs_first, 2, timeout=100)[0]
+    # Per step: the input gradients of 3 ("B3"), then 2, 1 and 0 whole, then the parameters' gradients of 3.
+    assert order == ["F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0", "W3"] * 2
+    assert compared == 8  # every parameter's gradient matched the plain model's (checked in the driver)
 
 
 class Unsendable(torch.Tensor):

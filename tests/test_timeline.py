@@ -53,9 +53,11 @@ def test_timeline_of_a_real_run_follows_the_schedule(tmp_path):
         step = [e for e in events if e.run == run]
         for j in range(n):
             mine = sorted((e for e in step if e.stage == j), key=lambda e: e.start)
-            # Every micro-batch's forward, then every backward, in schedule order.
+            # Every micro-batch's forward, then every backward, in schedule order; the stages after the first
+            # send the input gradients of their first backward before computing its parameters' gradients,
+            # which come last.
             assert [(e.kind, e.microbatch) for e in mine] == \
-                [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+                [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))] + [("W", m - 1)] * (j > 0)
         at = {(e.kind, e.microbatch, e.stage): e for e in step}
         for i in range(m):
             for j in range(1, n):  # a stage starts a micro-batch after the stage before finished it
