@@ -95,12 +95,28 @@ def _nothing(compute: bool = True) -> None:
     pass
 
 
+_PURE_BACKWARD: set[type] = set()
+
+
+def pure_backward_layer(cls: type[nn.Module]) -> type[nn.Module]:
+    """Declare that the backward of layer class ``cls`` (exactly that class: a subclass may override
+    ``forward``) has no side effect, everything its forward runs included, so that it may run in two
+    autograd calls: partitions made of such layers and built-in ones then hand on their input gradients
+    before computing their parameters' (see :meth:`Stage.backward_inputs_first`). True of layers built from
+    torch operations and built-in layers alone; not of one whose backward counts or logs something, or that
+    uses reentrant ``torch.utils.checkpoint`` (which refuses the first call). Returns ``cls`` (usable as a
+    decorator)."""
+    _PURE_BACKWARD.add(cls)
+    return cls
+
+
 def twice_safe(partition: nn.Module) -> bool:
     """Whether the backward of ``partition`` may run in two autograd calls, its input gradients first and the
     rest later, with nothing but the time changed:
 
     - every module in it is a built-in ``torch.nn`` layer, whose backward is plain autograd with no side
-      effect (a user-defined layer may hold an autograd function or a tensor hook that would run twice);
+      effect, or inside a layer declared with :func:`pure_backward_layer` (another user-defined layer may
+      hold an autograd function or a tensor hook that would run twice);
     - no hook is registered on any of them, nor for every module;
     - it has no buffer: the graph kept between the two calls may have saved one (BatchNorm saves its running
       statistics), which the recomputation of other micro-batches meanwhile would change in place.
@@ -112,8 +128,17 @@ def twice_safe(partition: nn.Module) -> bool:
     if next(partition.buffers(), None) is not None:
         return False
     hooks = ("_backward_pre_hooks", "_backward_hooks", "_forward_pre_hooks", "_forward_hooks")
-    return all(type(m).__module__.startswith("torch.nn.modules.") and not any(getattr(m, h, None) for h in hooks)
-               for m in partition.modules())
+    declared: set[int] = set()  # modules inside a declared layer (modules() lists a module before its own)
+    for m in partition.modules():
+        if any(getattr(m, h, None) for h in hooks):
+            return False
+        if id(m) in declared:
+            continue
+        if type(m) in _PURE_BACKWARD:
+            declared.update(id(inner) for inner in m.modules())
+        elif not type(m).__module__.startswith("torch.nn.modules."):
+            return False
+    return True
 
 
 def _leaves(tensors: Sequence[Tensor], exclude: Sequence[Tensor]) -> list[Tensor]:
@@ -280,7 +305,8 @@ class Stage:
 
         The layers above the first then run backward twice (once per call; autograd computes in each only
         what is asked for), so it applies only where that is certain to change nothing but the time: every
-        module of the partition a built-in ``torch.nn`` layer, with no hook and no buffer (:func:`twice_safe`).
+        module of the partition a built-in ``torch.nn`` layer or inside one declared with
+        :func:`pure_backward_layer`, with no hook and no buffer (:func:`twice_safe`).
         Elsewhere this is :meth:`backward`, with nothing left to do later.
         """
         if not twice_safe(self.partition):

@@ -144,3 +144,40 @@ def test_the_local_engine_leaves_later_stages_parameters_gradients_for_last(pipe
             assert sorted(done) == sorted(expected), j
         else:
             assert done == [("B", i) for i in (3, 2, 1, 0)] + [("W", 3)] * (j > 0), j
+
+
+def test_declared_layers_and_what_they_hold_are_trusted(monkeypatch):
+    import lightning_pipe.stage as stage_module
+    from lightning_pipe import pure_backward_layer
+
+    monkeypatch.setattr(stage_module, "_PURE_BACKWARD", set())
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.inner = nn.Linear(3, 3), Scale()  # an undeclared user layer inside
+
+        def forward(self, x):
+            return self.inner(self.linear(x))
+
+    class Sub(Block):
+        pass
+
+    assert not twice_safe(nn.Sequential(Block(), nn.ReLU()))
+    assert pure_backward_layer(Block) is Block
+    assert twice_safe(nn.Sequential(Block(), nn.ReLU()))
+    assert not twice_safe(nn.Sequential(Sub(), nn.ReLU()))  # exactly the declared class
+    assert not twice_safe(nn.Sequential(Block(), Scale()))  # an undeclared one outside it
+    block = Block()
+    handle = block.inner.register_forward_hook(lambda *args: None)
+    assert not twice_safe(nn.Sequential(block))  # hooks count inside a declared layer too
+    handle.remove()
+    block.register_buffer("steps", torch.zeros(()))
+    assert not twice_safe(nn.Sequential(block))  # and buffers
+
+    stage = Stage(1, nn.Sequential(Block(), nn.Tanh(), Block()), torch.device("cpu"))
+    _forward(stage, [torch.randn(4, 3)], checkpoint=False)
+    _, finish = stage.backward_inputs_first("run", [(0, (torch.randn(4, 3),), {})])
+    assert all(p.grad is None for p in stage.partition.parameters())
+    finish()
+    assert all(p.grad is not None for p in stage.partition.parameters())
