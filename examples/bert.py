@@ -14,7 +14,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe import pure_backward_layer
 
+
+@pure_backward_layer  # torch operations only: backward may run in two parts
 class Embeddings(nn.Module):
     """Token ids and mask → (word + position + token-type embeddings, normalised; mask)."""
 
@@ -34,6 +37,7 @@ class Embeddings(nn.Module):
         return self.dropout(self.LayerNorm(hidden)), mask
 
 
+@pure_backward_layer  # torch operations only: backward may run in two parts
 class EncoderLayer(nn.Module):
     """One post-norm transformer layer: self-attention and a GELU feed-forward, each with a residual."""
 
@@ -61,6 +65,7 @@ class EncoderLayer(nn.Module):
         return self.output_norm(x + self.dropout(y)), mask
 
 
+@pure_backward_layer  # torch operations only: backward may run in two parts
 class MeanPool(nn.Module):
     """(hidden, mask) → the mean of the unmasked tokens' hidden states (sentence-transformers pooling)."""
 

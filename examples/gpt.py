@@ -20,12 +20,13 @@ from pytorch_lightning.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_pipe  # noqa: F401 - registers strategy="pipe"
+import lightning_pipe  # registers strategy="pipe"
 
 CORPUS = Path(__file__).parent / "data" / "shakespeare.txt"
 VOCAB = 256  # bytes
 
 
+@lightning_pipe.pure_backward_layer  # torch operations only: backward may run in two parts
 class Embeddings(nn.Module):
     """Token ids (batch, time) → token + learned position embeddings (batch, time, width)."""
 
@@ -40,6 +41,7 @@ class Embeddings(nn.Module):
         return self.dropout(self.tokens(ids) + self.positions(positions))
 
 
+@lightning_pipe.pure_backward_layer  # torch operations only: backward may run in two parts
 class Block(nn.Module):
     """A pre-norm transformer block: causal multi-head self-attention, then a GELU MLP, each residual."""
 
@@ -65,6 +67,7 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.norm2(x)))
 
 
+@lightning_pipe.pure_backward_layer  # torch operations only: backward may run in two parts
 class Head(nn.Module):
     """Final layer norm and the projection to next-byte logits (batch, time, 256)."""
 
