@@ -174,7 +174,8 @@ class LocalPipeline:
         stage runs one backward over all its micro-batches. Stages on ``inline_device`` run on the calling
         thread (the autograd engine's thread for that CUDA device, which a worker must not wait for).
         Each stage after the first computes only the input gradients of its first backward before handing
-        them on, and that backward's parameter gradients after its last (:meth:`Stage.backward_inputs_first`).
+        them on, and that backward's parameter gradients after its last, where its partition and device allow
+        (:meth:`Stage.backward_inputs_first`).
         """
         m, n = len(grad_outputs), len(self.stages)
         grads: dict[Any, Any] = {(i, n): g for i, g in enumerate(grad_outputs)}

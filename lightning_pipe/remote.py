@@ -335,6 +335,7 @@ class StageRunner:
                 raise
             for finish in later:
                 finish()
+                self._still_working(run)
         return sends
 
     def _still_working(self, run: int) -> None:

@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -96,9 +96,10 @@ def _nothing(compute: bool = True) -> None:
 
 
 _PURE_BACKWARD: set[type] = set()
+_Layer = TypeVar("_Layer", bound=type[nn.Module])
 
 
-def pure_backward_layer(cls: type[nn.Module]) -> type[nn.Module]:
+def pure_backward_layer(cls: _Layer) -> _Layer:
     """Declare that the backward of layer class ``cls`` (exactly that class: a subclass may override
     ``forward``) has no side effect, everything its forward runs included, so that it may run in two
     autograd calls: partitions made of such layers and built-in ones then hand on their input gradients
@@ -110,16 +111,26 @@ def pure_backward_layer(cls: type[nn.Module]) -> type[nn.Module]:
     return cls
 
 
+def _rest(tensors: list[Tensor], grads: list[Tensor], leaves: list[Tensor]) -> None:
+    """The backward from ``tensors`` into ``leaves`` alone; a leaf frozen since the forward gets none, as in a
+    whole backward."""
+    leaves = [t for t in leaves if t.requires_grad]
+    if leaves:
+        torch.autograd.backward(tensors, grads, inputs=leaves)
+
+
 def twice_safe(partition: nn.Module) -> bool:
     """Whether the backward of ``partition`` may run in two autograd calls, its input gradients first and the
     rest later, with nothing but the time changed:
 
-    - every module in it is a built-in ``torch.nn`` layer, whose backward is plain autograd with no side
+    - every module in it is a built-in ``torch.nn`` layer holding no function of the user's (as
+      ``TransformerEncoderLayer(activation=...)`` can), whose backward is then plain autograd with no side
       effect, or inside a layer declared with :func:`pure_backward_layer` (another user-defined layer may
       hold an autograd function or a tensor hook that would run twice);
     - no hook is registered on any of them, nor for every module;
-    - it has no buffer: the graph kept between the two calls may have saved one (BatchNorm saves its running
-      statistics), which the recomputation of other micro-batches meanwhile would change in place.
+    - nothing that the graph kept between the two calls may have saved changes in place meanwhile, when
+      other micro-batches are recomputed: no buffer (BatchNorm saves its running statistics) and no
+      embedding that renormalises its weight (``max_norm``).
     """
     names = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
              "_global_forward_hooks")
@@ -134,11 +145,23 @@ def twice_safe(partition: nn.Module) -> bool:
             return False
         if id(m) in declared:
             continue
+        if getattr(m, "max_norm", None) is not None:
+            return False
         if type(m) in _PURE_BACKWARD:
             declared.update(id(inner) for inner in m.modules())
-        elif not type(m).__module__.startswith("torch.nn.modules."):
+        elif not type(m).__module__.startswith("torch.nn.modules.") or not all(
+                _of_torch(v) for v in vars(m).values() if callable(v) and not isinstance(v, (nn.Module, type))):
             return False
     return True
+
+
+def _of_torch(f: Callable[..., Any]) -> bool:
+    """Whether ``f`` is a function of torch itself, not one of the user's (whose backward could do anything)."""
+    while isinstance(f, partial):
+        f = f.func
+    owner = getattr(f, "__self__", None)
+    module = owner.__module__ if isinstance(owner, type) else getattr(f, "__module__", None) or ""
+    return module == "torch" or module.startswith("torch.")
 
 
 def _leaves(tensors: Sequence[Tensor], exclude: Sequence[Tensor]) -> list[Tensor]:
@@ -155,9 +178,10 @@ def _leaves(tensors: Sequence[Tensor], exclude: Sequence[Tensor]) -> list[Tensor
         if node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
-        if variable is not None and id(variable) not in skip:
-            found[id(variable)] = variable
+        if type(node).__name__ == "AccumulateGrad":  # a leaf's (a custom function's ctx may have .variable)
+            variable = node.variable
+            if id(variable) not in skip:
+                found[id(variable)] = variable
         stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return list(found.values())
 
@@ -301,15 +325,16 @@ class Stage:
         (the micro-batches' graph is kept until then; called with False, after a failure, it drops them).
         The stage before can start its backward meanwhile: on the pipeline's critical path, the first
         backward of each later stage takes the time of its input gradients alone (about 40% of it for a
-        stack of linear layers) instead of the whole backward.
+        stack of linear layers) instead of the whole backward. The second call recomputes the input
+        gradients of every layer above the first on its way to their parameters, so that micro-batch's
+        backward costs about 1.5 times as much here.
 
-        The layers above the first then run backward twice (once per call; autograd computes in each only
-        what is asked for), so it applies only where that is certain to change nothing but the time: every
-        module of the partition a built-in ``torch.nn`` layer or inside one declared with
-        :func:`pure_backward_layer`, with no hook and no buffer (:func:`twice_safe`).
-        Elsewhere this is :meth:`backward`, with nothing left to do later.
+        The layers above the first run backward twice, so it applies only where that is certain to change
+        nothing but the time (:func:`twice_safe`). And on CPU only: on a GPU, the second call's kernels,
+        queued on the stage's stream before the last hand-off of the step is copied from it, would delay
+        that copy by as long. Elsewhere this is :meth:`backward`, with nothing left to do later.
         """
-        if not twice_safe(self.partition):
+        if self.device.type != "cpu" or not twice_safe(self.partition):
             return self.backward(run, items), _nothing
         results, finish = self._backward_recorded(run, items, inputs_first=True)
         return results, finish
@@ -395,7 +420,8 @@ class Stage:
             for t, g in zip(upstream, found):
                 t.grad = g
             others = _leaves(tensors, exclude=upstream)
-            weights = partial(torch.autograd.backward, tensors, grads, inputs=others) if others else _nothing
+            if others:
+                weights = partial(_rest, tensors, grads, others)
         elif tensors:
             torch.autograd.backward(tensors, grads)
         return [

@@ -3,7 +3,8 @@
     python -m lightning_pipe timeline trace.json timeline.png
 
 renders a trace written by ``PipeStrategy(timeline="trace.json")`` (or :func:`write_chrome_trace`) as a
-stages × time picture (forward and backward in two colours, bubbles blank) and prints the measured bubble
+stages × time picture (forward, backward and deferred parameter gradients in their own colours, bubbles
+blank) and prints the measured bubble
 fraction beside GPipe's theoretical one, (p − 1) / (m + p − 1). The trace opens in Perfetto as well.
 """
 

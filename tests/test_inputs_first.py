@@ -11,6 +11,7 @@ from torch import nn
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.microbatch import Batch
 from lightning_pipe.stage import Stage, twice_safe
+from lightning_pipe.timeline import Recorder
 
 
 class Scale(nn.Module):
@@ -181,3 +182,89 @@ def test_declared_layers_and_what_they_hold_are_trusted(monkeypatch):
     assert all(p.grad is None for p in stage.partition.parameters())
     finish()
     assert all(p.grad is not None for p in stage.partition.parameters())
+
+
+class _Counted(torch.autograd.Function):
+    """tanh whose backward counts its calls: a side effect that must not run twice."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.tanh()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        _Counted.calls += 1
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+def test_built_in_layers_holding_a_users_function_or_renormalising_are_not_trusted():
+    assert twice_safe(nn.Sequential(nn.TransformerEncoderLayer(8, 2, activation=torch.nn.functional.gelu)))
+    layer = nn.TransformerEncoderLayer(8, 2, activation=_Counted.apply, dropout=0.0)
+    assert not twice_safe(nn.Sequential(layer))
+    assert not twice_safe(nn.Sequential(nn.TransformerEncoderLayer(8, 2, activation=lambda x: x.relu())))
+    assert not twice_safe(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)))
+    assert twice_safe(nn.Sequential(nn.Embedding(10, 4)))
+    # What it protects: the counting backward runs once per micro-batch.
+    stage = Stage(1, nn.Sequential(nn.Linear(8, 8), layer), torch.device("cpu"))
+    _forward(stage, [torch.randn(3, 4, 8)], checkpoint=False)
+    _Counted.calls = 0
+    _, finish = stage.backward_inputs_first("run", [(0, (torch.randn(3, 4, 8),), {})])
+    finish()
+    assert _Counted.calls == 1
+
+
+def test_a_custom_functions_ctx_variable_is_not_taken_for_a_leaf(monkeypatch):
+    import lightning_pipe.stage as stage_module
+
+    class Keeps(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.variable = torch.zeros(1)  # an attribute that an AccumulateGrad node also has
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    class Doubler(nn.Module):
+        def forward(self, x):
+            return Keeps.apply(x)
+
+    monkeypatch.setattr(stage_module, "_PURE_BACKWARD", {Doubler})
+    stage = Stage(1, nn.Sequential(nn.Linear(4, 4), Doubler(), nn.Linear(4, 2)), torch.device("cpu"))
+    _forward(stage, [torch.randn(3, 4)], checkpoint=False)
+    _, finish = stage.backward_inputs_first("run", [(0, (torch.randn(3, 2),), {})])
+    finish()
+    assert all(p.grad is not None for p in stage.partition.parameters())
+
+
+def test_a_parameter_frozen_after_the_forward_gets_no_gradient_as_in_a_whole_backward():
+    stage = Stage(1, body(), torch.device("cpu"))
+    _forward(stage, [torch.randn(4, 6)], checkpoint=False)
+    _, finish = stage.backward_inputs_first("run", [(0, (torch.randn(4, 3),), {})])
+    stage.partition[0].weight.requires_grad_(False)
+    finish()
+    assert stage.partition[0].weight.grad is None and stage.partition[0].bias.grad is not None
+
+
+def test_nothing_is_left_for_later_without_trainable_parameters_or_on_a_gpu():
+    for case in ("frozen", "gpu"):
+        stage = Stage(1, body(), torch.device("cpu"))
+        stage.recorder = Recorder()
+        if case == "frozen":
+            stage.partition.requires_grad_(False)
+        stage.forward(7, 0, Batch((torch.randn(4, 6, requires_grad=True),), True), {}, seed=lambda: 0,
+                      save=True, checkpoint=False, last=True)
+        if case == "gpu":  # what the choice reads: a stage placed on a GPU runs its backward at once
+            stage.device = torch.device("cuda", 0)
+        results, finish = stage.backward_inputs_first(7, [(0, (torch.randn(4, 3),), {})])
+        assert results[0][0][0] is not None
+        if case == "gpu":
+            assert all(p.grad is not None for p in stage.partition.parameters())
+        finish()
+        assert [e.kind for e in stage.recorder.events()] == ["F", "B"], case
