@@ -103,8 +103,8 @@ def _rpc_job(rank: int, world: int, port: int, args: argparse.Namespace, direct:
     device maps between the processes' GPUs."""
     import torch.distributed.rpc as rpc
 
-    from lightning_pipe.pipe import run_pipeline
-    from lightning_pipe.remote import pipeline_over_rpc
+    from lightning_pipe.engine import run_pipeline
+    from lightning_pipe.transport import pipeline_over_rpc
 
     torch.backends.cuda.matmul.allow_tf32 = False
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=RPC_TIMEOUT)

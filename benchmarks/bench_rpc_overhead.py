@@ -25,8 +25,8 @@ from processes import run_processes
 from torch import nn
 
 from lightning_pipe import Pipe
-from lightning_pipe.pipe import run_pipeline
-from lightning_pipe.remote import pipeline_over_rpc
+from lightning_pipe.engine import run_pipeline
+from lightning_pipe.transport import pipeline_over_rpc
 
 RPC_TIMEOUT = 60.0
 

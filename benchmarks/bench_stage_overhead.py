@@ -5,7 +5,7 @@ alternating, one intra-op thread, timed by thread CPU time (median over ``--repe
 
 - layers: the partition called directly (what any engine must compute);
 - stage: ``Stage.forward`` as the pipeline runs it (saving what backward needs, which it frees after);
-- stage under the random-number mode: the same with :class:`~lightning_pipe.rng.StageRandom` installed, as
+- stage under the random-number mode: the same with :class:`~lightning_pipe.engine.rng.StageRandom` installed, as
   it is for a partition that may draw random numbers (built-in layers that draw none run without it).
 
 The differences are the engine's own work per micro-batch and what the mode adds to it. At a small width
@@ -24,9 +24,9 @@ import time
 import torch
 from torch import nn
 
-import lightning_pipe.stage as stage_module
-from lightning_pipe.microbatch import Batch
-from lightning_pipe.rng import LazySeed
+import lightning_pipe.engine.stage as stage_module
+from lightning_pipe.engine.microbatch import Batch
+from lightning_pipe.engine.rng import LazySeed
 
 
 def main() -> None:

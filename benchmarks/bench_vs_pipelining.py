@@ -54,7 +54,7 @@ def build(layers: int, width: int) -> nn.Sequential:
 
 
 def halves(args: argparse.Namespace) -> list[nn.Sequential]:
-    from lightning_pipe.pipe import split_module
+    from lightning_pipe.engine import split_module
 
     model = build(args.layers, args.width)
     n = len(model)
@@ -82,7 +82,7 @@ def _start_ours(rank: int, port: int, args: argparse.Namespace) -> tuple[list[nn
     pipeline (None in process 1, whose RPC threads serve its stage)."""
     import torch.distributed.rpc as rpc
 
-    from lightning_pipe.remote import pipeline_over_rpc
+    from lightning_pipe.transport import pipeline_over_rpc
 
     kwargs: dict[str, Any] = {} if args.transport == "default" else {"_transports": [args.transport]}
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
@@ -98,7 +98,7 @@ def _start_ours(rank: int, port: int, args: argparse.Namespace) -> tuple[list[nn
 def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed.rpc as rpc
 
-    from lightning_pipe.pipe import run_pipeline
+    from lightning_pipe.engine import run_pipeline
 
     parts, pipeline = _start_ours(rank, port, args)
     if pipeline is None:
@@ -203,7 +203,7 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed.rpc as rpc
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    from lightning_pipe.pipe import run_pipeline
+    from lightning_pipe.engine import run_pipeline
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
@@ -223,7 +223,7 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
 
     # CPU by kind of thread, per engine: each step's share is what the threads used from the barrier before
     # it to the barrier after it (read outside the timed part). Compute: where each engine runs its stage.
-    from lightning_pipe.remote import _RUNNERS
+    from lightning_pipe.transport.runner import _RUNNERS
 
     def compute(engine: str) -> set[int]:  # the stage's worker thread has started once a step has run
         thread = _RUNNERS["bench"].worker._thread if engine == "ours" else threading.current_thread()

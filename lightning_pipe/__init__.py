@@ -1,12 +1,14 @@
-"""lightning_pipe: GPipe pipeline parallelism for PyTorch and PyTorch Lightning."""
+"""lightning_pipe: pipeline parallelism for PyTorch and PyTorch Lightning.
 
-from lightning_pipe.checkpoint import is_checkpointing, is_recomputing
-from lightning_pipe.gradients import grad_norm
-from lightning_pipe.pipe import Pipe
-from lightning_pipe.report import PipelineReport
-from lightning_pipe.stage import pure_backward_layer
-from lightning_pipe.strategy import PipeStrategy
+Three layers, each importing only those before it: :mod:`lightning_pipe.engine` (the pipeline in one
+process: ``Pipe``), :mod:`lightning_pipe.transport` (its stages in other processes, over RPC) and
+:mod:`lightning_pipe.lightning` (``PipeStrategy`` for Lightning's Trainer).
+"""
+
+from lightning_pipe.engine import Pipe, is_checkpointing, is_recomputing, pure_backward_layer, run_pipeline
+from lightning_pipe.lightning import PipelineReport, PipeStrategy, grad_norm
+from lightning_pipe.transport import pipeline_over_rpc
 
 __all__ = ["Pipe", "PipeStrategy", "PipelineReport", "grad_norm", "is_checkpointing", "is_recomputing",
-           "pure_backward_layer"]
+           "pipeline_over_rpc", "pure_backward_layer", "run_pipeline"]
 __version__ = "0.1.0"

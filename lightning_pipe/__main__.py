@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning_pipe import timeline
+from lightning_pipe.engine import timeline
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ def cpu_by_default(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     """A ``Pipe`` made without ``devices`` takes every GPU there is; outside the CUDA tests (``test_cuda*``)
     it takes the CPU, so the suite checks the same paths on a machine with a GPU as on one without."""
     if not request.node.path.name.startswith("test_cuda"):
-        monkeypatch.setattr("lightning_pipe.pipe._default_devices", lambda n: [torch.device("cpu")] * n)
+        monkeypatch.setattr("lightning_pipe.engine.pipe._default_devices", lambda n: [torch.device("cpu")] * n)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Tests for lightning_pipe.balance: exact block partitioning and profile-based balancing."""
+"""Tests for lightning_pipe.engine.balance: exact block partitioning and profile-based balancing."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.balance import __all__ as balance_all
-from lightning_pipe.balance import balance_by_size, balance_by_time
-from lightning_pipe.balance.blockpartition import solve
-from lightning_pipe.balance.profile import profile_sizes, profile_times
+from lightning_pipe.engine.balance import __all__ as balance_all
+from lightning_pipe.engine.balance import balance_by_size, balance_by_time
+from lightning_pipe.engine.balance.blockpartition import solve
+from lightning_pipe.engine.balance.profile import profile_sizes, profile_times
 
 CPU = torch.device("cpu")
 

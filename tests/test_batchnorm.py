@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import Pipe
-from lightning_pipe.batchnorm import DeferredBatchNorm
+from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 
 
 def conv_model(momentum=0.1) -> nn.Sequential:

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import lightning_pipe.stage as stage_module
+import lightning_pipe.engine.stage as stage_module
 from lightning_pipe import Pipe, is_checkpointing, is_recomputing
-from lightning_pipe.batchnorm import DeferredBatchNorm
-from lightning_pipe.rng import StageRandom, attention, draws_no_random
+from lightning_pipe.engine.batchnorm import DeferredBatchNorm
+from lightning_pipe.engine.rng import StageRandom, attention, draws_no_random
 
 
 class Counter(nn.Module):

@@ -99,7 +99,7 @@ def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
         assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert str(run / name) in out
     assert str(ckpt) in out
-    from lightning_pipe.timeline import read_chrome_trace
+    from lightning_pipe.engine.timeline import read_chrome_trace
 
     events = read_chrome_trace(str(run / "timeline.json"))
     last = [e for e in events if e.run == max(e.run for e in events)]

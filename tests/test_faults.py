@@ -31,21 +31,21 @@ def test_a_failing_driver_says_why_before_it_stops_the_others(monkeypatch, capsy
     """The error, with the notes that name the stage and process, is printed before the other processes are
     told to exit: Lightning's launcher kills the whole job within 5 s of one of them exiting, which may be
     before the traceback is printed."""
-    from lightning_pipe import launcher
-    from lightning_pipe.topology import Topology
+    from lightning_pipe.transport import session
+    from lightning_pipe.transport.topology import Topology
 
     told = []
-    monkeypatch.setattr(launcher.SESSION, "topology", Topology(2, 2))
-    monkeypatch.setattr(launcher.SESSION, "rank", 0)
-    monkeypatch.setattr(launcher.SESSION, "failed", False)
-    monkeypatch.setattr(launcher.rpc, "rpc_async", lambda *args, **kwargs: told.append(capsys.readouterr().err))
+    monkeypatch.setattr(session.SESSION, "topology", Topology(2, 2))
+    monkeypatch.setattr(session.SESSION, "rank", 0)
+    monkeypatch.setattr(session.SESSION, "failed", False)
+    monkeypatch.setattr(session.rpc, "rpc_async", lambda *args, **kwargs: told.append(capsys.readouterr().err))
     error = RuntimeError("EOF: end of file")
     error.add_note("in stage 1 of pipeline 'r0p0' (rank 1, process 'worker1'): its process exited or was killed")
-    launcher.abort_world("RuntimeError: EOF: end of file", error)
+    session.abort_world("RuntimeError: EOF: end of file", error)
     assert len(told) == 1  # rank 1 was told to exit, once the error was out
     assert "[lightning_pipe rank 0] failed" in told[0] and "RuntimeError: EOF: end of file" in told[0]
     assert "(rank 1, process 'worker1'): its process exited or was killed" in told[0]
-    assert launcher.SESSION.failed
+    assert session.SESSION.failed
 
 
 @pytest.mark.timeout(120)

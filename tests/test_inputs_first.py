@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.batchnorm import DeferredBatchNorm
-from lightning_pipe.microbatch import Batch
-from lightning_pipe.stage import Stage, twice_safe
-from lightning_pipe.timeline import Recorder
+from lightning_pipe.engine.backward_split import twice_safe
+from lightning_pipe.engine.batchnorm import DeferredBatchNorm
+from lightning_pipe.engine.microbatch import Batch
+from lightning_pipe.engine.stage import Stage
+from lightning_pipe.engine.timeline import Recorder
 
 
 class Scale(nn.Module):
@@ -120,7 +121,7 @@ def test_a_user_defined_layer_gets_its_whole_backward_at_once():
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_the_local_engine_leaves_later_stages_parameters_gradients_for_last(pipelined):
     from lightning_pipe import Pipe
-    from lightning_pipe.timeline import Recorder
+    from lightning_pipe.engine.timeline import Recorder
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
@@ -148,10 +149,10 @@ def test_the_local_engine_leaves_later_stages_parameters_gradients_for_last(pipe
 
 
 def test_declared_layers_and_what_they_hold_are_trusted(monkeypatch):
-    import lightning_pipe.stage as stage_module
+    import lightning_pipe.engine.backward_split as split_module
     from lightning_pipe import pure_backward_layer
 
-    monkeypatch.setattr(stage_module, "_PURE_BACKWARD", set())
+    monkeypatch.setattr(split_module, "_PURE_BACKWARD", set())
 
     class Block(nn.Module):
         def __init__(self):
@@ -219,7 +220,7 @@ def test_built_in_layers_holding_a_users_function_or_renormalising_are_not_trust
 
 
 def test_a_custom_functions_ctx_variable_is_not_taken_for_a_leaf(monkeypatch):
-    import lightning_pipe.stage as stage_module
+    import lightning_pipe.engine.backward_split as split_module
 
     class Keeps(torch.autograd.Function):
         @staticmethod
@@ -235,7 +236,7 @@ def test_a_custom_functions_ctx_variable_is_not_taken_for_a_leaf(monkeypatch):
         def forward(self, x):
             return Keeps.apply(x)
 
-    monkeypatch.setattr(stage_module, "_PURE_BACKWARD", {Doubler})
+    monkeypatch.setattr(split_module, "_PURE_BACKWARD", {Doubler})
     stage = Stage(1, nn.Sequential(nn.Linear(4, 4), Doubler(), nn.Linear(4, 2)), torch.device("cpu"))
     _forward(stage, [torch.randn(3, 4)], checkpoint=False)
     _, finish = stage.backward_inputs_first("run", [(0, (torch.randn(3, 2),), {})])

@@ -164,5 +164,7 @@ def test_slurm_launch_on_two_nodes_trains_the_same_weights_as_one_device(tmp_pat
             p.wait(timeout=30)
     assert json.loads((out / "result.json").read_text())["world_size"] == 2  # Lightning sees the 2 drivers
     pipelined = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu").state_dict()
-    one_device = script.main({**config, "batch_size": 8}, str(tmp_path / "plain"), plain=True).state_dict()
+    # The global batch, drawn in the replicas' sampler's order (replicas: devices x nodes / stages).
+    one_device = script.main({**config, "batch_size": 8, "devices": 2, "nodes": 2}, str(tmp_path / "plain"),
+                             plain=True).state_dict()
     assert_same_weights(pipelined, one_device)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_pipe.microbatch import Batch, gather, scatter
+from lightning_pipe.engine.microbatch import Batch, gather, scatter
 
 
 def test_scatter_gather_roundtrip_tensor():

@@ -70,7 +70,7 @@ def test_cuda_without_index_is_the_current_device(monkeypatch):
 
 
 def test_cuda_without_index_kept_without_cuda(monkeypatch):
-    from lightning_pipe.pipe import normalize_device
+    from lightning_pipe.engine.partition import normalize_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert normalize_device("cuda") == torch.device("cuda")
@@ -234,7 +234,7 @@ def test_bad_batches():
 
 def test_copies_are_asynchronous_only_towards_a_gpu():
     """A GPU -> CPU copy with non_blocking=True returns before the data is there; stages must not ask for one."""
-    from lightning_pipe.stage import _move
+    from lightning_pipe.engine.stage import _move
 
     class Probe:
         def to(self, device, non_blocking=False):

@@ -11,9 +11,9 @@ import torch.distributed.rpc as rpc
 from dist_utils import run_processes
 from torch import nn
 
-from lightning_pipe.pipe import run_pipeline
-from lightning_pipe.remote import pipeline_over_rpc
+from lightning_pipe.engine import run_pipeline
 from lightning_pipe.skip import pop, skippable, stash
+from lightning_pipe.transport import pipeline_over_rpc
 
 
 @skippable(stash=["skip"])
@@ -117,7 +117,7 @@ def test_remote_stages_match_one_process(balance):
 
 def _stage_state(key: str) -> dict[str, int]:
     """What the remote stage of pipeline ``key`` in this process keeps, and how often it was told to release."""
-    from lightning_pipe.remote import _RUNNERS
+    from lightning_pipe.transport.runner import _RUNNERS
 
     runner = _RUNNERS[key]
     if not hasattr(runner, "released"):
@@ -185,8 +185,8 @@ def test_runs_done_with_need_no_release_message():
 def _events(key: str) -> list[tuple[float, str, int]]:
     """The events recorded so far by this process's stage of pipeline ``key`` (recording starts
     with the first call)."""
-    from lightning_pipe.remote import _RUNNERS
-    from lightning_pipe.timeline import Recorder
+    from lightning_pipe.engine.timeline import Recorder
+    from lightning_pipe.transport.runner import _RUNNERS
 
     stage = _RUNNERS[key].stage
     if stage.recorder is None:
@@ -265,8 +265,8 @@ class _Raise(torch.autograd.Function):
 
 
 def _set_mode(mode: str) -> None:
-    from lightning_pipe.remote import _RUNNERS
-    from lightning_pipe.worker import Inline, Worker
+    from lightning_pipe.engine.worker import Inline, Worker
+    from lightning_pipe.transport.runner import _RUNNERS
 
     runner = _RUNNERS["test"]
     threaded = mode.endswith("(send thread)")  # sends started from a thread of their own, as a GPU stage's are

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_pipe.schedule import backward_plan, clock_cycles, forward_plan, render, stage_order
+from lightning_pipe.engine.schedule import backward_plan, clock_cycles, forward_plan, render, stage_order
 
 
 def test_clock_cycles_4x3():

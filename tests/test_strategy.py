@@ -156,7 +156,8 @@ def test_overflow_on_a_remote_stage_skips_the_step():
     """Only a remote stage overflows: the driver's scaler must still skip the step and lower the scale."""
     from pytorch_lightning.plugins import MixedPrecision
 
-    from lightning_pipe.strategy import _mix_in, _PipePrecision
+    from lightning_pipe.lightning.optimizers import mix_in
+    from lightning_pipe.lightning.precision import PipePrecision
 
     class Hosts:
         def __init__(self):
@@ -171,7 +172,7 @@ def test_overflow_on_a_remote_stage_skips_the_step():
             self.base_ran = True
 
     plugin = NoTrainer("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    _mix_in(plugin, _PipePrecision)
+    mix_in(plugin, PipePrecision)
     layer = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
     optimizer._lp_hosts, optimizer._lp_index = Hosts(), 0
@@ -196,10 +197,10 @@ def test_mirrored_optimizers_keep_their_class_names():
     """The strategy gives the optimizer (and the precision plugin) a class that mixes in its own steps; the
     names stay the original's, since Lightning keys things by them: LearningRateMonitor logs "lr-SGD",
     checkpoints key the scaler's state by the plugin's qualified name."""
-    from lightning_pipe.strategy import _MirroredOptimizer, _mix_in
+    from lightning_pipe.lightning.optimizers import _MirroredOptimizer, mix_in
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    _mix_in(optimizer, _MirroredOptimizer)
+    mix_in(optimizer, _MirroredOptimizer)
     assert isinstance(optimizer, _MirroredOptimizer) and isinstance(optimizer, torch.optim.SGD)
     assert (type(optimizer).__name__, type(optimizer).__qualname__) == ("SGD", "SGD")
     assert "lr-" + optimizer.__class__.__name__ == "lr-SGD"  # how LearningRateMonitor names the metric
@@ -240,7 +241,7 @@ def test_placeholders_refuse_the_functions_that_would_see_stage_0_alone():
     from torch import nn
 
     import lightning_pipe
-    from lightning_pipe.partitioned import PipelinedSequential, Placeholder
+    from lightning_pipe.lightning.body import PipelinedSequential, Placeholder
 
     body = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Tanh(), nn.Linear(3, 2)), nn.Linear(2, 1))
     module = PipelinedSequential(body, {"0": 0, "1": 1, "2": 1}, None, chunks=1, checkpoint="never")
@@ -292,7 +293,7 @@ def test_changing_a_placeholder_in_place_is_an_error_at_the_next_forward_or_stat
     from torch import nn
 
     from lightning_pipe import Pipe
-    from lightning_pipe.partitioned import PipelinedSequential, Placeholder
+    from lightning_pipe.lightning.body import PipelinedSequential, Placeholder
 
     def body():
         torch.manual_seed(0)
@@ -373,26 +374,28 @@ def test_backward_outside_lightnings_is_refused_with_replicas():
     from torch import nn
 
     from lightning_pipe import Pipe, PipeStrategy
-    from lightning_pipe.partitioned import PipelinedSequential
-    from lightning_pipe.topology import Topology
+    from lightning_pipe.lightning.body import PipelinedSequential
 
     torch.manual_seed(0)
     body = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     module = PipelinedSequential(copy.deepcopy(body), {"0": 0, "1": 1}, Pipe(body, [1, 1], chunks=2).pipeline,
                                  chunks=2, checkpoint="never")
     strategy = PipeStrategy(balance=[1, 1])
-    strategy._topology = Topology(world=4, stages=2)  # 2 replicas
-    module.on_backward = strategy._check_backward_path
+    strategy._replicas.count = 2
+    module.on_backward = strategy._replicas.check_backward_path
     x = torch.ones(4, 2)
     with pytest.raises(RuntimeError, match=r"outside Lightning's backward \(loss.backward\(\) instead of "
                                            r"self.manual_backward\(loss\)\?\): with 2 replicas its gradients"):
         module(x).sum().backward()
     assert body[1].weight.grad is None  # refused before the pipeline's backward started
-    strategy._in_backward = 1  # what PipeStrategy.backward sets around Lightning's backward
-    module(x).sum().backward()
+    loss = module(x).sum()
+    strategy.pre_backward(loss)  # Lightning's backward starts: the hook lets the pipeline's backward run
+    loss.backward()
+    strategy.post_backward(loss)
     assert body[1].weight.grad is not None  # the pipeline's backward ran (the stand-in pipeline holds body)
-    strategy._in_backward = 0
-    strategy._topology = Topology(world=2, stages=2)  # one replica: nothing to average
+    with pytest.raises(RuntimeError, match=r"outside Lightning's backward"):  # over once post_backward ran
+        module(x).sum().backward()
+    strategy._replicas.count = 1  # one replica: nothing to average
     module(x).sum().backward()
 
 
@@ -400,7 +403,7 @@ def test_tracing_the_pipelined_body_is_refused_saying_why():
     """torch.jit.trace (TensorBoardLogger(log_graph=True) runs it as fit starts) cannot see layers that run
     in other processes: it is refused with what to do, not left to fail deep in the pipeline."""
     from lightning_pipe import Pipe
-    from lightning_pipe.partitioned import PipelinedSequential
+    from lightning_pipe.lightning.body import PipelinedSequential
 
     body = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     module = PipelinedSequential(copy.deepcopy(body), {"0": 0, "1": 1}, Pipe(body, [1, 1], chunks=2).pipeline,

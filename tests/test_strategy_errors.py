@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 
 import pytest
 import pytorch_lightning as pl
@@ -102,7 +101,7 @@ def test_batch_smaller_than_microbatches_warns_with_the_values():
     from torch import nn
 
     from lightning_pipe import Pipe
-    from lightning_pipe.partitioned import PipelinedSequential
+    from lightning_pipe.lightning.body import PipelinedSequential
 
     body = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     local = Pipe(body, [1, 1], chunks=4).pipeline
@@ -132,27 +131,26 @@ class _TwoEvaluations(torch.optim.SGD):
 
 
 class _Stages:
-    """The remote stages' handle, recording what the driver started on them."""
+    """The remote stages' handle, recording what the driver called on them."""
 
     def __init__(self):
-        self.started = []
+        self.called = []
 
-    def start(self, method, *args):
-        self.started.append(method)
-        done = Future()
-        done.set_result(None)
-        return [done]
+    def call(self, method, *args):
+        self.called.append((method, *args))
+        return [None]
 
 
-@pytest.mark.parametrize("optimizer,started", [(_TwoEvaluations, None), (torch.optim.SGD, ["step"])])
-def test_an_optimizer_evaluating_its_closure_twice_is_refused(optimizer, started):
-    """The stages step once the closure has run; a second evaluation would find them stepped already."""
-    from lightning_pipe.strategy import _MirroredOptimizer, _mix_in
+@pytest.mark.parametrize("optimizer", [_TwoEvaluations, torch.optim.SGD])
+def test_an_optimizer_evaluating_its_closure_twice_is_refused(optimizer):
+    """The stages step once, after the driver's step; a second evaluation of the closure could not reach them."""
+    from lightning_pipe.lightning.optimizers import StageOptimizers, _MirroredOptimizer, mix_in
 
     weight = torch.nn.Parameter(torch.ones(2))
     opt = optimizer([weight], lr=0.1)
-    _mix_in(opt, _MirroredOptimizer)
-    opt._lp_hosts, opt._lp_index = _Stages(), 0
+    mix_in(opt, _MirroredOptimizer)
+    stages = _Stages()
+    opt._lp_hosts, opt._lp_index, opt._lp_stepped = stages, 0, None
 
     def closure():
         weight.grad = None
@@ -160,10 +158,15 @@ def test_an_optimizer_evaluating_its_closure_twice_is_refused(optimizer, started
         loss.backward()
         return loss
 
-    if started is None:
+    if optimizer is _TwoEvaluations:
         with pytest.raises(RuntimeError, match=r"evaluated its closure a second time in one step \(as LBFGS and "
                                                r"sharpness-aware optimizers such as SAM do\)"):
             opt.step(closure)
-    else:
-        opt.step(closure)
-        assert opt._lp_hosts.started == started and torch.allclose(weight.detach(), torch.full((2,), 0.8))
+        return
+    opt.step(closure)
+    assert torch.allclose(weight.detach(), torch.full((2,), 0.8)) and stages.called == []
+    # The remote stages step after the driver's, with the hyper-parameters it stepped with, and once.
+    remote = StageOptimizers(stages, lambda name: 0, 2)
+    assert remote.step_remote(opt) and not remote.step_remote(opt)
+    assert stages.called == [("step", 0, [{**{k: v for k, v in opt.param_groups[0].items() if k != "params"}}])]
+

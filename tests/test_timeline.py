@@ -8,8 +8,8 @@ import sys
 import pytest
 from strategy_utils import run_command, train
 
-from lightning_pipe.schedule import backward_plan, forward_plan
-from lightning_pipe.timeline import Event, bubble_fraction, read_chrome_trace, render, write_chrome_trace
+from lightning_pipe.engine.schedule import backward_plan, forward_plan
+from lightning_pipe.engine.timeline import Event, bubble_fraction, read_chrome_trace, render, write_chrome_trace
 
 
 def ideal(m: int, n: int) -> list[Event]:

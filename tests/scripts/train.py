@@ -303,9 +303,11 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
     model = (LazyModel if config["configure_model"] else Model)(config)
     trainer = trainer_for(config, out, plain)
     dataset = data(config)
-    if plain:
-        # Under a distributed strategy Lightning gives training loaders a shuffling DistributedSampler seeded
-        # by seed_everything; one device drawing the same permutation sees the union of every replica's batch.
+    replicas = config["devices"] * config["nodes"] // len(config["balance"] or [0] * config["devices"])
+    if plain and replicas > 1:
+        # With replicas, Lightning gives training loaders a shuffling DistributedSampler seeded by
+        # seed_everything, as under DDP; one device drawing the same permutation sees the union of every
+        # replica's batch. One pipeline uses the loader as it is, as one device does.
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
         loader = DataLoader(dataset, batch_size=config["batch_size"], sampler=sampler)
     else:

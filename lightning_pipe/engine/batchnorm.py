@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_pipe.checkpoint import is_recomputing
-from lightning_pipe.rng import no_random_layer
+from lightning_pipe.engine.checkpoint import is_recomputing
+from lightning_pipe.engine.rng import no_random_layer
 
 __all__ = ["DeferredBatchNorm"]
 

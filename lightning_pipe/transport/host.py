@@ -2,7 +2,7 @@
 
 A stage worker never runs the Lightning loop. Its driver configures it over RPC (the partition arrives
 with the driver's weights), then drives it: pipeline actions through the partition's
-:class:`~lightning_pipe.remote.StageRunner`, and, once per step, the calls below (optimizer steps with the
+:class:`~lightning_pipe.transport.runner.StageRunner`, and, once per step, the calls below (optimizer steps with the
 driver's hyper-parameters, zeroing, gradient norms for global clipping, averaging over replicas, state for
 checkpoints).
 """
@@ -21,12 +21,13 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
-from lightning_pipe import optim
-from lightning_pipe.dataparallel import average_gradients
-from lightning_pipe.remote import MAILBOX, StageRunner, register, to_concurrent, unregister, where
-from lightning_pipe.skip.layout import SkipLayout
-from lightning_pipe.stage import Stage
-from lightning_pipe.timeline import Event, Recorder
+from lightning_pipe.engine.skip.layout import SkipLayout
+from lightning_pipe.engine.stage import Stage
+from lightning_pipe.engine.timeline import Event, Recorder
+from lightning_pipe.transport import optim
+from lightning_pipe.transport.dataparallel import average_gradients
+from lightning_pipe.transport.messages import MAILBOX, to_concurrent, where
+from lightning_pipe.transport.runner import StageRunner, register, unregister
 
 __all__: list[str] = []
 
@@ -63,6 +64,7 @@ class StageHost:
         self.runner = StageRunner(key, self.stage, peers, layout, timeout)
         self.params = {prefix + n: p for n, p in self.partition.named_parameters()}
         self.optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
+        self.counts = {"steps": 0, "barriers": 0}  # what this stage did, for :meth:`stats`
         register(self.runner)
 
     # ------------------------------------------------------------------ optimizers
@@ -80,6 +82,7 @@ class StageHost:
             optimizer, _ = self.optimizers[k]
             optim.apply_hyperparameters(optimizer, hyperparameters)
             optimizer.step()
+            self.counts["steps"] += 1
 
     def zero_grad(self, k: int | None, set_to_none: bool = True) -> None:
         """Zero the gradients of optimizer ``k``'s parameters (``None``: of every parameter)."""
@@ -129,6 +132,18 @@ class StageHost:
         if dist.is_initialized() and k in self.optimizers:
             # The default group of a stage worker is its stage's data-parallel group.
             average_gradients([p for g in self.optimizers[k][0].param_groups for p in g["params"]])
+
+    def barrier(self) -> None:
+        """Meet the same stage of every other replica (its default process group), once the actions queued on
+        this stage so far are done."""
+        self.runner.worker.submit(lambda: None).result()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        self.counts["barriers"] += 1
+
+    def stats(self) -> dict[str, int]:
+        """How many optimizer steps this stage took and barriers it passed."""
+        return dict(self.counts)
 
     def optimizer_state(self, k: int) -> dict[str, dict[str, Any]]:
         """Per-parameter state of optimizer ``k``, by name."""
@@ -236,7 +251,7 @@ def process_memory(runner: StageRunner) -> dict[str, int]:
 def configure(key: str, index: int, partition: nn.Sequential, offset: int, device: str, peers: Sequence[str],
               layout: SkipLayout, timeout: float, prefix: str, record: bool = False) -> None:
     """Host partition ``index`` of pipeline ``key`` here (an RPC entry point, called by the driver)."""
-    from lightning_pipe.pipe import normalize_device
+    from lightning_pipe.engine.partition import normalize_device
 
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))  # collectives (NCCL) use the current device
@@ -246,6 +261,14 @@ def configure(key: str, index: int, partition: nn.Sequential, offset: int, devic
         old.close()
     _HOSTS[key] = StageHost(key, index, partition, offset, torch.device(device), peers, layout, timeout, prefix,
                             record)
+
+
+def configure_async(peer: str, key: str, index: int, partition: nn.Sequential, offset: int, device: str,
+                    peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str,
+                    record: bool = False) -> torch.futures.Future:
+    """Have process ``peer`` host partition ``index`` of pipeline ``key`` (see :func:`configure`)."""
+    return rpc.rpc_async(peer, configure, timeout=timeout,
+                         args=(key, index, partition, offset, device, peers, layout, timeout, prefix, record))
 
 
 def drop(key: str) -> None:
@@ -282,6 +305,10 @@ class HostGroup:
         """Start ``method`` on every remote stage at once; their futures in stage order. ``timeout``: the
         RPC timeout in seconds (default: the pipeline's; 0: none)."""
         return [self._start(j, method, args, timeout) for j in range(1, len(self.peers) + 1)]
+
+    def start_each(self, method: str, args: Sequence[Any]) -> list[Future[Any]]:
+        """Start ``method`` on every remote stage at once, stage ``j`` with the single argument ``args[j - 1]``."""
+        return [self._start(j, method, (arg,)) for j, arg in enumerate(args, start=1)]
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every remote stage at once; return their results in stage order. An error

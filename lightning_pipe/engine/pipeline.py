@@ -1,6 +1,6 @@
 """The local pipeline: stages on worker threads, fed micro-batches in schedule order.
 
-Each stage's worker executes its actions in the order of :mod:`lightning_pipe.schedule`; an action waits
+Each stage's worker executes its actions in the order of :mod:`lightning_pipe.engine.schedule`; an action waits
 only for the inputs it needs (the previous stage's output of the same micro-batch, the skips popped here),
 so a stage starts micro-batch ``i`` as soon as it is ready, without waiting for a whole clock tick. Tensors
 go from stage to stage through ``outputs``/``grads`` tables and are dropped as soon as they are consumed.
@@ -22,12 +22,12 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from lightning_pipe.microbatch import Batch
-from lightning_pipe.rng import LazySeed
-from lightning_pipe.schedule import Action, backward_plan, forward_plan, stage_order
-from lightning_pipe.skip.layout import SkipLayout
-from lightning_pipe.stage import Grads, Stage
-from lightning_pipe.worker import Inline, Worker, autocast_state
+from lightning_pipe.engine.microbatch import Batch
+from lightning_pipe.engine.rng import LazySeed
+from lightning_pipe.engine.schedule import Action, backward_plan, forward_plan, stage_order
+from lightning_pipe.engine.skip.layout import SkipLayout
+from lightning_pipe.engine.stage import Grads, Stage
+from lightning_pipe.engine.worker import Inline, Worker, autocast_state
 
 __all__: list[str] = []
 
@@ -121,7 +121,7 @@ class LocalPipeline:
     def __init__(self, stages: Sequence[Stage], layout: SkipLayout) -> None:
         self.stages = list(stages)
         self.layout = layout
-        self.workers = [Worker(f"lightning_pipe.stage{j}") for j in range(len(stages))]
+        self.workers = [Worker(f"lightning_pipe.engine.stage{j}") for j in range(len(stages))]
 
     def _submit(self, executors: Sequence[Executor], futures: dict[tuple[int, int], Future[Any]],
                 run: Run, plan: list[list[Action]], task: Callable[..., None],

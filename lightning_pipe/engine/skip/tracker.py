@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from torch import Tensor
 
-from lightning_pipe.skip.namespace import SkipKey
+from lightning_pipe.engine.skip.namespace import SkipKey
 
 __all__: list[str] = []
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.balance import blockpartition
-from lightning_pipe.balance.profile import profile_sizes, profile_times
+from lightning_pipe.engine.balance import blockpartition
+from lightning_pipe.engine.balance.profile import profile_sizes, profile_times
 
 __all__ = ["balance_by_time", "balance_by_size"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.partitioned import PipelinedSequential, is_placeholder
+from lightning_pipe.lightning.body import PipelinedSequential, is_placeholder
 
 __all__ = ["grad_norm"]
 

@@ -27,8 +27,8 @@ import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_pipe.microbatch import Batch, TensorOrTensors
-from lightning_pipe.pipe import run_pipeline
+from lightning_pipe.engine.microbatch import Batch, TensorOrTensors
+from lightning_pipe.engine.pipe import run_pipeline
 
 __all__: list[str] = []
 
@@ -256,6 +256,12 @@ class PipelinedSequential(nn.Module):
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def stage_of(self, name: str) -> int:
+        """The stage holding the LightningModule's parameter ``name`` (``"<name>.3.weight"``; anything outside
+        this body: stage 0)."""
+        prefix = self.name + "."
+        return self.owner.get(name[len(prefix):].split(".", 1)[0], 0) if name.startswith(prefix) else 0
 
     def local_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """Stage 0's parameters, by their names in this module."""

@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from lightning_pipe.skip.namespace import DEFAULT, Namespace, SkipKey
-from lightning_pipe.skip.tracker import current_skip_tracker
+from lightning_pipe.engine.skip.namespace import DEFAULT, Namespace, SkipKey
+from lightning_pipe.engine.skip.tracker import current_skip_tracker
 
 __all__ = ["skippable", "stash", "pop", "verify_skippables", "Skippable"]
 

@@ -14,112 +14,30 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
-from lightning_pipe.batchnorm import DeferredBatchNorm
-from lightning_pipe.microbatch import Batch, TensorOrTensors, gather, scatter
-from lightning_pipe.pipeline import LocalPipeline, Run, scatter_grads
-from lightning_pipe.skip.layout import inspect_skip_layout
-from lightning_pipe.skip.skippable import verify_skippables
-from lightning_pipe.stage import Stage
+from lightning_pipe.engine.batchnorm import DeferredBatchNorm
+from lightning_pipe.engine.microbatch import Batch, TensorOrTensors, gather, scatter
+from lightning_pipe.engine.partition import (
+    Device,
+    check_balance,
+    check_checkpoint,
+    check_chunks,
+    check_sequential,
+    checkpoint_stop,
+    normalize_device,
+    split_module,
+)
+from lightning_pipe.engine.pipeline import LocalPipeline, Run, scatter_grads
+from lightning_pipe.engine.skip.layout import inspect_skip_layout
+from lightning_pipe.engine.skip.skippable import verify_skippables
+from lightning_pipe.engine.stage import Stage
 
-__all__ = ["Pipe", "CHECKPOINT_MODES"]
-
-#: The accepted values of ``checkpoint``.
-CHECKPOINT_MODES = ("always", "except_last", "never")
-
-Device = Union[torch.device, str, int]  # noqa: UP007 - a runtime alias on Python 3.10
-
-BALANCE_HINT = """balance is required: the number of layers in each partition. To find one automatically:
-
-    from lightning_pipe.balance import balance_by_time
-    partitions = torch.cuda.device_count() or 2
-    sample = torch.empty(128, 3, 224, 224)  # one mini-batch of your inputs
-    balance = balance_by_time(partitions, model, sample)
-    model = Pipe(model, balance, chunks=8)
-"""
-
-
-def checkpoint_stop(mode: str, microbatches: int, training: bool) -> int:
-    """How many leading micro-batches are checkpointed (none in eval mode)."""
-    if not training:
-        return 0
-    return {"always": microbatches, "except_last": microbatches - 1, "never": 0}[mode]
-
-
-def check_checkpoint(checkpoint: str) -> None:
-    """Reject an unknown checkpoint mode, naming the valid ones."""
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))} "
-                         f"(got: {checkpoint!r})")
-
-
-def check_chunks(chunks: Any, what: str = "chunks") -> None:
-    """Reject a micro-batch count that is not a positive integer."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"{what} must be a positive integer (got: {chunks!r})")
-
-
-def check_sequential(module: Any, what: str = "module") -> None:
-    """Reject a module that is not an ``nn.Sequential`` of distinct children with unshared parameters."""
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(f"{what} must be nn.Sequential to be partitioned (got: {type(module).__name__})")
-    empty = [name for name, child in module._modules.items() if child is None]
-    if empty:
-        raise ValueError(f"{what} has positions without a layer (names: {', '.join(map(repr, empty))}); "
-                         "remove them or put a layer there")
-    positions: dict[int, list[str]] = {}
-    for name, child in module._modules.items():  # every position; children() would drop the repeats
-        positions.setdefault(id(child), []).append(name)
-    repeated = [names for names in positions.values() if len(names) > 1]
-    if repeated:
-        where = "; ".join(", ".join(map(repr, names)) for names in repeated)
-        raise ValueError(f"{what} with duplicate children is not supported (the same layer appears as: "
-                         f"{where}); give each position its own layer")
-    owner: dict[int, str] = {}
-    for name, child in module.named_children():
-        for pname, p in child.named_parameters():
-            other = owner.setdefault(id(p), name)
-            if other != name:
-                raise ValueError(f"{what} shares parameters between layers, which partitions cannot do "
-                                 f"(layers '{other}' and '{name}' share '{pname}'); untie them or keep them "
-                                 "in one layer")
-
-
-def check_balance(module: nn.Sequential, balance: Sequence[int] | None) -> list[int]:
-    """Validate ``balance`` against ``module``; return it as a list."""
-    if balance is None:
-        raise ValueError(BALANCE_HINT)
-    balance = list(balance)
-    if not balance or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in balance):
-        raise ValueError(f"all balance numbers must be positive integers (balance: {balance})")
-    if sum(balance) != len(module):
-        raise ValueError(f"module and sum of balance have different length "
-                         f"(module: {len(module)}, sum of balance: {sum(balance)})")
-    return balance
-
-
-def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
-    """Cut ``module`` into consecutive partitions of ``balance`` layers, keeping the layers' names."""
-    items = list(module.named_children())
-    partitions, start = [], 0
-    for size in balance:
-        partitions.append(nn.Sequential(OrderedDict(items[start:start + size])))
-        start += size
-    return partitions
-
-
-def normalize_device(device: Device) -> torch.device:
-    """``device`` as a ``torch.device``; a CUDA device without an index becomes the current one (``"cuda"``
-    is ``cuda:0`` by default), so that it compares equal to the device of the tensors placed on it."""
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+__all__ = ["Pipe", "run_pipeline"]
 
 
 def _default_devices(n: int) -> list[torch.device]:
@@ -214,7 +132,7 @@ class Pipe(nn.Module):
     Args:
         module: the layers, in order. Children must be distinct and share no parameters.
         balance: layers per partition, e.g. ``[2, 3]``; ``sum(balance) == len(module)``. See
-            :mod:`lightning_pipe.balance` to compute one.
+            :mod:`lightning_pipe.engine.balance` to compute one.
         devices: one device per partition (``"cpu"``, ``"cuda:1"``, ``torch.device``); default: every CUDA
             device in order, or ``"cpu"`` for every partition without a GPU. The output is on the last.
         chunks: number of micro-batches a mini-batch is split into along dim 0 (fewer if it is smaller).

@@ -1,44 +1,38 @@
-"""Process life cycle: one RPC session per process, and a launcher under which stage workers serve.
+"""This process's place in a pipeline job, for the life of the process: its stage group and RPC session.
 
-Every process of a ``PipeStrategy`` job joins, once for its whole life:
+Every process of a pipeline job joins, once for its whole life:
 
 - a default process group that is its *stage data-parallel group* (stage ``i`` of every replica),
   rendezvoused through one world store with a per-stage prefix: the drivers' default group is exactly
-  Lightning's world, a stage worker's is exactly the group whose gradients it averages;
+  the drivers (Lightning's world), a stage worker's is exactly the group whose gradients it averages;
 - ``torch.distributed.rpc`` over all processes.
 
-Drivers run the user's script and the Lightning loop; at exit they shut RPC down (a barrier with every
-process). Stage workers never run the loop: at their first launch they block in that same shutdown
-barrier while RPC threads serve their stage, then exit the process without returning to the script.
-A failing driver aborts every other process; processes started by our launcher exit if it dies.
+Drivers run the user's script; at exit they shut RPC down (a barrier with every process). Stage workers
+block in that same shutdown barrier while RPC threads serve their stage (:func:`serve_until_shutdown`), then
+exit without returning to the script. A failing driver aborts every other process
+(:func:`abort_world`); processes started by the launcher exit if it dies.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from typing_extensions import override
 
-from lightning_pipe.topology import Topology
-
-if TYPE_CHECKING:
-    from lightning_pipe.strategy import PipeStrategy
+from lightning_pipe.transport.topology import Topology
 
 __all__: list[str] = []
 
+#: Set by the launcher in the processes it starts: the launching process's id (orphans exit when it dies).
 _PARENT_ENV = "LIGHTNING_PIPE_LAUNCHER_PID"
 
 
@@ -190,42 +184,3 @@ def serve_until_shutdown() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-class PipeLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher, except that stage workers serve RPC instead of running the loop."""
-
-    def __init__(self, strategy: PipeStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self._strategy = strategy
-
-    @override
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None,
-               **kwargs: Any) -> Any:
-        model = args[0] if args and isinstance(args[0], pl.LightningModule) else None
-        model = model or getattr(trainer, "lightning_module", None)
-        # Before any process starts (here) or on every rank (torchrun).
-        self._strategy.check_settings(trainer)
-        if model is not None:
-            self._strategy.check_model(model)
-
-        def role(*a: Any, **kw: Any) -> Any:
-            self._strategy.start_session()
-            if self._strategy.is_driver:
-                return function(*a, **kw)
-            if model is not None:
-                # The script built the whole model here too; this process serves the stage its driver sends
-                # and never returns to the script, so the model's memory is given back (best effort: a model
-                # that cannot move keeps it, and nothing else changes).
-                with contextlib.suppress(Exception):
-                    model.to("meta")
-            serve_until_shutdown()  # never returns: a worker must not continue into the user's script
-            return None
-
-        return super().launch(role, *args, trainer=trainer, **kwargs)
-
-    @override
-    def _call_children_scripts(self) -> None:
-        os.environ[_PARENT_ENV] = str(os.getpid())
-        self._strategy.share_cores()  # before the children start, so their thread pools start at that size
-        super()._call_children_scripts()

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_pipe.skip.namespace import SkipKey
-from lightning_pipe.skip.skippable import Skippable
+from lightning_pipe.engine.skip.namespace import SkipKey
+from lightning_pipe.engine.skip.skippable import Skippable
 
 __all__: list[str] = []
 

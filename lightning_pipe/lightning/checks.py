@@ -1,0 +1,105 @@
+"""What ``PipeStrategy`` refuses, and why: its own arguments, Trainer settings, callbacks and models it cannot honour.
+
+Each check raises one error that names the value and says what to do instead. The launcher runs the checks of
+settings and model before any process starts (Lightning's launcher), or on every rank (torchrun, SLURM).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.utilities.model_helpers import is_overridden
+
+from lightning_pipe.engine.partition import check_balance, check_checkpoint, check_chunks, check_sequential
+from lightning_pipe.engine.skip.skippable import verify_skippables
+from lightning_pipe.lightning.body import PipelinedSequential
+
+__all__: list[str] = []
+
+BALANCE_MODES = ("balance_by_size", "balance_by_time")
+
+
+def check_arguments(balance: Any, microbatches: Any, checkpoint: Any, balance_mode: Any, rpc_timeout_sec: Any,
+                    module_name: Any, kwargs: dict[str, Any]) -> list[int] | None:
+    """Reject ``PipeStrategy`` arguments that cannot work; return ``balance`` as a list (or None)."""
+    if balance is not None:
+        if not isinstance(balance, (list, tuple)) or not balance or any(
+                isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in balance):
+            raise ValueError(f"balance must be a list of positive integers, one per stage (balance: {balance!r})")
+        balance = list(balance)
+    check_chunks(microbatches, "microbatches")
+    check_checkpoint(checkpoint)
+    if balance_mode not in BALANCE_MODES:
+        raise ValueError(f"balance_mode must be one of {', '.join(map(repr, BALANCE_MODES))} (got: {balance_mode!r})")
+    if not isinstance(rpc_timeout_sec, (int, float)) or not rpc_timeout_sec > 0:
+        raise ValueError(f"rpc_timeout_sec must be a positive number of seconds (got: {rpc_timeout_sec!r})")
+    if not isinstance(module_name, str) or not module_name.isidentifier():
+        raise ValueError(f"module_name must be the name of an attribute (got: {module_name!r})")
+    if kwargs.get("start_method", "popen") != "popen":
+        raise ValueError(f"PipeStrategy starts processes as scripts (start_method='popen'); got "
+                         f"start_method={kwargs['start_method']!r}")
+    return balance
+
+
+def check_settings(trainer: pl.Trainer | None, sync_batchnorm: bool) -> None:
+    """Reject Trainer settings and callbacks that cannot work across stages in other processes."""
+    if sync_batchnorm:
+        raise ValueError(
+            "Trainer(sync_batchnorm=True) is not supported by PipeStrategy: BatchNorm layers of a stage would "
+            "synchronise every micro-batch, not the batch. Use PipeStrategy(deferred_batch_norm=True), which "
+            "gives each replica the statistics of its whole batch, and leave sync_batchnorm off")
+    from pytorch_lightning import callbacks as pl_callbacks
+    from pytorch_lightning.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
+
+    # WeightAveraging (EMAWeightAveraging) exists from Lightning 2.6 on.
+    weight_averaging = getattr(pl_callbacks, "WeightAveraging", StochasticWeightAveraging)
+    for callback in getattr(trainer, "callbacks", []):
+        if isinstance(callback, BackboneFinetuning):
+            raise ValueError(
+                "the BackboneFinetuning callback is not supported by PipeStrategy: it adds a parameter group "
+                "to the optimizer during training, which the stages in other processes cannot follow. Put "
+                "every parameter in the optimizer from the start and freeze or unfreeze layers by "
+                "requires_grad (BaseFinetuning.freeze and make_trainable in your own callback), which reaches "
+                "every stage")
+        if isinstance(callback, (StochasticWeightAveraging, weight_averaging, ModelPruning)):
+            averaging = isinstance(callback, (StochasticWeightAveraging, weight_averaging))
+            instead = " and average saved checkpoints' weights instead" if averaging else ""
+            raise ValueError(
+                f"the {type(callback).__name__} callback is not supported by PipeStrategy: it changes the "
+                "weights of the driver's copy of the model, where only stage 0's layers are (the other "
+                "stages' live in their own processes), so it would fail or leave them unchanged. Remove it "
+                "from Trainer(callbacks=...)" + instead)
+
+
+def body_of(module: pl.LightningModule, module_name: str) -> Any:
+    """The LightningModule's body (``module.<module_name>``), or an error that says where to put it."""
+    body = getattr(module, module_name, None)
+    if body is None:
+        raise AttributeError(
+            f"{type(module).__name__} has no attribute '{module_name}': PipeStrategy partitions the "
+            f"nn.Sequential held there. Put the layers in self.{module_name} = nn.Sequential(...), or "
+            "pass PipeStrategy(module_name=...) naming the attribute that holds them")
+    return body
+
+
+def check_model(module: pl.LightningModule, module_name: str, balance: list[int] | None, stages: int) -> None:
+    """Reject a LightningModule that cannot be split into ``stages`` stages by ``balance``, with what to
+    change. A body built in ``configure_model`` is checked when it exists, at setup."""
+    if getattr(module, module_name, None) is None and is_overridden("configure_model", module):
+        return
+    body = body_of(module, module_name)
+    if isinstance(body, PipelinedSequential):
+        return
+    check_sequential(body, f"{type(module).__name__}.{module_name}")
+    verify_skippables(body)
+    if balance is not None:
+        check_balance(body, balance)
+    elif module.example_input_array is None:
+        raise ValueError(
+            f"PipeStrategy(balance=None) infers the split from {type(module).__name__}.example_input_array, "
+            "which is not set: set self.example_input_array to one batch of inputs in __init__, or pass "
+            f"balance=[...] with {stages} entries summing to {len(body)}")
+    elif len(body) < stages:
+        raise ValueError(f"too few layers to split into one stage per device (layers: {len(body)}, "
+                         f"stages: {stages}); pass balance=[...] and fewer devices")

@@ -1,0 +1,166 @@
+"""The user's optimizers across stages: built once on the driver, mirrored on every stage, stepped as one.
+
+``configure_optimizers`` runs on the driver over the whole LightningModule (the layers of remote stages are
+placeholders there, with their real names), so parameter groups built from names work as on one device.
+Each stage then builds the same optimizer class over its own parameters (:mod:`lightning_pipe.transport.optim`).
+The driver's optimizer records when it steps, and with which hyper-parameters (learning rates moved by
+schedulers included); :meth:`StageOptimizers.step_remote` steps every remote stage with them, from
+``PipeStrategy.post_optimizer_step``. Zeroing reaches every stage at once; checkpoints hold the state the
+plain model's optimizer would have.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightning_pipe.transport import optim
+from lightning_pipe.transport.host import HostGroup
+
+__all__: list[str] = []
+
+
+class _MirroredOptimizer:
+    """Mixed into the driver's optimizers: ``step`` records the step for the remote stages (its closure
+    evaluated once), ``zero_grad`` acts on every stage."""
+
+    _lp_hosts: HostGroup
+    _lp_index: int
+    _lp_stepped: list[dict[str, Any]] | None
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        evaluations = [0]
+
+        def once() -> Any:
+            evaluations[0] += 1
+            if evaluations[0] > 1:
+                raise RuntimeError(
+                    f"{type(self).__name__}.step evaluated its closure a second time in one step (as LBFGS and "
+                    "sharpness-aware optimizers such as SAM do): the stages in other processes step once, after "
+                    "the driver's step, and cannot follow a second evaluation. Use an optimizer that evaluates the "
+                    "closure once per step (SGD, Adam, AdamW, ...)")
+            return closure()  # type: ignore[misc]
+
+        loss = super().step() if closure is None else super().step(once)  # type: ignore[misc]
+        # The hyper-parameters this step used: schedulers may change them before the remote stages step.
+        self._lp_stepped = optim.hyperparameters(self)  # type: ignore[arg-type]
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+        self._lp_hosts.call("zero_grad", self._lp_index, set_to_none)
+
+
+def mix_in(obj: Any, mixin: type) -> None:
+    """Give ``obj`` a class that puts ``mixin`` before its own (as Lightning does for LightningOptimizer)."""
+    cls = type(obj)
+    if not isinstance(obj, mixin):
+        # The names stay the original's: Lightning keys checkpoint entries by the qualified name (the precision
+        # plugin's scaler state is saved under "MixedPrecision", and must load back under that key), and
+        # LearningRateMonitor its metrics by the class name ("lr-SGD", as on one device).
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        obj.__class__ = type(cls.__name__, (mixin, cls), names)
+
+
+def _mirror(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer`` record its steps and zero every stage.
+
+    An LR scheduler wraps ``optimizer.step`` on the instance, bound to the class's function at that time;
+    that wrapper would bypass the mirrored ``step`` and leave the step unrecorded, so it is replaced by one
+    that keeps the scheduler's bookkeeping and calls the mirrored ``step``.
+    """
+    mix_in(optimizer, _MirroredOptimizer)
+    optimizer._lp_stepped = None  # type: ignore[attr-defined]
+    if "step" not in vars(optimizer):
+        return
+    owner = weakref.ref(optimizer)
+    mirrored = type(optimizer).step
+
+    @functools.wraps(mirrored)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        opt = owner()
+        assert opt is not None
+        opt._opt_called = True  # type: ignore[attr-defined] - what the scheduler's wrapper records
+        return mirrored(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]
+
+
+def raw(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer behind a ``LightningOptimizer`` (or ``optimizer`` itself)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+class StageOptimizers:
+    """The driver's optimizers and their parts on the remote stages of one pipeline.
+
+    ``stage_of(name)`` gives the stage holding LightningModule parameter ``name``.
+    """
+
+    def __init__(self, hosts: HostGroup, stage_of: Callable[[str], int], stages: int) -> None:
+        self.hosts = hosts
+        self.stage_of = stage_of
+        self.stages = stages
+
+    def mirror(self, optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str],
+               amp_scaler: Any = None, precision: str = "") -> None:
+        """Make each of ``optimizers`` (the driver's, over the whole module: ``names`` maps parameter ids to
+        names) an optimizer of every stage: its part is built on each remote stage."""
+        per_stage: list[list[optim.OptimizerSpec | None]] = [[] for _ in range(self.stages)]
+        for k, optimizer in enumerate(optimizers):
+            if amp_scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+                # Such an optimizer unscales and skips inside its own step, where the other stages' gradients
+                # and overflows cannot reach.
+                raise ValueError(f"{type(optimizer).__name__}(fused=True) cannot be used with a gradient scaler "
+                                 f"(precision={precision!r}) across pipeline stages: build it with fused=False "
+                                 "(the default), or use precision='bf16-mixed'")
+            optimizer._lp_names = optim.flat_names(optimizer, names)  # type: ignore[attr-defined]
+            for j, spec in enumerate(optim.specs_for_stages(optimizer, names, self.stage_of, self.stages)):
+                per_stage[j].append(spec)
+            optim.drop_placeholder_state(optimizer)
+            optimizer._lp_hosts = self.hosts  # type: ignore[attr-defined]
+            optimizer._lp_index = k  # type: ignore[attr-defined]
+            _mirror(optimizer)
+        for j, future in enumerate(self.hosts.start_each("build_optimizers", per_stage[1:]), start=1):
+            try:
+                future.result()
+            except Exception as exc:
+                exc.add_note(f"while building the optimizers of stage {j}")
+                raise
+
+    def step_remote(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step every remote stage's part of ``optimizer`` with the hyper-parameters the driver's step used,
+        if the driver stepped since the last call (a gradient scaler skips the step on an overflow: then no
+        stage steps). Returns whether they stepped."""
+        stepped = getattr(optimizer, "_lp_stepped", None)
+        if stepped is None:
+            return False
+        optimizer._lp_stepped = None  # type: ignore[attr-defined]
+        self.hosts.call("step", optimizer._lp_index, stepped)  # type: ignore[attr-defined]
+        return True
+
+    def state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s ``state_dict`` with every stage's state in, as the plain model's optimizer has it."""
+        state = optimizer.state_dict()
+        if not hasattr(optimizer, "_lp_index"):
+            return state
+        remote: dict[str, Any] = {}
+        for part in self.hosts.call("optimizer_state", optimizer._lp_index):
+            remote.update(part)
+        return optim.merge(state, optimizer._lp_names, remote,  # type: ignore[attr-defined]
+                           lambda name: self.stage_of(name) == 0)
+
+    def load(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Load a consolidated ``state`` (see :meth:`state`): the driver's part here, each stage's there."""
+        own, remote = optim.split(state, optimizer._lp_names, self.stage_of)  # type: ignore[attr-defined]
+        optimizer.load_state_dict(own)
+        # Every stage loads, also one the checkpoint has no state for (saved before any step, as the
+        # learning-rate finder's is): what it built since must go, as it does from the driver's.
+        for j in range(1, self.stages):
+            self.hosts.call_stage(j, "load_optimizer_state", optimizer._lp_index,  # type: ignore[attr-defined]
+                                  remote.get(j, {}))

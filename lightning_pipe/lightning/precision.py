@@ -1,0 +1,69 @@
+"""The precision plugin across stages: clipping and loss-scale unscaling see every stage's gradients.
+
+Mixed into whatever precision plugin the Trainer has (``32-true``, ``16-mixed``, ``bf16-mixed``, ...), so its
+own behaviour stays; gradient clipping by norm uses the global norm over every stage (as ``clip_grad_norm_``
+over the whole model would), clipping by value clamps every stage, and with a gradient scaler the remote
+stages unscale too: an overflow on any stage skips the step everywhere and lowers the scale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+
+from lightning_pipe.lightning.body import is_placeholder
+
+__all__: list[str] = []
+
+
+class PipePrecision:
+    """Mixin for the Trainer's precision plugin (see :func:`~lightning_pipe.lightning.optimizers.mix_in`)."""
+
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
+        # Right after backward, before the on_after_backward hooks: DDP has the gradients averaged by then.
+        after = getattr(module.trainer.strategy, "after_backward", None)
+        if after is not None:
+            after()
+        return super().post_backward(tensor, module)  # type: ignore[misc]
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        # Called after backward and the driver's unscaling, before clipping and scaler.step: remote stages
+        # unscale too, and an overflow on any stage must skip the step everywhere and lower the scale.
+        scaler = getattr(self, "scaler", None)
+        hosts = getattr(optimizer, "_lp_hosts", None)
+        if scaler is not None and hosts is not None and scaler.is_enabled():
+            found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
+            if found is not None:  # the driver unscaled (this was not a skipped backward)
+                overflow = hosts.call("unscale_grads", optimizer._lp_index, 1.0 / float(scaler.get_scale()))
+                if any(overflow):
+                    device = next(iter(found), torch.device("cpu"))
+                    found[device] = found.get(device, torch.zeros((), device=device)) + 1.0
+        super()._after_closure(model, optimizer)  # type: ignore[misc]
+
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        hosts = getattr(optimizer, "_lp_hosts", None)
+        if hosts is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norms = [float(torch.linalg.vector_norm(g.detach(), 2.0)) for g in grads]
+        norms += hosts.call("grad_norm", optimizer._lp_index, 2.0)  # type: ignore[attr-defined]
+        total = math.sqrt(sum(n * n for n in norms))
+        coefficient = clip_val / (total + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        if coefficient < 1.0:
+            for g in grads:
+                g.detach().mul_(coefficient)
+            hosts.call("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
+        return None
+
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        hosts = getattr(optimizer, "_lp_hosts", None)
+        if hosts is None:
+            return super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
+        params = [p for p in self.main_params(optimizer) if not is_placeholder(p)]  # type: ignore[attr-defined]
+        torch.nn.utils.clip_grad_value_(params, clip_val)
+        hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
+        return None

@@ -1,0 +1,139 @@
+"""The processes of a ``PipeStrategy`` job and what Lightning sees of them: the drivers alone.
+
+Processes are laid out as replicas x stages (:class:`~lightning_pipe.transport.topology.Topology`); Lightning's
+cluster environment keeps the view of all of them (its launchers, torchrun and SLURM use it), while the
+strategy shows Lightning the drivers alone: ``world_size`` is the number of replicas, ``global_rank`` the
+replica index. Each process joins its stage group and RPC once (:mod:`lightning_pipe.transport.session`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only
+from pytorch_lightning.strategies import DDPStrategy
+from typing_extensions import override
+
+from lightning_pipe.lightning.launcher import PipeLauncher
+from lightning_pipe.transport.session import start_session
+from lightning_pipe.transport.topology import Topology
+
+__all__: list[str] = []
+
+
+def share_cores(device: torch.device, processes: int) -> None:
+    """On CPU, give each of this node's ``processes`` its share of the cores, unless OMP_NUM_THREADS is set.
+
+    As torchrun does: processes that each start a thread pool as large as the machine fight for its cores
+    (seen: steps 5x slower with 2 processes on 2 cores).
+    """
+    if device.type != "cpu":
+        return
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def devices_by_rank(topology: Topology, devices: list[torch.device] | None, processes: int,
+                    node_rank: int) -> list[torch.device | None] | None:
+    """The device of every process of the job that runs on this node (None for the others).
+
+    Every node has the same devices (as Lightning assumes): process ``r`` uses device ``r % processes``, on
+    node ``r // processes``. Processes on other nodes get None: RPC maps GPUs within a machine only.
+    """
+    if not devices:
+        return None
+    return [torch.device(devices[r % processes]) if r // processes == node_rank else None
+            for r in range(topology.world)]
+
+
+class PipelineProcesses(DDPStrategy):
+    """A ``DDPStrategy`` whose processes form pipelines: Lightning's launchers and cluster environments start
+    them all, Lightning's loop sees the drivers alone. Subclasses set ``balance`` and ``rpc_timeout_sec``."""
+
+    balance: list[int] | None
+    rpc_timeout_sec: float
+    _topology: Topology | None = None
+    _rank = -1
+
+    @property
+    def topology(self) -> Topology:
+        """The layout of processes into replicas and stages."""
+        if self._topology is None:
+            raise RuntimeError("the process layout is not known before the Trainer sets the strategy up")
+        return self._topology
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among all processes of the job (drivers and stage workers)."""
+        return self._rank
+
+    @property
+    def stages(self) -> int:
+        """The number of pipeline stages."""
+        return len(self.balance) if self.balance is not None else self.num_processes
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process drives a pipeline (runs the Lightning loop and holds stage 0)."""
+        return self.topology.is_driver(self._rank)
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return super().global_rank if self._topology is None else self._topology.replica_of(self._rank)
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return super().world_size if self._topology is None else self._topology.replicas
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return super().is_global_zero if self._topology is None else self._rank == 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.topology.replicas, "rank": self.topology.replica_of(self._rank)}
+
+    @override
+    def set_world_ranks(self) -> None:
+        # The cluster environment keeps the view of all processes (the launcher and torchrun/SLURM use it);
+        # Lightning's properties above show only the drivers.
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        self._rank = self.cluster_environment.global_rank()
+        self._topology = topology = Topology(self.cluster_environment.world_size(), self.stages)
+        rank_zero_only.rank = topology.replica_of(self._rank) if topology.is_driver(self._rank) else self._rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = PipeLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def share_cores(self) -> None:
+        """On CPU, give each of this node's processes its share of the cores, unless OMP_NUM_THREADS is set."""
+        share_cores(self.root_device, self.num_processes)
+
+    def start_session(self) -> None:
+        """Join this process's stage group and RPC (once per process)."""
+        self.set_world_ranks()
+        self.share_cores()
+        assert self.cluster_environment is not None
+        start_session(self.topology, self._rank, self.cluster_environment.main_address,
+                      self.cluster_environment.main_port, backend=self._get_process_group_backend(),
+                      pg_timeout=self._timeout or default_pg_timeout, rpc_timeout=self.rpc_timeout_sec,
+                      devices=devices_by_rank(self.topology, self.parallel_devices, self.num_processes, self.node_rank))
+
+    @override
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self._process_group_backend = self._get_process_group_backend()
+        self.start_session()

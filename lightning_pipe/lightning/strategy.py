@@ -1,0 +1,351 @@
+"""``PipeStrategy``: trains a LightningModule's sequential body as a pipeline, one stage per process.
+
+Follow one training batch on the driver (stage 0 of a replica), in Lightning's hook order::
+
+    training_step ─► self.sequential_module(x)      a PipelinedSequential (lightning/body.py): the pipeline's
+                        ├─ stage 0 here             forward, stages 1.. in their processes (transport/)
+    backward      ─► pre_backward                   the pipeline's backward may start (Lightning's backward)
+                  ─► loss.backward()                every stage's .grad filled by its local autograd
+                  ─► after_backward                 averaged over replicas before on_after_backward (replicas.py)
+    optimizer_step ─► clip by the global norm       every stage's gradients (precision.py)
+                   ─► the driver's optimizer.step   records the step and its hyper-parameters (optimizers.py)
+                   ─► post_optimizer_step           every remote stage steps with them
+
+Lightning sees only the drivers: ``world_size`` is the number of replicas, ``global_rank`` the replica
+index, and the default process group of a driver holds exactly the drivers (transport/session.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from pytorch_lightning.core.optimizer import _init_optimizers_and_lr_schedulers
+from pytorch_lightning.strategies import StrategyRegistry
+from pytorch_lightning.trainer.states import TrainerFn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_pipe.lightning import checkpoints, checks, observe
+from lightning_pipe.lightning.body import PipelinedSequential
+from lightning_pipe.lightning.build import build
+from lightning_pipe.lightning.layers import LayerSync
+from lightning_pipe.lightning.optimizers import StageOptimizers, mix_in, raw
+from lightning_pipe.lightning.precision import PipePrecision
+from lightning_pipe.lightning.processes import PipelineProcesses
+from lightning_pipe.lightning.replicas import Replicas
+from lightning_pipe.transport.driver import RemotePipeline
+from lightning_pipe.transport.session import SESSION, abort_world
+
+__all__ = ["PipeStrategy"]
+
+
+class PipeStrategy(PipelineProcesses):
+    """Pipeline parallelism for a LightningModule whose layers live in an ``nn.Sequential`` body.
+
+    ::
+
+        class Model(LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.sequential_module = nn.Sequential(...)
+
+        Trainer(accelerator="gpu", devices=4, strategy=PipeStrategy(balance=[2, 2], microbatches=8))
+
+    Each stage of the body runs in its own process on its own device; with more processes than stages the
+    pipeline is replicated and gradients are averaged (data parallel x pipeline parallel).
+
+    Args:
+        balance: layers per stage; its length is the number of stages, which must divide devices x nodes
+            (the quotient is the number of replicas). ``None``: one stage per device of a node, the split
+            found by ``balance_mode`` from the module's ``example_input_array``.
+        microbatches: micro-batches each batch is split into (along dim 0).
+        checkpoint: ``'always'``, ``'except_last'`` or ``'never'``: which micro-batches recompute their
+            activations in backward instead of storing them.
+        balance_mode: ``'balance_by_size'`` (memory) or ``'balance_by_time'`` (compute), for ``balance=None``.
+        pipelined_backward: run backward micro-batch by micro-batch, stages overlapping (``False``: one
+            backward per stage over all its micro-batches; same gradients).
+        rpc_timeout_sec: how long any RPC or wait for a stage may take before the step fails with an error
+            naming the stage and process.
+        module_name: the attribute of the LightningModule holding the ``nn.Sequential`` body.
+        deferred_batch_norm: update BatchNorm running statistics once per batch, as without micro-batches.
+        timeline: a path: record when each stage ran each micro-batch's forward and backward in training and
+            write it there as a Chrome trace (replica 0, at the end of fit); ``python -m lightning_pipe
+            timeline PATH out.png`` draws it and prints the bubble fraction.
+        **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
+            ``timeout``, ``cluster_environment``, ...). Models are not wrapped in DDP: each stage averages its
+            own gradients.
+    """
+
+    strategy_name = "pipe"
+
+    def __init__(self, balance: list[int] | None = None, microbatches: int = 8, checkpoint: str = "except_last",
+                 balance_mode: str = "balance_by_size", pipelined_backward: bool = True,
+                 rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
+                 deferred_batch_norm: bool = False, timeline: str | None = None, accelerator: Any = None,
+                 parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
+                 checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
+        balance = checks.check_arguments(balance, microbatches, checkpoint, balance_mode, rpc_timeout_sec,
+                                         module_name, kwargs)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, **kwargs)
+        self.balance = balance
+        self.microbatches = microbatches
+        self.checkpoint = checkpoint
+        self.balance_mode = balance_mode
+        self.pipelined_backward = pipelined_backward
+        self.rpc_timeout_sec = float(rpc_timeout_sec)
+        self.module_name = module_name
+        self.deferred_batch_norm = deferred_batch_norm
+        self.timeline = timeline
+        self._body: PipelinedSequential | None = None  # the body this strategy runs, once set up
+        self._stage_optimizers: StageOptimizers | None = None
+        self._replicas = Replicas(1)
+        self._fitting = False
+
+    # ------------------------------------------------------------------ what it refuses
+    def check_settings(self, trainer: pl.Trainer | None = None) -> None:
+        """Reject Trainer settings this strategy cannot honour (run where :meth:`check_model` runs)."""
+        checks.check_settings(trainer, self._layer_sync is not None)
+
+    def check_model(self, module: pl.LightningModule) -> None:
+        """Reject a LightningModule this strategy cannot split, with what to change (run before any process
+        is started where Lightning starts them, and on every process otherwise)."""
+        checks.check_model(module, self.module_name, self.balance, self.stages)
+
+    # ------------------------------------------------------------------ setup: the pipeline
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._fitting = fitting
+        if self.world_size == 1:
+            # One pipeline sees every batch as the loader gives it, as one device does: no distributed sampler
+            # (which would shuffle even a loader built with shuffle=False). With replicas, DDP's sampling stays.
+            trainer._accelerator_connector.use_distributed_sampler = False
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self._attach(build(self, self.lightning_module))
+        mix_in(self.precision_plugin, PipePrecision)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _attach(self, body: PipelinedSequential) -> None:
+        """Run ``body`` with this strategy's settings: what the driver sets on its layers reaches their stages
+        before each forward, a pending remote step is taken first, and backward is checked."""
+        self.balance = list(body.balance)
+        self._body = body
+        body.pipeline.pipelined = self.pipelined_backward
+        body.pipeline.runner.modes_from_driver = True  # stage 0's layers are the body's: their modes are set
+        sync = LayerSync(lambda: checks.body_of(self.lightning_module, self.module_name), self.stages)
+
+        def before_forward() -> None:
+            for optimizer in self.optimizers:  # a step taken outside Lightning's optimizer_step
+                self.post_optimizer_step(raw(optimizer))
+            sync()
+
+        body.before_forward = before_forward
+        body.on_backward = self._replicas.check_backward_path
+        self._replicas.hosts, self._replicas.count = body.hosts, self.world_size
+        assert body.hosts is not None
+        self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.stages)
+        self.record_timeline(self.timeline is not None)
+
+    @property
+    def _pipeline(self) -> RemotePipeline | None:
+        return self._body.pipeline if self._body is not None else None
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        assert self.lightning_module is not None and self._stage_optimizers is not None
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        self._stage_optimizers.mirror(optimizers, names, getattr(self.precision_plugin, "scaler", None),
+                                      str(self.precision_plugin.precision))
+        # Assigned after the classes changed: Lightning wraps them in LightningOptimizers built from it.
+        self.optimizers = optimizers
+        self.lr_scheduler_configs = schedulers
+
+    # ------------------------------------------------------------------ a training step, in Lightning's order
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Lightning's backward starts (automatic optimization or ``manual_backward``): the pipeline's backward,
+        which the loss's backward drives, may run. A backward that bypasses Lightning's is refused when there
+        are replicas, whose gradients nothing would average."""
+        super().pre_backward(closure_loss)
+        self._replicas.in_backward += 1
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Lightning's backward is over (the gradients were averaged over the replicas before
+        ``on_after_backward``, by :meth:`after_backward`)."""
+        self._replicas.in_backward = max(0, self._replicas.in_backward - 1)
+        super().post_backward(closure_loss)
+
+    def after_backward(self) -> None:
+        """Right after each backward, before ``on_after_backward``: every stage's gradients are averaged over
+        the replicas (unless Lightning blocks the sync while it accumulates), as under DDP."""
+        self._replicas.after_backward(self.optimizers)
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Backwards inside keep their gradients per replica (Lightning blocks the sync while it accumulates
+        gradients, as DDP's ``no_sync``); the first backward outside averages everything accumulated."""
+        with self._replicas.no_sync():
+            yield None
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.lightning_module.automatic_optimization:
+            inner = closure
+
+            def closure(*args: Any, **kwargs: Any) -> Any:
+                result = inner(*args, **kwargs)
+                self._replicas.before_step(raw(optimizer))  # before clipping and the step
+                return result
+
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.post_optimizer_step(raw(optimizer))
+        return output
+
+    def post_optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        """After each optimizer step (automatic or manual): every remote stage steps its part of ``optimizer``
+        with the hyper-parameters the driver's step used, and none does when the driver's step was skipped (a
+        gradient scaler's overflow). Schedulers step after this, on the driver; their learning rates reach the
+        stages with the next step."""
+        if self._stage_optimizers is not None:
+            self._stage_optimizers.step_remote(optimizer)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Every process of the job meets, not only those Lightning sees: each driver has its remote stages meet
+        the same stage of the other replicas (after all they were asked so far), then the drivers meet."""
+        for future in self._body.hosts.start("barrier", timeout=0) if self._body and self._body.hosts else []:
+            future.result()
+        super().barrier(name)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the weights of remote stages are loaded into their processes, which setup configures
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The body's state_dict fetches the remote stages' entries: only the process that writes needs them.
+        module = self.lightning_module
+        return checkpoints.module_state_dict(module, checks.body_of(module, self.module_name), self.is_global_zero)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        optimizer = raw(optimizer)
+        if self._stage_optimizers is None or not self.is_global_zero:
+            return optimizer.state_dict()
+        return self._stage_optimizers.state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.is_global_zero:
+            checkpoints.save_atomically(
+                lambda path: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options),
+                str(filepath))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # The body's load_state_dict hands the remote layers' entries to their stages.
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self._stage_optimizers is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self._stage_optimizers.load(raw(optimizer), state)
+            _optimizers_to_device([raw(optimizer)], self.root_device)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[pl.LightningModule]:
+        """On the main process, the LightningModule holding the whole unpipelined body, every stage's
+        current weights included (remote layers are rebuilt on CPU); the pipeline is back afterwards.
+
+        ::
+
+            with trainer.strategy.gathered() as model:
+                torch.save(model, "whole.pt")      # or export, push, inspect ...
+        """
+        if not self.is_global_zero:
+            raise RuntimeError("PipeStrategy.gathered() gathers the model on the main process only (global "
+                               f"rank 0); this is replica {self.global_rank}: guard it with trainer.is_global_zero")
+        with checkpoints.gathered(self.lightning_module, self.module_name) as module:
+            yield module
+
+    def rpc_save_model(self, trainer: pl.Trainer, save_model_fn: Callable[[pl.Trainer, str], Any],
+                       filepath: str) -> None:
+        """Have the main process gather every stage and call ``save_model_fn(trainer, filepath)`` with the
+        whole unpipelined model in ``trainer.lightning_module``; then every process of the job meets
+        (:meth:`barrier`), so that the file is complete wherever the script goes on.
+
+        ``trainer.save_checkpoint`` needs no such help: its checkpoints are consolidated already.
+        """
+        if self.is_global_zero:
+            with self.gathered():
+                save_model_fn(trainer, filepath)
+        self.barrier("rpc_save_model")
+
+    # ------------------------------------------------------------------ seeing the pipeline
+    def record_timeline(self, on: bool = True) -> None:
+        """Start (or stop) recording when each stage of this driver's pipeline runs each micro-batch, as
+        ``timeline=`` does from the start of fit; call it once the pipeline is set up (``on_fit_start`` on)."""
+        observe.record_timeline(self._body, on)
+
+    def write_timeline(self, path: str | None = None) -> None:
+        """Write what the stages of replica 0 recorded (``timeline=...``) as a Chrome trace (main process)."""
+        path = path or self.timeline
+        if path is not None and self._body is not None and self.is_global_zero:
+            observe.write_timeline(self._body, path, self.topology.pipeline(0))
+
+    def memory_per_process(self) -> list[dict[str, int]]:
+        """Per process of this driver's pipeline, stage by stage: resident memory (bytes) and what the
+        pipeline keeps between steps (saved micro-batches, undelivered messages, seeds: all 0 when idle)."""
+        return observe.memory(self._body)
+
+    # ------------------------------------------------------------------ the end
+    @override
+    def teardown(self) -> None:
+        if self.timeline is not None and self._fitting:
+            self.write_timeline()
+        super().teardown()
+
+    @override
+    def configure_ddp(self) -> None:
+        pass  # each stage averages its own gradients (replicas.py); nothing wraps the model
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if SESSION.topology is not None:
+            # Every other process exits (an interrupt included: under torchrun or SLURM nobody else ends
+            # them), and this one leaves RPC without the graceful shutdown barrier that waits for all.
+            abort_world(f"{type(exception).__name__}: {exception}", exception)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("pipe", cls, description="Pipeline parallelism over torch.distributed.rpc",
+                                   override=True)
+
+
+PipeStrategy.register_strategies(StrategyRegistry)

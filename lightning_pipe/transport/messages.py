@@ -1,0 +1,199 @@
+"""What crosses processes: the mailbox that receives tensors, how they are packed, and how failures travel.
+
+Tensors go straight from stage to stage: the sender calls ``_deliver`` on the receiver by RPC, which puts
+them into the receiver's :class:`Mailbox` under their :data:`Slot`; the action that consumes them takes
+them out, waiting at most the RPC timeout. An error in a remote call comes back as a value
+(:class:`_Failure`) with its type, message, notes and the remote traceback, and is located (which stage,
+which process) before it is raised.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import threading
+import time
+import traceback
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+
+from lightning_pipe.engine.pipeline import _Skipped
+
+__all__: list[str] = []
+
+#: Where a message goes: (pipe key, run id, "F" or "B", micro-batch, receiving stage, sender or skip key).
+Slot = tuple[str, int, str, int, int, Hashable]
+
+
+class Mailbox:
+    """Tensors delivered to this process, waiting for the action that consumes them."""
+
+    def __init__(self) -> None:
+        self._items: dict[Slot, Any] = {}
+        self._cond = threading.Condition()
+        self._aborted: collections.deque[tuple[str, int]] = collections.deque(maxlen=4096)
+
+    def put(self, slot: Slot, value: Any) -> None:
+        """Deliver ``value`` to ``slot``."""
+        with self._cond:
+            if slot[:2] not in self._aborted:
+                self._items[slot] = value
+                self._cond.notify_all()
+
+    def take(self, slot: Slot, timeout: float, describe: Callable[[], str]) -> Any:
+        """Wait for ``slot`` (at most ``timeout`` seconds) and remove it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while slot not in self._items:
+                if slot[:2] in self._aborted:
+                    raise _Skipped()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{describe()} waited {timeout:.1f} s for its input and got none; the "
+                                       "process that should send it is stuck or gone (rpc_timeout_sec bounds "
+                                       "this wait)")
+                self._cond.wait(remaining)
+            return self._items.pop(slot)
+
+    def pending(self) -> int:
+        """How many delivered messages wait for their consumer."""
+        with self._cond:
+            return len(self._items)
+
+    def abort(self, key: str, run: int) -> None:
+        """Wake every wait of run ``run`` (they skip) and drop what was delivered for it."""
+        with self._cond:
+            self._aborted.append((key, run))
+            for slot in [s for s in self._items if s[:2] == (key, run)]:
+                del self._items[slot]
+            self._cond.notify_all()
+
+
+MAILBOX = Mailbox()
+
+# When a driver last heard that a remote stage is still working on a step: (pipeline key, run) -> the
+# time.monotonic() of that sign of life. An entry exists while the driver waits for that step.
+_PROGRESS: dict[tuple[str, int], float] = {}
+_PROGRESS_LOCK = threading.Lock()
+
+
+def _alive(key: str, run: int) -> None:
+    with _PROGRESS_LOCK:
+        if (key, run) in _PROGRESS:
+            _PROGRESS[(key, run)] = time.monotonic()
+
+
+def _pack(batch_tensors: Sequence[Tensor], direct: torch.device | None = None) -> tuple[list[Tensor], list[bool]]:
+    # Tensors cross processes detached, on CPU unless they are on the GPU ``direct`` that RPC maps to the
+    # receiver's; the flags say which ones need a gradient back.
+    return list(_wire(batch_tensors, direct)), [t.requires_grad for t in batch_tensors]
+
+
+def _wire(tensors: Sequence[Tensor | None], direct: torch.device | None = None) -> tuple[Tensor | None, ...]:
+    """``tensors`` as they go to another process: detached; on CPU, except those on ``direct``, a GPU from
+    which RPC sends them to the receiver's GPU as they are (a TensorPipe device map)."""
+    return tuple(None if t is None else t.detach() if t.device == direct else t.detach().cpu() for t in tensors)
+
+
+def _maps(peer: str, device: torch.device) -> bool:
+    """Whether RPC sends CUDA tensors on ``device`` to process ``peer`` as they are (a device map for it)."""
+    try:
+        mapping = rpc.api._get_current_rpc_agent()._get_device_map(rpc.get_worker_info(peer))
+    except Exception:  # noqa: BLE001 - no TensorPipe agent, or an older one: through host memory
+        return False
+    return any(torch.device(local) == device for local in mapping)
+
+
+def _landed(payload: Any) -> Any:
+    """``payload`` as received by RPC, ready for this process's threads: CUDA tensors arrive on a stream of
+    RPC's own, so wait for it, and let the memory allocator know that the default stream uses them."""
+    tensors = [t for t in _tensors(payload) if t.is_cuda]
+    for device in {t.device for t in tensors}:
+        torch.cuda.current_stream(device).synchronize()
+    for t in tensors:
+        t.record_stream(torch.cuda.default_stream(t.device))
+    return payload
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _unpack(tensors: Sequence[Tensor], flags: Sequence[bool]) -> tuple[Tensor, ...]:
+    return tuple(t.requires_grad_(f) if t.is_floating_point() or t.is_complex() else t
+                 for t, f in zip(tensors, flags))
+
+
+def where(name: str) -> str:
+    """``"rank 3, process 'worker3'"``: how errors name a process."""
+    try:
+        return f"rank {rpc.get_worker_info(name).id}, process '{name}'"
+    except Exception:  # noqa: BLE001 - RPC already down: the name is all there is
+        return f"process '{name}'"
+
+
+def _deliver(slot: Slot, payload: Any) -> None:
+    MAILBOX.put(slot, _landed(payload))
+
+
+class _Failure:
+    """An action's error, sent back as a value: RPC would turn an exception set on an async function's
+    future into a plain return value, so failures travel explicitly. The exception keeps its type, its
+    message and its notes; its remote traceback comes along as a note."""
+
+    def __init__(self, exc: BaseException) -> None:
+        if not isinstance(exc, _Skipped) and exc.__traceback__ is not None:
+            exc.add_note("Traceback in the stage's process (most recent call last):\n" +
+                         "".join(traceback.format_tb(exc.__traceback__)).rstrip())
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - an exception that cannot cross processes becomes one that can
+            plain = RuntimeError(f"{type(exc).__name__}: {exc}")
+            for note in getattr(exc, "__notes__", []):
+                plain.add_note(note)
+            exc = plain
+        self.exc = exc
+
+
+def _chain_into(future: torch.futures.Future, result: Future[Any], describe: Callable[[], str]) -> None:
+    """Complete ``result`` with the outcome of an RPC ``future`` (a sent failure becomes its exception)."""
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            value = f.value()
+            if isinstance(value, _Failure):
+                raise value.exc
+            result.set_result(value)
+        except BaseException as exc:  # noqa: BLE001
+            result.set_exception(_located(exc, describe))
+
+    future.add_done_callback(done)
+
+
+def to_concurrent(future: torch.futures.Future, describe: Callable[[], str]) -> Future[Any]:
+    """A ``concurrent.futures.Future`` with the outcome of an RPC ``future``; its error is noted with
+    ``describe()`` (where it came from)."""
+    result: Future[Any] = Future()
+    _chain_into(future, result, describe)
+    return result
+
+
+def _located(exc: BaseException, describe: Callable[[], str]) -> BaseException:
+    if isinstance(exc, _Skipped) or "_Skipped" in str(exc).split("\n", 1)[0]:
+        return _Skipped()
+    if not getattr(exc, "_lightning_pipe_where", False):
+        text = str(exc)
+        lost = any(sign in text for sign in ("EOF", "end of file", "Connection reset", "pipe closed",
+                                             "Connection refused"))
+        exc.add_note(describe() + (": its process exited or was killed" if lost else ""))
+        exc._lightning_pipe_where = True  # type: ignore[attr-defined]
+    return exc

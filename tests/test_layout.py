@@ -1,0 +1,128 @@
+"""The package's plan, checked on its source: layers import one way, no cycles, rooms of a readable size.
+
+``engine`` (the pipeline in one process) knows neither RPC nor Lightning; ``transport`` (stages in other
+processes) knows no Lightning; ``lightning`` (``PipeStrategy``) may use both. Read from each module's own
+import statements, those inside functions included, so that a late import cannot hide a wrong arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parent.parent / "lightning_pipe"
+LAYERS = ["engine", "transport", "lightning"]  # each may import only those before it
+FORBIDDEN = {
+    "engine": ("torch.distributed.rpc", "pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics"),
+    "transport": ("pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics"),
+}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__``)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """What the module at ``path`` imports: external names as written, package modules resolved (``from
+    lightning_pipe.engine import pipe`` is the module ``lightning_pipe.engine.pipe``)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & known
+            found.update(submodules)
+            if len(submodules) < len(node.names):  # names defined in ``base`` itself
+                found.add(base)
+    return found
+
+
+def layer(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_every_module_is_in_a_layer_or_is_a_public_face():
+    faces = {"lightning_pipe", "lightning_pipe.__main__", "lightning_pipe.skip", "lightning_pipe.balance"}
+    loose = sorted(n for n in modules() if layer(n) is None and n not in faces and n.split(".")[1] != "compat")
+    assert loose == [], f"modules outside engine/, transport/, lightning/: {loose}"
+
+
+def test_layers_import_one_way_and_the_engine_knows_neither_rpc_nor_lightning():
+    known = set(modules())
+    wrong = []
+    for name, path in modules().items():
+        mine = layer(name)
+        if mine is None:
+            continue
+        for target in imports(path, name, known):
+            theirs = layer(target) if target.startswith("lightning_pipe.") else None
+            if theirs is not None and LAYERS.index(theirs) > LAYERS.index(mine):
+                wrong.append(f"{name} -> {target}")
+            if any(target == f or target.startswith(f + ".") for f in FORBIDDEN.get(mine, ())):
+                wrong.append(f"{name} -> {target}")
+    assert wrong == []
+
+
+def test_no_import_cycle():
+    known = set(modules())
+    graph = {name: {t for t in imports(path, name, known) if t in known and t != name}
+             for name, path in modules().items()}
+    # A package's __init__ that re-exports its modules imports them; they never import it back (checked here).
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node: str, stack: list[str]) -> bool:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle.extend(stack[stack.index(nxt):] + [node, nxt] if nxt in stack else [node, nxt])
+                return True
+            if state.get(nxt) is None and visit(nxt, stack + [node]):
+                return True
+        state[node] = 2
+        return False
+
+    assert not any(visit(n, []) for n in sorted(graph) if state.get(n) is None), f"import cycle: {' -> '.join(cycle)}"
+
+
+@pytest.mark.parametrize("limit", [400])
+def test_no_module_over_the_limit(limit):
+    long = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    assert {n: lines for n, lines in long.items() if lines > limit} == {}
+
+
+@pytest.mark.parametrize("limit", [300])
+def test_no_class_over_the_limit(limit):
+    big = {}
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit:
+                big[f"{name}.{node.name}"] = node.end_lineno - node.lineno + 1
+    assert big == {}
+
+
+def test_every_module_opens_with_a_docstring_and_public_names_have_one():
+    missing = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        if not ast.get_docstring(tree):
+            missing.append(name)
+        for node in tree.body:
+            public = isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_")
+            if public and not ast.get_docstring(node):
+                missing.append(f"{name}.{node.name}")
+    assert missing == []
