@@ -25,3 +25,11 @@ def full_precision_matmul():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@pytest.fixture(scope="session")
+def jobs(tmp_path_factory: pytest.TempPathFactory):
+    """The shared multi-process jobs (tests/jobs.py): each group of cases trains once per session."""
+    from jobs import Jobs
+
+    return Jobs(tmp_path_factory.mktemp("jobs"))

@@ -11,11 +11,14 @@ from scripts import train as script
 from strategy_utils import assert_same_weights, run_script
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("accelerator", [
     "cpu", pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
-def test_fit_validate_test_predict_in_one_script(accelerator, tmp_path):
-    run_script("phases.py", str(tmp_path), accelerator, timeout=240)
+def test_fit_validate_test_predict_in_one_script(accelerator, tmp_path, jobs):
+    if accelerator == "cpu":  # in the shared job of 4 processes (tests/jobs.py)
+        tmp_path = jobs.directory("phases")
+    else:
+        run_script("phases.py", str(tmp_path), accelerator, timeout=240)
     out = torch.load(tmp_path / "phases.pt", weights_only=False, map_location="cpu")
     assert out["world_size"] == 2
     model = script.Model.load_from_checkpoint(tmp_path / "final.ckpt", map_location="cpu").eval()
@@ -86,8 +89,8 @@ def test_strategy_by_name_infers_the_balance(tmp_path):
     assert torch.load(ckpt, weights_only=False)["global_step"] == 2
 
 
-@pytest.mark.timeout(300)
-def test_torchrun_launch_trains_the_same_weights_as_lightnings_launcher(tmp_path):
+@pytest.mark.timeout(900)
+def test_torchrun_launch_trains_the_same_weights_as_lightnings_launcher(tmp_path, jobs):
     """The same plain Lightning script (its strategy argument the only pipeline-specific line), started by
     torchrun instead of by Lightning's launcher, trains bit-identical weights."""
     import json
@@ -95,10 +98,10 @@ def test_torchrun_launch_trains_the_same_weights_as_lightnings_launcher(tmp_path
     import sys
 
     from dist_utils import free_port
-    from strategy_utils import SCRIPTS, assert_same_weights, run_command, train
+    from jobs import config as case_config
+    from strategy_utils import SCRIPTS, assert_same_weights, run_command
 
-    config = {"balance": [2, 2], "epochs": 1}
-    train(config, tmp_path / "launcher")
+    config = case_config("torchrun-reference")  # trained by Lightning's launcher in the shared job
     out = tmp_path / "torchrun"
     out.mkdir()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -106,7 +109,7 @@ def test_torchrun_launch_trains_the_same_weights_as_lightnings_launcher(tmp_path
                  str(SCRIPTS / "train.py"), json.dumps(config), str(out)], timeout=240, name="torchrun")
     assert json.loads((out / "result.json").read_text())["world_size"] == 1
     a = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu")
-    b = script.Model.load_from_checkpoint(tmp_path / "launcher" / "final.ckpt", map_location="cpu")
+    b = script.Model.load_from_checkpoint(jobs.directory("torchrun-reference") / "final.ckpt", map_location="cpu")
     assert_same_weights(a.state_dict(), b.state_dict(), rtol=0, atol=0)
 
 

@@ -1,4 +1,8 @@
-"""PipeStrategy end to end: training through the pipeline ends with the weights of plain training."""
+"""PipeStrategy end to end: training through the pipeline ends with the weights of plain training.
+
+The trainings run in shared jobs (tests/jobs.py: one launch per group of cases needing the same processes);
+the plain references train here, on one device.
+"""
 
 from __future__ import annotations
 
@@ -9,46 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import config as case_config
 from scripts import train as script
-from strategy_utils import assert_same_weights, train
+from strategy_utils import assert_same_weights
 
-# Each case changes a few things from the defaults (2 processes, balance [2, 2], 4 micro-batches, SGD
-# with momentum, 2 epochs of 8 steps); together they cover the grid of the strategy's promises.
-CASES = {
-    "2stages-sgd": {},
-    "3stages-chunks8-always": {"devices": 3, "balance": [1, 2, 1], "microbatches": 8, "checkpoint": "always"},
-    "chunks1-never-adamw-groups": {"microbatches": 1, "checkpoint": "never", "optimizer": "adamw"},
-    "clip-norm-steplr": {"clip": 0.05, "scheduler": "step", "balance": [1, 3]},
-    "clip-value-single-backward": {"clip": 0.01, "clip_algorithm": "value", "pipelined_backward": False},
-    # Two optimizers stepped in turn with toggle_optimizer (GAN style); stage 1 is in the first one only.
-    "manual-two-optimizers-toggled": {"manual": True, "optimizer": "two", "balance": [1, 3]},
-    # lightning_pipe.grad_norm logged in on_after_backward and on_before_optimizer_step reports every stage's
-    # gradients, averaged over the replicas by then as under DDP, as Lightning's grad_norm does on one device.
-    # Accumulating, Lightning blocks the sync as for DDP; the last backward of a step averages everything.
-    "2replicas-x-2stages-onecycle-accumulate": {"devices": 4, "batch_size": 4, "accumulate": 2, "log_grad_norm": True,
-                                                "scheduler": "onecycle", "optimizer": "adamw"},
-    # Manual clipping right after manual_backward must see the replicas' averaged gradients, as under DDP.
-    "2replicas-manual-optimization-clip": {"devices": 4, "batch_size": 4, "manual": True, "clip": 0.05,
-                                           "scheduler": "step", "epochs": 1, "log_grad_norm": True},
-    # Adagrad builds state in its constructor (placeholders too); the sanity check runs validation before
-    # training; the body is built in configure_model, after the processes start.
-    "adagrad-sanity-configure-model": {"optimizer": "adagrad", "validate": True, "sanity_steps": 2,
-                                       "configure_model": True, "epochs": 1},
-    "plateau-scheduler": {"scheduler": "plateau", "log_metric": True, "epochs": 3},
-    # Lightning's learning-rate finder: a run of its own, checkpointed before and restored after, then fit
-    # with its suggestion.
-    "lr-finder": {"lr_find": True, "epochs": 1, "samples": 128},
-    # The callback form restores a checkpoint saved before any step: every stage drops the finder's momentum.
-    "lr-finder-callback": {"lr_find": "callback", "epochs": 1, "samples": 128},
-    # What is set on the driver's copies of the layers reaches their stages: layer.eval() on a layer of stage 0
-    # and one of stage 1 (dropout off there, also after validation), BatchNorm frozen by BaseFinetuning (its
-    # statistics no longer tracked), zero_grad before validation (manual accumulation leaves gradients over),
-    # and precision="64-true"'s default dtype for tensors a layer makes.
-    "modes-frozen-bn-zero-grad-float64": {"manual": True, "manual_accumulate": 3, "validate": True, "samples": 56,
-                                          "dropout": 0.5, "eval_layers": [1, 3], "batchnorm": True,
-                                          "freeze_bn_layers": [2], "microbatches": 1, "precision": "64-true",
-                                          "default_dtype_layer": True},
-}
+TRANSPARENCY = ["2stages-sgd", "3stages-chunks8-always", "chunks1-never-adamw-groups", "clip-norm-steplr",
+                "clip-value-single-backward", "manual-two-optimizers-toggled",
+                "2replicas-x-2stages-onecycle-accumulate", "2replicas-manual-optimization-clip",
+                "adagrad-sanity-configure-model", "plateau-scheduler", "lr-finder", "lr-finder-callback",
+                "modes-frozen-bn-zero-grad-float64"]
 
 
 def plain_weights(config: dict, out: Path) -> dict[str, torch.Tensor]:
@@ -59,17 +32,22 @@ def plain_weights(config: dict, out: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(CASES))
-def test_same_weights_as_one_device(name, tmp_path):
-    config = CASES[name]
-    result = train(config, tmp_path / "pipe")
+def load(path: Path) -> dict[str, torch.Tensor]:
+    """The plain module's weights loaded from a checkpoint the pipeline wrote, with no strategy at all."""
+    return script.Model.load_from_checkpoint(path, map_location="cpu").state_dict()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", TRANSPARENCY)
+def test_same_weights_as_one_device(name, jobs, tmp_path):
+    config = case_config(name)
+    result, out = jobs.result(name), jobs.directory(name)
     expected = plain_weights(config, tmp_path / "plain")
     # The consolidated checkpoint loads into the plain module, with no strategy at all.
-    loaded = script.Model.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu").state_dict()
+    loaded = load(out / "final.ckpt")
     assert_same_weights(loaded, {k: v.to(loaded[k].dtype) for k, v in expected.items()})  # a float32 model
     if config.get("precision") == "64-true":  # the checkpoint holds float64 weights: compare them as they are
-        saved = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)["state_dict"]
+        saved = torch.load(out / "final.ckpt", weights_only=False)["state_dict"]
         assert saved["sequential_module.3.0.weight"].dtype == torch.float64
         assert_same_weights(saved, expected)
     replicas = config.get("devices", 2) // len(config.get("balance", [2, 2]))
@@ -85,18 +63,43 @@ def test_same_weights_as_one_device(name, tmp_path):
         plain = json.loads((tmp_path / "plain" / "result.json").read_text())
         assert result["lr"] == pytest.approx(plain["lr"], rel=1e-6) and result["lr"] != script.DEFAULTS["lr"]
     if config.get("scheduler") == "plateau":  # the case proves something only if the LR did move
-        lr = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)["optimizer_states"][0]
+        lr = torch.load(out / "final.ckpt", weights_only=False)["optimizer_states"][0]
         assert lr["param_groups"][0]["lr"] < 0.05
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
+def test_one_replica_uses_the_loader_as_given(jobs, tmp_path):
+    """One pipeline and a loader built with shuffle=False: the batches of one device, in its order (under a
+    distributed strategy Lightning would put a shuffling sampler in: other batches, other weights)."""
+    from torch.utils.data import DistributedSampler
+
+    config = case_config("one-replica-keeps-the-loader-order")
+    assert_same_weights(load(jobs.directory("one-replica-keeps-the-loader-order") / "final.ckpt"),
+                        plain_weights(config, tmp_path / "plain"))
+    dataset = script.data({**script.DEFAULTS, **config})
+    shuffled = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config.get("seed", 7))
+    assert list(shuffled) != list(range(len(dataset)))  # the order a distributed sampler would have given
+
+
+@pytest.mark.timeout(900)
+def test_remote_stages_step_after_the_drivers_steps_and_meet_at_barriers(jobs):
+    """post_optimizer_step steps the remote stages once per driver step (none when a gradient scaler skips
+    one), and barrier has them meet too: without either hook, these counts stay put."""
+    result = jobs.result("2stages-sgd")
+    fit, after = result["stages"]["fit"][0], result["stages"]["barrier"][0]
+    assert fit["steps"] == result["global_step"] == 16
+    assert fit["barriers"] > 0 and after["barriers"] == fit["barriers"] + 1
+    scaled = jobs.result("fp16-scaler")  # the scale starts at 2**20: early steps overflow and are skipped
+    assert 0 < scaled["stages"]["fit"][0]["steps"] < scaled["global_step"]
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_checkpoint_holds_the_plain_optimizer_state(optimizer, tmp_path):
+def test_checkpoint_holds_the_plain_optimizer_state(optimizer, jobs, tmp_path):
     """The consolidated optimizer state is the one the unpipelined model's optimizer would have."""
-    config = {"optimizer": optimizer, "balance": [1, 3], "scheduler": "step"}
-    train(config, tmp_path / "pipe")
-    plain_weights(config, tmp_path / "plain")
-    piped = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)
+    name = f"optimizer-state-{optimizer}"
+    plain_weights(case_config(name), tmp_path / "plain")
+    piped = torch.load(jobs.directory(name) / "final.ckpt", weights_only=False)
     plain = torch.load(tmp_path / "plain" / "final.ckpt", weights_only=False)
     (got,), (want,) = piped["optimizer_states"], plain["optimizer_states"]
     assert got["param_groups"] == want["param_groups"]
@@ -107,46 +110,36 @@ def test_checkpoint_holds_the_plain_optimizer_state(optimizer, tmp_path):
     assert piped["lr_schedulers"] == plain["lr_schedulers"]
 
 
-@pytest.mark.timeout(300)
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.timeout(900)
+def test_resume_continues_exactly(jobs):
     """Stop after epoch 1, resume from its checkpoint: the same weights as the uninterrupted run."""
-    config = {"optimizer": "adamw", "scheduler": "step", "epochs": 3, "save_every": "epoch", "balance": [3, 1]}
-    train(config, tmp_path / "full")
-    resumed = {**config, "resume": str(tmp_path / "full" / "ckpts" / "epoch=0.ckpt")}
-    result = train(resumed, tmp_path / "resumed")
-    assert result["global_step"] == 24
-    full = script.Model.load_from_checkpoint(tmp_path / "full" / "final.ckpt", map_location="cpu")
-    again = script.Model.load_from_checkpoint(tmp_path / "resumed" / "final.ckpt", map_location="cpu")
-    assert_same_weights(again.state_dict(), full.state_dict(), rtol=1e-6, atol=1e-7)
-    first = script.Model.load_from_checkpoint(tmp_path / "full" / "ckpts" / "epoch=0.ckpt", map_location="cpu")
-    assert not torch.allclose(first.head.weight, full.head.weight)  # the resumed run did train further
+    assert jobs.result("resume-from-epoch-0")["global_step"] == 24
+    full = load(jobs.directory("resume-full") / "final.ckpt")
+    again = load(jobs.directory("resume-from-epoch-0") / "final.ckpt")
+    assert_same_weights(again, full, rtol=1e-6, atol=1e-7)
+    first = load(jobs.directory("resume-full") / "ckpts" / "epoch=0.ckpt")
+    assert not torch.allclose(first["head.weight"], full["head.weight"])  # the resumed run did train further
 
 
-@pytest.mark.timeout(300)
-def test_bf16_mixed_reaches_every_stage(tmp_path):
+@pytest.mark.timeout(900)
+def test_bf16_mixed_reaches_every_stage(jobs, tmp_path):
     """Autocast runs in the remote stages too: the same weights as plain bf16-mixed training, and not those
     of float32 training."""
-    config = {"precision": "bf16-mixed", "microbatches": 1, "balance": [1, 3], "epochs": 1}
-    train(config, tmp_path / "pipe")
+    config = case_config("bf16-mixed")
     bf16 = plain_weights(config, tmp_path / "plain")
     fp32 = plain_weights({**config, "precision": "32-true"}, tmp_path / "fp32")
-    loaded = script.Model.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu").state_dict()
-    assert_same_weights(loaded, bf16, rtol=1e-4, atol=1e-5)
+    assert_same_weights(load(jobs.directory("bf16-mixed") / "final.ckpt"), bf16, rtol=1e-4, atol=1e-5)
     remote = "sequential_module.3.0.weight"  # a layer of stage 1, in the other process
     assert (bf16[remote] - fp32[remote]).abs().max() > 1e-4  # the test can tell bf16 from float32
 
 
-@pytest.mark.timeout(300)
-def test_fp16_with_gradient_scaler_matches_one_device(tmp_path):
+@pytest.mark.timeout(900)
+def test_fp16_with_gradient_scaler_matches_one_device(jobs, tmp_path):
     """16-mixed with a GradScaler (CPU here, as on GPUs): remote stages unscale and report overflow, so the
     scale moves and steps are skipped exactly as on one device."""
-    # One micro-batch: fp16 rounds smaller matrix products differently (~1e-4), which would blur the check.
-    config = {"precision": "16-mixed-scaler", "balance": [1, 3], "optimizer": "adamw", "microbatches": 1}
-    train(config, tmp_path / "pipe")
-    expected = plain_weights(config, tmp_path / "plain")
-    loaded = script.Model.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu").state_dict()
-    assert_same_weights(loaded, expected)
-    piped = torch.load(tmp_path / "pipe" / "final.ckpt", weights_only=False)
+    expected = plain_weights(case_config("fp16-scaler"), tmp_path / "plain")
+    assert_same_weights(load(jobs.directory("fp16-scaler") / "final.ckpt"), expected)
+    piped = torch.load(jobs.directory("fp16-scaler") / "final.ckpt", weights_only=False)
     plain = torch.load(tmp_path / "plain" / "final.ckpt", weights_only=False)
     # The scale started at 2**20 and moved (overflows halved it, quiet steps doubled it), identically.
     assert piped["MixedPrecision"]["scale"] == plain["MixedPrecision"]["scale"] != 2.0**20

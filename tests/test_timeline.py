@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from strategy_utils import run_command, train
+from strategy_utils import run_command
 
 from lightning_pipe.engine.schedule import backward_plan, forward_plan
 from lightning_pipe.engine.timeline import Event, bubble_fraction, read_chrome_trace, render, write_chrome_trace
@@ -40,12 +40,10 @@ def test_trace_roundtrip_and_picture(tmp_path):
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.timeout(300)
-def test_timeline_of_a_real_run_follows_the_schedule(tmp_path):
-    trace = tmp_path / "trace.json"
+@pytest.mark.timeout(900)
+def test_timeline_of_a_real_run_follows_the_schedule(tmp_path, jobs):
+    trace = jobs.directory("timeline") / "trace.json"  # 3 stages, 4 micro-batches (tests/jobs.py)
     m, n = 4, 3
-    train({"devices": n, "balance": [1, 2, 1], "microbatches": m, "epochs": 1, "timeline": str(trace)},
-          tmp_path / "run")
     events = read_chrome_trace(str(trace))
     runs = sorted({e.run for e in events})
     assert len(runs) == 8  # one per training step

@@ -5,7 +5,7 @@
                                     under detect_anomaly=True) | no_body |
                                     not_sequential | bad_balance | no_example (a model that cannot be split) |
                                     sync_batchnorm | swa | pruning | backbone (Trainer settings or callbacks the
-                                    strategy refuses) |
+                                    strategy refuses) | refusals (all of the refused ones, in turn) |
                                     fused_scaler (a fused optimizer under a gradient scaler, refused at setup) |
                                     bare_backward (manual optimization calling loss.backward() with 2 replicas) |
                                     slow (stage 1 takes 1.5 s a micro-batch, longer than LP_TIMEOUT in all:
@@ -125,5 +125,29 @@ def main(what: str, out: str) -> None:
     trainer.fit(model, DataLoader(data(model.config), batch_size=8))
 
 
+REFUSED = ("no_body", "not_sequential", "bad_balance", "no_example", "sync_batchnorm", "swa", "pruning", "backbone")
+
+
+def refusals(out: str) -> None:
+    """Every model or setting refused before any process starts, one after another in this process: each
+    must fail in the launcher, having started no other process (which would set the launcher's variable)."""
+    from lightning_pipe.transport.session import _PARENT_ENV
+
+    for what in REFUSED:
+        try:
+            main(what, os.path.join(out, what))
+        except Exception as exc:  # noqa: BLE001 - the refusal this case expects, reported to the test
+            print(f"[refused {what}] {type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
+        else:
+            print(f"[not refused {what}]", flush=True)
+            sys.exit(1)
+        if _PARENT_ENV in os.environ:
+            print(f"[started processes {what}]", flush=True)
+            sys.exit(1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "refusals":
+        refusals(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2])

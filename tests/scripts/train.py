@@ -320,15 +320,42 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
                 weights_only=True if config["resume"] else None)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     route = None  # how tensors go from the driver's stage to stage 1: None (host memory), or GPU to GPU
+    stats: dict[str, Any] = {}
     if isinstance(trainer.strategy, lightning_pipe.PipeStrategy):
         route = str(trainer.strategy._pipeline.runner.direct(1))
+        # What the remote stages did (optimizer steps, barriers), then once more after one barrier more.
+        hosts = trainer.strategy._body.hosts
+        stats["fit"] = hosts.call("stats")
+        trainer.strategy.barrier("test")
+        stats["barrier"] = hosts.call("stats")
     if trainer.is_global_zero:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "lr": model.lr,
-                       "route": route,
+                       "route": route, "stages": stats,
                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
     return model
 
 
+def run_cases(cases: dict[str, dict[str, Any]], out: str) -> None:
+    """Train several configs one after another in the same processes, ``OUT/<name>/`` each: one launch (each
+    process imports Lightning once) for cases that need the same processes. ``resume`` may name a checkpoint
+    relative to ``out`` (written by an earlier case). A case ``{"script": "phases"}`` runs phases.py's job."""
+    for name, config in cases.items():
+        print(f"[case {name}]", flush=True)
+        os.makedirs(os.path.join(out, name), exist_ok=True)
+        if config.get("script") == "phases":
+            import phases
+
+            phases.main(os.path.join(out, name))
+            continue
+        if config.get("resume") and not os.path.isabs(config["resume"]):
+            config = {**config, "resume": os.path.join(out, config["resume"])}
+        main(config, os.path.join(out, name))
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]), sys.argv[2])
+    argument = json.loads(sys.argv[1])
+    if "cases" in argument:
+        run_cases(argument["cases"], sys.argv[2])
+    else:
+        main(argument, sys.argv[2])

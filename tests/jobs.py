@@ -1,0 +1,119 @@
+"""Multi-process jobs shared by several tests: configs that need the same processes train in one launch.
+
+Launching a job costs more than most of its training (every process imports Lightning), so the configs
+below are grouped by the processes they need (devices and stages) and each group runs once per test session,
+case after case in the same processes (``scripts/train.py`` with ``{"cases": ...}``). A test asks for its
+case's result; the first one to ask runs the group. Each case is the same training as alone: its own model,
+seed, Trainer and pipeline, written to ``<job>/<case>/``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from strategy_utils import run_script
+
+#: Each case changes a few things from train.py's defaults (2 processes, balance [2, 2], 4 micro-batches, SGD
+#: with momentum, 2 epochs of 8 steps); together they cover the grid of the strategy's promises.
+GROUPS: dict[str, dict[str, dict[str, Any]]] = {
+    "2 processes": {
+        "2stages-sgd": {},
+        "chunks1-never-adamw-groups": {"microbatches": 1, "checkpoint": "never", "optimizer": "adamw"},
+        "clip-norm-steplr": {"clip": 0.05, "scheduler": "step", "balance": [1, 3]},
+        "clip-value-single-backward": {"clip": 0.01, "clip_algorithm": "value", "pipelined_backward": False},
+        # Two optimizers stepped in turn with toggle_optimizer (GAN style); stage 1 is in the first one only.
+        "manual-two-optimizers-toggled": {"manual": True, "optimizer": "two", "balance": [1, 3]},
+        # Adagrad builds state in its constructor (placeholders too); the sanity check runs validation before
+        # training; the body is built in configure_model, after the processes start.
+        "adagrad-sanity-configure-model": {"optimizer": "adagrad", "validate": True, "sanity_steps": 2,
+                                           "configure_model": True, "epochs": 1},
+        "plateau-scheduler": {"scheduler": "plateau", "log_metric": True, "epochs": 3},
+        # Lightning's learning-rate finder: a run of its own, checkpointed before and restored after, then fit
+        # with its suggestion.
+        "lr-finder": {"lr_find": True, "epochs": 1, "samples": 128},
+        # The callback form restores a checkpoint saved before any step: every stage drops the finder's momentum.
+        "lr-finder-callback": {"lr_find": "callback", "epochs": 1, "samples": 128},
+        # What is set on the driver's copies of the layers reaches their stages: layer.eval() on a layer of
+        # stage 0 and one of stage 1 (dropout off there, also after validation), BatchNorm frozen by
+        # BaseFinetuning (its statistics no longer tracked), zero_grad before validation (manual accumulation
+        # leaves gradients over), and precision="64-true"'s default dtype for tensors a layer makes.
+        "modes-frozen-bn-zero-grad-float64": {"manual": True, "manual_accumulate": 3, "validate": True,
+                                              "samples": 56, "dropout": 0.5, "eval_layers": [1, 3],
+                                              "batchnorm": True, "freeze_bn_layers": [2], "microbatches": 1,
+                                              "precision": "64-true", "default_dtype_layer": True},
+        # One pipeline, a plain loader built with shuffle=False: the batches of one device, in its order.
+        "one-replica-keeps-the-loader-order": {"layers": 5, "balance": [2, 3]},
+        "optimizer-state-sgd": {"optimizer": "sgd", "balance": [1, 3], "scheduler": "step"},
+        "optimizer-state-adamw": {"optimizer": "adamw", "balance": [1, 3], "scheduler": "step"},
+        "resume-full": {"optimizer": "adamw", "scheduler": "step", "epochs": 3, "save_every": "epoch",
+                        "balance": [3, 1]},
+        "resume-from-epoch-0": {"optimizer": "adamw", "scheduler": "step", "epochs": 3, "save_every": "epoch",
+                                "balance": [3, 1], "resume": "resume-full/ckpts/epoch=0.ckpt"},
+        # One micro-batch: bf16 and fp16 round smaller matrix products differently, which would blur the checks.
+        "bf16-mixed": {"precision": "bf16-mixed", "microbatches": 1, "balance": [1, 3], "epochs": 1},
+        "fp16-scaler": {"precision": "16-mixed-scaler", "balance": [1, 3], "optimizer": "adamw", "microbatches": 1},
+        "torchrun-reference": {"balance": [2, 2], "epochs": 1},
+    },
+    "3 processes": {
+        "3stages-chunks8-always": {"devices": 3, "balance": [1, 2, 1], "microbatches": 8, "checkpoint": "always"},
+        "timeline": {"devices": 3, "balance": [1, 2, 1], "microbatches": 4, "epochs": 1, "timeline": "trace.json"},
+        # SGD with momentum: over hundreds of steps AdamW's normalised update turns float rounding of different
+        # summation orders (micro-batches) into visible differences (1e-4 after 50 steps, 1e-2 after 100),
+        # between any two implementations; SGD keeps them at rounding level (3e-7 after 300 steps).
+        "soak-300-steps": {"devices": 3, "balance": [1, 1, 2], "samples": 400, "batch_size": 8, "epochs": 6,
+                           "width": 128, "optimizer": "sgd", "lr": 0.005, "microbatches": 4, "save_every": 50,
+                           "measure_memory": [50, 300]},
+    },
+    "4 processes": {
+        # lightning_pipe.grad_norm logged in on_after_backward and on_before_optimizer_step reports every stage's
+        # gradients, averaged over the replicas by then as under DDP, as Lightning's grad_norm does on one
+        # device. Accumulating, Lightning blocks the sync as for DDP; the last backward of a step averages.
+        "2replicas-x-2stages-onecycle-accumulate": {"devices": 4, "batch_size": 4, "accumulate": 2,
+                                                    "log_grad_norm": True, "scheduler": "onecycle",
+                                                    "optimizer": "adamw"},
+        # Manual clipping right after manual_backward must see the replicas' averaged gradients, as under DDP.
+        "2replicas-manual-optimization-clip": {"devices": 4, "batch_size": 4, "manual": True, "clip": 0.05,
+                                               "scheduler": "step", "epochs": 1, "log_grad_norm": True},
+        # fit, validate, test and predict in one script, and later Trainers taking over the pipeline.
+        "phases": {"script": "phases"},
+    },
+}
+
+
+def config(case: str) -> dict[str, Any]:
+    """The config of ``case``, as it trained (paths relative to its job's directory)."""
+    return next(cases[case] for cases in GROUPS.values() if case in cases)
+
+
+class Jobs:
+    """Runs each group once, when a test first asks for one of its cases (see :data:`GROUPS`)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.failures: dict[str, AssertionError] = {}
+
+    def _group(self, case: str) -> str:
+        return next(group for group, cases in GROUPS.items() if case in cases)
+
+    def directory(self, case: str) -> Path:
+        """Where ``case`` wrote its files (its job run first)."""
+        group = self._group(case)
+        out = self.root / group.replace(" ", "-")
+        if group in self.failures:
+            raise self.failures[group]
+        if not out.exists():
+            out.mkdir(parents=True)
+            cases = {name: {**c, "timeline": str(out / name / c["timeline"])} if c.get("timeline") else c
+                     for name, c in GROUPS[group].items()}
+            try:
+                run_script("train.py", json.dumps({"cases": cases}), str(out), timeout=900)
+            except AssertionError as exc:
+                self.failures[group] = AssertionError(f"the job of the {group} failed:\n{exc}")
+                raise self.failures[group] from None
+        return out / case
+
+    def result(self, case: str) -> dict[str, Any]:
+        """What ``case``'s main process wrote in its result.json."""
+        return json.loads((self.directory(case) / "result.json").read_text())
