@@ -82,6 +82,42 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+# Every schedule on the scenarios above, the loss computed on the last stage (the head ends the body): GPipe
+# (its backward waits for Lightning's), 1F1B and zero-bubble (their backwards run inside the forward, their
+# gradients committed by Lightning's backward), interleaved 1F1B (2 stages per process).
+SCHEDULES = {"gpipe": {}, "1f1b": {}, "zero-bubble": {}, "interleaved-1f1b": {"virtual_stages": 2}}
+for _name, _extra in SCHEDULES.items():
+    _v = _extra.get("virtual_stages", 1)
+    _loss = {"schedule": _name, "last_stage_loss": True, **_extra}
+    # 4 layers and the head: 5 layers over 2 processes (x 2 stages each, interleaved)
+    _two = {**_loss, "balance": [2, 3] if _v == 1 else [1, 1, 1, 2]}
+    GROUPS["2 processes"].update({
+        f"{_name}-sgd-accumulate-clip-log": {**_two, "accumulate": 2, "clip": 0.05, "log_metric": True,
+                                             "validate": True, "predict": True, "epochs": 1},
+        f"{_name}-adamw-onecycle-always": {**_two, "optimizer": "adamw", "scheduler": "onecycle",
+                                           "checkpoint": "always", "microbatches": 8, "epochs": 1},
+        f"{_name}-manual-two-optimizers": {**_two, "manual": True, "optimizer": "two", "epochs": 1},
+        # Under a gradient scaler, micro-batches overflow at other scales than the whole batch (each micro-batch's
+        # gradients are a fraction of the batch's): the schedules are compared with each other (same micro-
+        # batches), and GPipe with one micro-batch with one device.
+        f"{_name}-fp16-scaler": {**_two, "precision": "16-mixed-scaler", "epochs": 1},
+        f"{_name}-resume-full": {**_two, "optimizer": "adamw", "scheduler": "step", "epochs": 2,
+                                 "save_every": "epoch"},
+        f"{_name}-resume-from-epoch-0": {**_two, "optimizer": "adamw", "scheduler": "step", "epochs": 2,
+                                         "save_every": "epoch", "resume": f"{_name}-resume-full/ckpts/epoch=0.ckpt"},
+    })
+    if _name == "gpipe":
+        GROUPS["2 processes"]["gpipe-fp16-scaler-one-microbatch"] = {**_two, "precision": "16-mixed-scaler",
+                                                                     "microbatches": 1, "epochs": 1}
+    # 6 layers and the head over 3 processes (x 2 stages each, interleaved)
+    GROUPS["3 processes"][f"{_name}-3stages-never"] = {
+        **_loss, "devices": 3, "layers": 6, "checkpoint": "never", "microbatches": 6, "epochs": 1,
+        "balance": [2, 2, 3] if _v == 1 else [1, 1, 1, 1, 1, 2]}
+    GROUPS["4 processes"][f"{_name}-2replicas"] = {
+        **_two, "devices": 4, "batch_size": 4, "accumulate": 2, "log_grad_norm": True, "optimizer": "adamw",
+        "epochs": 1}
+
+
 def config(case: str) -> dict[str, Any]:
     """The config of ``case``, as it trained (paths relative to its job's directory)."""
     return next(cases[case] for cases in GROUPS.values() if case in cases)

@@ -11,7 +11,7 @@ import torch.distributed.rpc as rpc
 from dist_utils import run_processes
 from torch import nn
 
-from lightning_pipe.engine import run_pipeline
+from lightning_pipe.engine import pipeline_loss, run_pipeline
 from lightning_pipe.skip import pop, skippable, stash
 from lightning_pipe.transport import pipeline_over_rpc
 
@@ -28,6 +28,10 @@ class Pop(nn.Module):
     def forward(self, x):
         skip = yield pop("skip")
         return x + skip.sin()
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target).square().mean()
 
 
 def build() -> nn.Sequential:
@@ -120,6 +124,52 @@ def test_remote_stages_match_one_process():
     assert out[0] == [6 * len(configs)] * 2  # every parameter's gradient compared, in every configuration
 
 
+def _schedules(rank: int, world: int, cases: list[tuple[str, int, int, str]]):
+    """Every schedule through processes, the loss on the last stage: the plain model's loss, parameters' and
+    input's gradients (with 2 processes x 2 stages each for the interleaved one)."""
+    compared = []
+    for k, (schedule, v, chunks, checkpoint) in enumerate(cases):
+        model = build()
+        n = len(model)
+        parts = world * v
+        balance = [n // parts + (1 if j < n % parts else 0) for j in range(parts)]
+        pipeline = pipeline_over_rpc(f"schedule{k}", model, balance, [f"worker{r}" for r in range(world)],
+                                     timeout=20, virtual_stages=v)
+        if pipeline is None:
+            continue
+        reference = build()
+        x, y = torch.randn(10, 6), torch.randn(10, 2)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected = _mse(reference(x1), y)
+        for step in range(2):  # the second accumulates onto the first, through commit
+            loss = pipeline_loss(pipeline, x2, y, _mse, chunks=chunks, checkpoint=checkpoint, training=True,
+                                 parameters=iter([]), schedule=schedule)
+            torch.testing.assert_close(loss, expected)
+            (loss * (step + 1)).backward()
+        (expected * 3).backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
+        grads = {}
+        for r in range(world):
+            grads.update(pipeline.call(r, "named_grads"))
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=f"{name} ({schedule})")
+        with torch.no_grad():  # evaluation: losses alone come back
+            torch.testing.assert_close(pipeline_loss(pipeline, x, y, _mse, chunks=chunks, checkpoint=checkpoint,
+                                                     training=False, parameters=iter([]), schedule=schedule),
+                                       _mse(reference(x), y))
+        compared.append(schedule)
+        pipeline.close()
+    return compared if rank == 0 else None
+
+
+@pytest.mark.timeout(180)
+def test_every_schedule_across_processes_matches_one_process():
+    cases = [("gpipe", 1, 4, "except_last"), ("1f1b", 1, 4, "never"), ("zero-bubble", 1, 5, "always"),
+             ("interleaved-1f1b", 2, 4, "except_last")]
+    out = run_processes(_schedules, 2, cases, timeout=150)
+    assert out[0] == [c[0] for c in cases]
+
+
 def _stage_state(key: str) -> dict[str, int]:
     """What the remote stage of pipeline ``key`` in this process keeps, and how often it was told to release."""
     from lightning_pipe.transport.runner import _RUNNERS
@@ -135,7 +185,7 @@ def _stage_state(key: str) -> dict[str, int]:
 
         runner.release = release
     return {"saved": len(runner.stage._saved), "seeds": len(runner._seeds), "held": len(runner._held),
-            "released": runner.released}
+            "aside": sum(stage.aside.pending() for stage in runner.stages.values()), "released": runner.released}
 
 
 def _releases(rank: int, world: int):
@@ -148,10 +198,14 @@ def _releases(rank: int, world: int):
     states = lambda: [rpc.rpc_sync(f"worker{j}", _stage_state, args=("test",)) for j in (1, 2)]  # noqa: E731
     states()
     seen = {}
-    for case in ("backward", "eval", "unused", "backward of one micro-batch group"):
+    for case in ("backward", "eval", "unused", "backward of one micro-batch group", "1f1b loss", "1f1b loss unused"):
         x = torch.randn(8, 6, requires_grad=True)
         kwargs = dict(chunks=4, checkpoint="except_last", training=case != "eval", parameters=iter([]))
-        if case == "eval":
+        if case.startswith("1f1b"):  # the backwards run in the forward, their gradients set aside for commit
+            y = pipeline_loss(pipeline, x, torch.randn(8, 2), _mse, schedule="1f1b", **kwargs)
+            if case == "1f1b loss":
+                y.backward()
+        elif case == "eval":
             with torch.no_grad():
                 y = run_pipeline(pipeline, x, **kwargs)
         else:
@@ -164,7 +218,8 @@ def _releases(rank: int, world: int):
         deadline = time.monotonic() + 10
         while True:  # a release message travels on its own: wait for it a little
             seen[case] = states()
-            if case != "unused" or all(s["released"] for s in seen[case]) or time.monotonic() > deadline:
+            if "unused" not in case or all(s["aside"] == 0 and s["released"] for s in seen[case]) \
+                    or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
     remembered = len(pipeline._settled)
@@ -179,11 +234,13 @@ def test_runs_done_with_need_no_release_message():
     seen, remembered = run_processes(_releases, 3, timeout=100)[0]
     for case, stages in seen.items():
         for j, state in enumerate(stages, 1):
-            assert (state["saved"], state["seeds"], state["held"]) == (0, 0, 0), (case, j, state)
+            assert (state["saved"], state["seeds"], state["held"], state["aside"]) == (0, 0, 0, 0), (case, j, state)
     released = {case: [s["released"] for s in stages] for case, stages in seen.items()}
     assert released["backward"] == [0, 0] and released["eval"] == [0, 0]
     assert released["unused"] == [1, 1]  # counted since the start: the one run that needed it
     assert released["backward of one micro-batch group"] == [1, 1]  # nothing more after it
+    assert released["1f1b loss"] == [1, 1]  # its gradients were committed: nothing more
+    assert released["1f1b loss unused"] == [2, 2]  # never committed: released, and its gradients dropped
     assert remembered == 0  # the driver forgets settled runs as they are freed
 
 

@@ -26,7 +26,7 @@ TRANSPARENCY = ["2stages-sgd", "3stages-chunks8-always", "chunks1-never-adamw-gr
 
 def plain_weights(config: dict, out: Path) -> dict[str, torch.Tensor]:
     config = copy.deepcopy(config)
-    replicas = config.get("devices", 2) // len(config.get("balance", [2, 2]))
+    replicas = config.get("devices", 2) * config.get("virtual_stages", 1) // len(config.get("balance", [2, 2]))
     config["batch_size"] = config.get("batch_size", 8) * replicas  # one device sees the global batch
     model = script.main(config, str(out), plain=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -50,7 +50,7 @@ def test_same_weights_as_one_device(name, jobs, tmp_path):
         saved = torch.load(out / "final.ckpt", weights_only=False)["state_dict"]
         assert saved["sequential_module.3.0.weight"].dtype == torch.float64
         assert_same_weights(saved, expected)
-    replicas = config.get("devices", 2) // len(config.get("balance", [2, 2]))
+    replicas = config.get("devices", 2) * config.get("virtual_stages", 1) // len(config.get("balance", [2, 2]))
     assert result["world_size"] == replicas  # Lightning sees the replicas, not the processes
     if config.get("log_grad_norm"):
         plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
@@ -65,6 +65,57 @@ def test_same_weights_as_one_device(name, jobs, tmp_path):
     if config.get("scheduler") == "plateau":  # the case proves something only if the LR did move
         lr = torch.load(out / "final.ckpt", weights_only=False)["optimizer_states"][0]
         assert lr["param_groups"][0]["lr"] < 0.05
+
+
+SCHEDULED = [f"{name}-{case}" for name in ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b")
+             for case in ("sgd-accumulate-clip-log", "adamw-onecycle-always", "manual-two-optimizers", "3stages-never",
+                          "2replicas")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", SCHEDULED)
+def test_every_schedule_with_the_loss_on_the_last_stage_trains_the_plain_models_weights(name, jobs, tmp_path):
+    """The loss computed on the last stage, the micro-batches in each schedule's order: the plain model's
+    weights (and logged losses, predictions, replicas' gradient norms) on the scenarios above."""
+    config = case_config(name)
+    result, out = jobs.result(name), jobs.directory(name)
+    expected = plain_weights(config, tmp_path / "plain")
+    assert_same_weights(load(out / "final.ckpt"), expected)
+    plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
+    for key in ("train_loss", "val_loss") if config.get("log_metric") else ():
+        assert result["metrics"][key] == pytest.approx(plain[key], rel=1e-5), key  # logged with sync_dist
+    if config.get("predict"):  # outputs through the schedule's processes, as the plain model gives them
+        model = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu").eval()
+        x, _ = script.data(model.config).tensors
+        with torch.no_grad():
+            torch.testing.assert_close(torch.load(out / "predicted.pt"), model(x), rtol=1e-5, atol=1e-6)
+    if config.get("log_grad_norm"):  # every stage's gradients, averaged over the replicas, as on one device
+        norms = {k: v for k, v in plain.items() if "grad_" in k}
+        assert {k: v for k, v in result["metrics"].items() if "grad_" in k} == pytest.approx(norms, rel=1e-5)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b"])
+def test_every_schedule_resumes_exactly_and_scales_fp16_losses(schedule, jobs, tmp_path):
+    """Resuming from an epoch's checkpoint continues exactly. Under 16-mixed, the gradient scaler's scale
+    reaches the loss on the last stage: schedules that run their backwards ahead of Lightning's scale them
+    with it (float16 gradients neither underflow nor overflow otherwise than GPipe's, whose backward waits
+    for the scaled loss), so they skip the same steps and end with GPipe's scale and weights; GPipe with one
+    micro-batch ends with one device's."""
+    full = load(jobs.directory(f"{schedule}-resume-full") / "final.ckpt")
+    assert_same_weights(load(jobs.directory(f"{schedule}-resume-from-epoch-0") / "final.ckpt"), full,
+                        rtol=1e-6, atol=1e-7)
+    if schedule == "gpipe":
+        name = "gpipe-fp16-scaler-one-microbatch"
+        reference = plain_weights(case_config(name), tmp_path / "plain")
+        other = torch.load(tmp_path / "plain" / "final.ckpt", weights_only=False)
+    else:
+        name = f"{schedule}-fp16-scaler"
+        other = torch.load(jobs.directory("gpipe-fp16-scaler") / "final.ckpt", weights_only=False)
+        reference = other["state_dict"]
+    piped = torch.load(jobs.directory(name) / "final.ckpt", weights_only=False)
+    assert_same_weights(piped["state_dict"], reference)
+    assert piped["MixedPrecision"]["scale"] == other["MixedPrecision"]["scale"] != 2.0**20
 
 
 @pytest.mark.timeout(900)
@@ -234,7 +285,8 @@ def test_placeholders_refuse_the_functions_that_would_see_stage_0_alone():
     from torch import nn
 
     import lightning_pipe
-    from lightning_pipe.lightning.body import PipelinedSequential, Placeholder
+    from lightning_pipe.lightning.body import PipelinedSequential
+    from lightning_pipe.lightning.placeholders import Placeholder
 
     body = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Tanh(), nn.Linear(3, 2)), nn.Linear(2, 1))
     module = PipelinedSequential(body, {"0": 0, "1": 1, "2": 1}, None, chunks=1, checkpoint="never")
@@ -286,7 +338,8 @@ def test_changing_a_placeholder_in_place_is_an_error_at_the_next_forward_or_stat
     from torch import nn
 
     from lightning_pipe import Pipe
-    from lightning_pipe.lightning.body import PipelinedSequential, Placeholder
+    from lightning_pipe.lightning.body import PipelinedSequential
+    from lightning_pipe.lightning.placeholders import Placeholder
 
     def body():
         torch.manual_seed(0)

@@ -8,18 +8,14 @@ import sys
 import pytest
 from strategy_utils import run_command
 
-from lightning_pipe.engine.schedule import backward_plan, forward_plan
+from lightning_pipe.engine.schedule import gpipe, simulate
 from lightning_pipe.engine.timeline import Event, bubble_fraction, read_chrome_trace, render, write_chrome_trace
 
 
 def ideal(m: int, n: int) -> list[Event]:
-    """A perfect GPipe step: every action takes one time unit, at its clock tick."""
-    events = [Event(a.stage, "F", a.microbatch, 0, t, t + 1.0) for t, tick in enumerate(forward_plan(m, n))
-              for a in tick]
-    base = m + n - 1
-    events += [Event(a.stage, "B", a.microbatch, 0, base + t, base + t + 1.0)
-               for t, tick in enumerate(backward_plan(m, n)) for a in tick]
-    return events
+    """A perfect GPipe step (the loss on the driver): every action takes one time unit, as soon as it can."""
+    simulation = simulate(gpipe(m, n, inputs_first=False), {"F": 1.0, "B": 1.0}, loss_on_last_stage=False)
+    return [Event(a.stage, a.kind, a.microbatch, 0, start, end) for a, (start, end) in simulation.times.items()]
 
 
 @pytest.mark.parametrize("m,n", [(4, 2), (8, 4), (1, 3)])

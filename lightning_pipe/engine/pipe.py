@@ -1,4 +1,4 @@
-"""``Pipe``: an ``nn.Sequential`` split into partitions and trained with a GPipe schedule.
+"""``Pipe``: an ``nn.Sequential`` split into partitions and trained with a pipeline schedule, in one process.
 
 Follow one mini-batch::
 
@@ -6,8 +6,10 @@ Follow one mini-batch::
                                                                                                   │
     input grad ◄─ gather ◄─ stages' local backward, reverse schedule order ◄─ scatter ◄─ output grad
 
-The output is tied into autograd by :class:`_PipeFunction`, so ``loss.backward()`` drives the pipeline's
-backward; each stage's parameters receive their ``.grad`` from the stage's own local autograd.
+The output is tied into autograd (:mod:`lightning_pipe.engine.autograd`), so ``loss.backward()`` drives the
+pipeline's backward; each stage's parameters receive their ``.grad`` from the stage's own local autograd.
+:func:`loss_on_last_stage` computes the loss where the output is born instead, micro-batch by micro-batch,
+which lets schedules interleave forwards and backwards (``1f1b``, ``zero-bubble``, ``interleaved-1f1b``).
 """
 
 from __future__ import annotations
@@ -17,27 +19,54 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
+from torch import nn
 
+from lightning_pipe.engine.autograd import pipeline_loss, run_pipeline
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
-from lightning_pipe.engine.microbatch import Batch, TensorOrTensors, gather, scatter
+from lightning_pipe.engine.loss import LossFn, check_reduction
+from lightning_pipe.engine.microbatch import TensorOrTensors
 from lightning_pipe.engine.partition import (
     Device,
     check_balance,
     check_checkpoint,
     check_chunks,
     check_sequential,
-    checkpoint_stop,
     normalize_device,
     split_module,
 )
-from lightning_pipe.engine.pipeline import LocalPipeline, Run, scatter_grads
+from lightning_pipe.engine.pipeline import LocalPipeline
+from lightning_pipe.engine.schedule import check_schedule, schedule_plan
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.skip.skippable import verify_skippables
 from lightning_pipe.engine.stage import Stage
 
-__all__ = ["Pipe", "run_pipeline"]
+__all__ = ["Pipe", "loss_on_last_stage"]
+
+
+def loss_on_last_stage(body: nn.Module, input: Any, target: Any, loss_fn: LossFn, *, reduction: str = "mean") -> Any:
+    """``loss_fn(body(input), target)``, computed where ``body``'s output is born.
+
+    On a plain module (one device, no strategy) it is exactly that. On a pipelined body (a :class:`Pipe`, or
+    ``PipeStrategy``'s), the last stage computes ``loss_fn`` on each micro-batch's output and slice of
+    ``target``, only the losses travel back, and they are combined into the batch's loss
+    (:mod:`lightning_pipe.engine.loss`: with ``reduction="mean"`` each weighted by its share of the samples,
+    which equals the whole batch's loss for a loss that is a mean over samples; ``"sum"``: added up). Schedules
+    that interleave forwards and backwards need it. ``loss_fn`` must be picklable where stages live in other
+    processes: a module-level function or an ``nn.Module``, not a lambda or a bound method of a LightningModule.
+
+    ::
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = loss_on_last_stage(self.sequential_module, x, y, token_cross_entropy)
+            self.log("train_loss", loss)
+            return loss
+    """
+    check_reduction(reduction)
+    pipelined = getattr(body, "pipeline_loss", None)
+    if pipelined is not None:
+        return pipelined(input, target, loss_fn, reduction=reduction)
+    return loss_fn(body(input), target)
 
 
 def _default_devices(n: int) -> list[torch.device]:
@@ -46,88 +75,8 @@ def _default_devices(n: int) -> list[torch.device]:
     return [torch.device("cpu")] * n
 
 
-class _PipeFunction(torch.autograd.Function):
-    """Ties a pipeline into autograd: forward runs every stage, backward drives every stage's backward."""
-
-    @staticmethod
-    def forward(ctx: Any, pipeline: Any, run: Run, microbatches: list[Batch], phony: Tensor,
-                *inputs: Tensor) -> Any:
-        batches = pipeline.forward(run, microbatches, save=True)
-        outputs = gather(batches)
-        ctx.pipeline, ctx.run = pipeline, run
-        ctx.phony = get_gradient_edge(phony).node  # backward tells by it whether parameters' gradients are wanted
-        ctx.input_devices = [t.device for t in inputs]
-        ctx.needs = [t.requires_grad for t in inputs]
-        ctx.set_materialize_grads(False)
-        # An output is differentiable where a micro-batch's is (the joined tensor, made without grad, cannot
-        # tell); the mark must name the very tensors returned, not those they were detached from.
-        differentiable = [any(t.requires_grad for t in column) for column in zip(*(b.tensors for b in batches))]
-        results = tuple(t.detach() for t in outputs.tensors)
-        ctx.mark_non_differentiable(*[r for r, d in zip(results, differentiable) if not d])
-        run.atomic = outputs.atomic
-        return results
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor | None) -> Any:
-        pipeline, run = ctx.pipeline, ctx.run
-        if run is None:
-            raise RuntimeError("backward ran twice through the same pipe output; retain_graph is not supported "
-                               "through a pipe (its stages free what they saved); run the forward again")
-        if torch.is_grad_enabled():  # true in a backward only under create_graph=True
-            raise RuntimeError(
-                "a second-order gradient (create_graph=True, as a gradient penalty takes) cannot go through the "
-                "pipeline: its stages run backward as local autograd, which is not differentiated again. Compute "
-                "such a term on layers outside the pipelined body, or use a first-order regularizer")
-        if run.parameters_need_grad and not _wanted(ctx.phony):
-            raise RuntimeError(
-                "torch.autograd.grad (or backward(inputs=...)) asked for some gradients only, but the pipeline's "
-                "stages put the gradients of all their parameters in .grad as they run backward, which would change "
-                "the next optimizer step. Through the pipeline, take gradients with loss.backward() (Lightning's "
-                "backward); for gradients with respect to the input alone, freeze the body's parameters "
-                "(requires_grad_(False)) before its forward and unfreeze them after")
-        ctx.pipeline = ctx.run = None  # free the run's saved state as soon as backward is done
-        inline = next((g.device for g in grad_outputs if g is not None and g.is_cuda), None)
-        grads = pipeline.backward(run, scatter_grads(grad_outputs, run.sizes), inline_device=inline)
-        result: list[Tensor | None] = []
-        for k, (device, needed) in enumerate(zip(ctx.input_devices, ctx.needs)):
-            parts = [g[k] for g in grads]
-            if not needed or any(p is None for p in parts):
-                result.append(None)
-            else:
-                result.append(torch.cat(parts).to(device))  # type: ignore[arg-type]
-        return (None, None, None, None, *result)
-
-
-def _wanted(node: Any) -> bool:
-    """Whether the running backward accumulates into the leaf of ``node`` (False under ``torch.autograd.grad``
-    or ``backward(inputs=...)`` that leave it out)."""
-    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
-    return True if will_execute is None else bool(will_execute(node))
-
-
-def run_pipeline(pipeline: Any, input: TensorOrTensors, *, chunks: int, checkpoint: str, training: bool,
-                 parameters: Iterator[Tensor]) -> TensorOrTensors:
-    """Scatter ``input`` into micro-batches, run them through ``pipeline`` and gather the output.
-
-    With grad enabled and anything to differentiate, the output is tied into autograd so that its
-    backward drives the pipeline's backward. ``pipeline`` is local (threads) or remote (processes).
-    """
-    batch = Batch.of(input, "input of the pipe")
-    microbatches = scatter(batch, chunks)
-    sizes = [mb.tensors[0].size(0) for mb in microbatches]
-    parameters_need_grad = torch.is_grad_enabled() and any(p.requires_grad for p in parameters)
-    save = torch.is_grad_enabled() and (any(t.requires_grad for t in batch.tensors) or parameters_need_grad)
-    run = Run(pipeline.stages, sizes, checkpoint_stop(checkpoint, len(sizes), training), training)
-    run.parameters_need_grad = parameters_need_grad
-    if not save:
-        return gather(pipeline.forward(run, microbatches, save=False)).value
-    phony = torch.empty(0, requires_grad=True)
-    outputs = _PipeFunction.apply(pipeline, run, microbatches, phony, *batch.tensors)
-    return Batch(tuple(outputs), run.atomic).value
-
-
 class Pipe(nn.Module):
-    """Wrap an ``nn.Sequential`` to train it with GPipe pipeline parallelism.
+    """Wrap an ``nn.Sequential`` to train it with pipeline parallelism (GPipe by default).
 
     Args:
         module: the layers, in order. Children must be distinct and share no parameters.
@@ -140,6 +89,11 @@ class Pipe(nn.Module):
             which micro-batches drop their activations in forward and recompute them in backward.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, as the unsplit
             batch would.
+        schedule: the order of the micro-batches' forwards and backwards (:mod:`lightning_pipe.engine.schedule`):
+            ``'gpipe'``, ``'1f1b'``, ``'zero-bubble'``, ``'interleaved-1f1b'``; all but GPipe need the loss
+            on the last stage (:func:`loss_on_last_stage`).
+        virtual_stages: partitions per device (``'interleaved-1f1b'``): partition ``s`` on
+            ``devices[s % (len(balance) // virtual_stages)]``.
 
     Each partition runs on its own worker thread, so partitions overlap even on CPU. Output and
     gradients equal those of ``module`` (dropout draws per-micro-batch masks from its own generators,
@@ -148,29 +102,41 @@ class Pipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int] | None = None, *,
                  devices: Sequence[Device] | None = None, chunks: int = 1,
-                 checkpoint: str = "except_last", deferred_batch_norm: bool = False) -> None:
+                 checkpoint: str = "except_last", deferred_batch_norm: bool = False, schedule: str = "gpipe",
+                 virtual_stages: int = 1) -> None:
         super().__init__()
         check_sequential(module)
         check_chunks(chunks)
         check_checkpoint(checkpoint)
+        check_schedule(schedule)
         balance = check_balance(module, balance)
         verify_skippables(module)
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1 \
+                or len(balance) % virtual_stages:
+            raise ValueError(f"virtual_stages must be a positive integer that divides the number of partitions "
+                             f"(virtual_stages: {virtual_stages!r}, partitions: {len(balance)})")
+        processes = len(balance) // virtual_stages
+        schedule_plan(schedule, chunks, processes, virtual_stages)  # refuses what the schedule cannot run
         if devices is None:
-            devices = _default_devices(len(balance))
+            devices = _default_devices(processes)
         devices = [normalize_device(d) for d in devices]
-        if len(balance) > len(devices):
+        if processes > len(devices):
             raise IndexError(f"too few devices to hold given partitions (devices: {len(devices)}, "
+                             f"partitions: {processes} x {virtual_stages} virtual stages)" if virtual_stages > 1 else
+                             f"too few devices to hold given partitions (devices: {len(devices)}, "
                              f"partitions: {len(balance)})")
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
         self.balance = balance
-        self.devices = devices[: len(balance)]
+        self.devices = devices[:processes]  # partition s on devices[s % len(devices)]
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
+        self.schedule = schedule
+        self.virtual_stages = virtual_stages
         parts = split_module(module, balance)
-        for part, device in zip(parts, self.devices):
-            part.to(device)
+        for s, part in enumerate(parts):
+            part.to(self.devices[s % processes])
         self.partitions = nn.ModuleList(parts)
         self._pipeline: LocalPipeline | None = None
 
@@ -229,14 +195,31 @@ class Pipe(nn.Module):
         if self._pipeline is None:
             layout = inspect_skip_layout(list(self.partitions))
             offsets = [sum(self.balance[:j]) for j in range(len(self.balance))]
+            p = len(self.devices)
             stages = [
-                Stage(j, p, d, offset=o, exports=layout.exports[j].keys(), imports=layout.imports[j].keys())
-                for j, (p, d, o) in enumerate(zip(self.partitions, self.devices, offsets))
+                Stage(j, part, self.devices[j % p], offset=o, exports=layout.exports[j].keys(),
+                      imports=layout.imports[j].keys())
+                for j, (part, o) in enumerate(zip(self.partitions, offsets))
             ]
-            self._pipeline = LocalPipeline(stages, layout)
+            self._pipeline = LocalPipeline(stages, layout, processes=p)
         return self._pipeline
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Run ``input`` (a tensor or a tuple of tensors, batch along dim 0) through the pipeline."""
+        if self.schedule != "gpipe" and torch.is_grad_enabled() and (
+                any(p.requires_grad for p in self.parameters()) or any(
+                    t.requires_grad for t in (input if isinstance(input, (tuple, list)) else (input,)))):
+            raise RuntimeError(
+                f"Pipe(schedule={self.schedule!r}) runs backwards between forwards, so the loss must be computed "
+                "on the last stage, micro-batch by micro-batch: call lightning_pipe.loss_on_last_stage(pipe, input, "
+                "target, loss_fn) (or pipe.pipeline_loss(...)) instead of pipe(input), or use schedule='gpipe'. "
+                "Without gradients (torch.no_grad(), evaluation) pipe(input) works with any schedule")
         return run_pipeline(self.pipeline, input, chunks=self.chunks, checkpoint=self.checkpoint,
                             training=self.training, parameters=self.parameters())
+
+    def pipeline_loss(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *, reduction: str = "mean") -> Any:
+        """``loss_fn(self(input), target)`` with the loss computed on the last stage per micro-batch, the
+        micro-batches in this pipe's schedule (see :func:`loss_on_last_stage`)."""
+        return pipeline_loss(self.pipeline, input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
+                             training=self.training, parameters=self.parameters(), schedule=self.schedule,
+                             reduction=reduction)

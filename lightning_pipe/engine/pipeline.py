@@ -1,9 +1,10 @@
-"""The local pipeline: stages on worker threads, fed micro-batches in schedule order.
+"""The local pipeline: stages on worker threads, each running its actions of a plan in order.
 
-Each stage's worker executes its actions in the order of :mod:`lightning_pipe.engine.schedule`; an action waits
-only for the inputs it needs (the previous stage's output of the same micro-batch, the skips popped here),
-so a stage starts micro-batch ``i`` as soon as it is ready, without waiting for a whole clock tick. Tensors
-go from stage to stage through ``outputs``/``grads`` tables and are dropped as soon as they are consumed.
+Each worker (a "process" of the plan: stage ``s`` runs on worker ``s % processes``) executes its actions in
+the order of a :class:`~lightning_pipe.engine.schedule.Plan`; an action waits only for the inputs it needs
+(the previous stage's output of the same micro-batch, the skips popped here, the next stage's input
+gradients), so a stage starts an action as soon as it is ready, without waiting for a whole clock tick.
+Tensors go from stage to stage through one table, dropped as soon as they are consumed.
 
 Errors come back as values: an action whose input failed is skipped, every action finishes, and the
 first real error (in schedule order) is raised in the caller with its original traceback.
@@ -17,14 +18,15 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from functools import partial
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 from torch import Tensor
 
+from lightning_pipe.engine.loss import LossFn, MicroLoss
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.rng import LazySeed
-from lightning_pipe.engine.schedule import Action, backward_plan, forward_plan, stage_order
+from lightning_pipe.engine.schedule import Action, Plan, forward_only, gpipe
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Grads, Stage
 from lightning_pipe.engine.worker import Inline, Worker, autocast_state
@@ -108,6 +110,12 @@ class Run:
         self.failed = False
         self.parameters_need_grad = True  # whether backward puts gradients in the stages' parameters' .grad
         self.atomic = True  # whether the output is one tensor (False: a tuple)
+        # The loss on the last stage: its function, each micro-batch's target and weight in the batch's loss,
+        # and the gradient of the batch's loss that a step running its backwards ahead assumes.
+        self.loss: LossFn | None = None
+        self.targets: list[Any] = []
+        self.weights: list[float] = []
+        self.loss_scale = 1.0
         for stage in stages:
             weakref.finalize(self, stage.release, self.id)
 
@@ -115,116 +123,186 @@ class Run:
 Executor = Union[Worker, Inline]  # noqa: UP007 - a runtime alias on Python 3.10
 
 
-class LocalPipeline:
-    """Stages of one process, each run by its own worker thread."""
+class Step(NamedTuple):
+    """What running (part of) a plan gave back: the last stage's outputs or losses per micro-batch (forward
+    actions), and the gradients of the first stage's inputs per micro-batch (backward actions)."""
 
-    def __init__(self, stages: Sequence[Stage], layout: SkipLayout) -> None:
+    outputs: list[Batch] | None
+    losses: list[MicroLoss] | None
+    input_grads: list[Grads] | None
+
+
+class LocalPipeline:
+    """Stages of one process on worker threads: stage ``s`` on worker ``s % processes``."""
+
+    def __init__(self, stages: Sequence[Stage], layout: SkipLayout, processes: int | None = None) -> None:
         self.stages = list(stages)
         self.layout = layout
-        self.workers = [Worker(f"lightning_pipe.engine.stage{j}") for j in range(len(stages))]
+        self.processes = processes or len(self.stages)
+        self.workers = [Worker(f"lightning_pipe.stage{r}") for r in range(self.processes)]
+        self.pipelined = True  # backward micro-batch by micro-batch (False: one backward per stage)
 
-    def _submit(self, executors: Sequence[Executor], futures: dict[tuple[int, int], Future[Any]],
-                run: Run, plan: list[list[Action]], task: Callable[..., None],
-                then: Callable[[Run, int], None] | None = None) -> None:
-        """Queue ``task`` for every action of ``plan`` on its stage's executor and, after a stage's
-        actions, ``then(run, stage)`` on it; wait for all of them."""
-        for action in itertools.chain.from_iterable(plan):
-            fn = partial(task, run, futures, action.microbatch, action.stage)
-            futures[(action.microbatch, action.stage)] = executors[action.stage].submit(fn)
-        last = [executors[j].submit(partial(then, run, j)) for j in range(len(executors))] if then else []
+    @property
+    def num_stages(self) -> int:
+        """How many stages (partitions) the pipeline has."""
+        return len(self.stages)
+
+    # ------------------------------------------------------------------ the plan's parts
+    def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
+        """Every forward (GPipe's first half, or evaluation); return the last stage's outputs."""
+        plan = forward_only(len(microbatches), self.processes, len(self.stages) // self.processes)
+        return self.execute(run, plan, inputs=microbatches, save=save).outputs  # type: ignore[return-value]
+
+    def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
+                 inline_device: torch.device | None = None) -> list[Grads]:
+        """GPipe's second half: every backward, from the gradients of the last stage's outputs; returns the
+        gradients of the first stage's inputs per micro-batch. ``pipelined=False``: one backward per stage
+        over all its micro-batches (default: :attr:`pipelined`). Stages on ``inline_device`` run on the calling
+        thread (the autograd engine's thread for that CUDA device, which a worker must not wait for)."""
+        plan = gpipe(len(grad_outputs), self.processes, pipelined=self.pipelined if pipelined is None else pipelined)
+        backward = Plan(plan.schedule, plan.microbatches, plan.stages, plan.processes,
+                        tuple(plan.split(r)[1] for r in range(plan.processes)))
+        return self.execute(run, backward, output_grads=grad_outputs,  # type: ignore[return-value]
+                            inline_device=inline_device).input_grads
+
+    def commit(self, run: Run, scale: float) -> None:
+        """Add what ``run``'s backwards made, times ``scale``, into every stage's gradients (a plan that ran
+        its backwards ahead of its caller's backward: :mod:`lightning_pipe.engine.aside`)."""
+        for stage in self.stages:
+            stage.aside.commit(run.id, scale)
+
+    # ------------------------------------------------------------------ running a plan
+    def execute(self, run: Run, plan: Plan, *, inputs: list[Batch] | None = None,
+                output_grads: list[Grads] | None = None, save: bool = True,
+                inline_device: torch.device | None = None) -> Step:
+        """Run ``plan``'s actions: forwards of ``inputs`` (with ``run.loss``, the last stage returns losses),
+        backwards from ``output_grads`` (or, with ``run.loss``, from each loss's weight times
+        ``run.loss_scale``). A plan whose backwards run ahead of the caller's (``plan.eager``) sets the gradients
+        they make aside on every stage, for :meth:`commit`."""
+        m, n = plan.microbatches, len(self.stages)
+        table: dict[Any, Any] = {("x", i, -1): mb for i, mb in enumerate(inputs or ())}
+        table.update({("g", i, n): g for i, g in enumerate(output_grads or ())})
+        losses: dict[int, MicroLoss] = {}
+        done: dict[tuple[str, int, int], Future[Any]] = {}
+        later: dict[tuple[int, int], Callable[..., None]] = {}
+        aside = plan.eager
+
+        def forward(s: int, i: int) -> None:
+            if s > 0:
+                _wait(done[("F", s - 1, i)])
+            for src in self.layout.imports[s].values():
+                _wait(done[("F", src, i)])
+            loss = run.loss if s == n - 1 else None
+            imports = {key: table.pop(("x", i, key)) for key in self.layout.imports[s]}
+            out, exports = self.stages[s].forward(
+                run.id, i, table.pop(("x", i, s - 1)), imports, seed=run.seed, save=save,
+                checkpoint=i < run.checkpoint_stop, last=i == m - 1, loss=loss,
+                target=run.targets[i] if loss is not None else None)
+            if isinstance(out, MicroLoss):
+                losses[i] = out
+            else:
+                table[("x", i, s)] = out
+            table.update({("x", i, key): t for key, t in exports.items()})
+
+        def backward(s: int, kind: str, i: int) -> None:
+            mbs = range(m) if i < 0 else (i,)
+            for k in mbs:
+                if s < n - 1:
+                    _wait(done[("G", s + 1, k)])
+                for dst in set(self.layout.exports[s].values()):
+                    _wait(done[("G", dst, k)])
+            items = [(k, _grads_in(run, table, s, n, k),
+                      {key: table.pop(("g", k, key)) for key in self.layout.exports[s]}) for k in mbs]
+            if kind == "I":
+                results, later[(s, i)] = self.stages[s].backward_inputs_first(run.id, items)
+            else:
+                results = self.stages[s].backward(run.id, items)
+            for k, (grad_inputs, grad_imports) in zip(mbs, results):
+                table[("g", k, s)] = grad_inputs
+                table.update({("g", k, key): g for key, g in grad_imports.items()})
+
+        def task(action: Action) -> None:
+            if run.failed:
+                raise _Skipped()
+            s, kind, i = action
+            try:
+                if kind == "F":
+                    forward(s, i)
+                elif kind == "W":
+                    later.pop((s, i))()
+                else:
+                    backward(s, kind, i)
+            except BaseException:
+                run.failed = True
+                raise
+
+        def begin(r: int) -> None:
+            for stage in self.stages[r::self.processes]:
+                stage.aside.defer(run.id)
+
+        def end(r: int) -> None:
+            for (s, _), finish in list(later.items()):  # W actions that never ran (a failure): drop their graphs
+                if s % self.processes == r:
+                    finish(False)
+            if aside:
+                for stage in self.stages[r::self.processes]:
+                    stage.aside.keep(run.id)
+            if run.failed:
+                raise _Skipped()
+
+        executors: list[Executor] = [
+            Inline() if inline_device is not None and self.stages[r].device == inline_device else w
+            for r, w in enumerate(self.workers)]
+        ordered = [r for r in range(self.processes) if isinstance(executors[r], Worker)] + \
+            [r for r in range(self.processes) if isinstance(executors[r], Inline)]  # inline ones wait: last
+        # Every action's completion exists before any task runs: a task may wait for one of a later worker's.
+        marks: dict[Action, list[tuple[str, int, int]]] = {}
+        for actions in plan.actions:
+            for a in actions:
+                if a.kind == "F" or a.kind in "BI":
+                    kind = "F" if a.kind == "F" else "G"
+                    marks[a] = [(kind, a.stage, k) for k in (range(m) if a.microbatch < 0 else (a.microbatch,))]
+                    done.update({key: Future() for key in marks[a]})
+        futures: list[Future[Any]] = []
+        for r in ordered:
+            if aside:
+                futures.append(executors[r].submit(partial(begin, r)))
+            for action in plan.actions[r]:
+                future = executors[r].submit(partial(task, action))
+                for key in marks.get(action, ()):
+                    future.add_done_callback(partial(_settle, done[key]))
+                futures.append(future)
+            futures.append(executors[r].submit(partial(end, r)))
         try:
-            drain([futures[(a.microbatch, a.stage)] for a in itertools.chain.from_iterable(plan)] + last)
+            drain(futures)
         except BaseException:
             run.failed = True
             raise
+        forwards = any(a.kind == "F" for a in plan.actions[plan.process_of(n - 1)])
+        backwards = any(a.kind in "BI" for a in plan.actions[0])
+        return Step(None if not forwards or run.loss is not None else [table.pop(("x", i, n - 1)) for i in range(m)],
+                    [losses[i] for i in range(m)] if forwards and run.loss is not None else None,
+                    [table.pop(("g", i, 0)) for i in range(m)] if backwards else None)
 
-    def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
-        """Run every micro-batch through every stage; return the last stage's outputs."""
-        m, n = len(microbatches), len(self.stages)
-        outputs: dict[Any, Any] = {(i, -1): mb for i, mb in enumerate(microbatches)}
-        futures: dict[tuple[int, int], Future[Any]] = {}
 
-        def task(run: Run, futures: dict[tuple[int, int], Future[Any]], i: int, j: int) -> None:
-            if run.failed:
-                raise _Skipped()
-            if j > 0:
-                _wait(futures[(i, j - 1)])
-            for src in self.layout.imports[j].values():
-                _wait(futures[(i, src)])
-            inputs = outputs.pop((i, j - 1))
-            imports = {key: outputs.pop((i, key)) for key in self.layout.imports[j]}
-            try:
-                out, exports = self.stages[j].forward(
-                    run.id, i, inputs, imports, seed=run.seed, save=save,
-                    checkpoint=i < run.checkpoint_stop, last=i == m - 1)
-            except BaseException:
-                run.failed = True
-                raise
-            outputs[(i, j)] = out
-            outputs.update({(i, key): t for key, t in exports.items()})
 
-        self._submit(self.workers, futures, run, forward_plan(m, n), task)
-        return [outputs.pop((i, n - 1)) for i in range(m)]
+def _grads_in(run: Run, table: dict[Any, Any], s: int, n: int, k: int) -> Grads | tuple[float]:
+    """The gradients stage ``s`` (of ``n``) starts micro-batch ``k``'s backward from: the next stage's input
+    gradients, the caller's output gradients, or (the loss on the last stage, and no gradient from the caller
+    yet) the loss's weight times the gradient that the step assumes for the batch's loss."""
+    key = ("g", k, s + 1)
+    if s == n - 1 and run.loss is not None and key not in table:
+        return (run.weights[k] * run.loss_scale,)
+    return table.pop(key)  # type: ignore[no-any-return]
 
-    def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool = True,
-                 inline_device: torch.device | None = None) -> list[Grads]:
-        """Backward of every micro-batch from the gradients of the last stage's outputs.
 
-        Returns the gradients of the first stage's inputs per micro-batch. With ``pipelined=False`` each
-        stage runs one backward over all its micro-batches. Stages on ``inline_device`` run on the calling
-        thread (the autograd engine's thread for that CUDA device, which a worker must not wait for).
-        Each stage after the first computes only the input gradients of its first backward before handing
-        them on, and that backward's parameter gradients after its last, where its partition and device allow
-        (:meth:`Stage.backward_inputs_first`).
-        """
-        m, n = len(grad_outputs), len(self.stages)
-        grads: dict[Any, Any] = {(i, n): g for i, g in enumerate(grad_outputs)}
-        executors: list[Executor] = [
-            Inline() if inline_device is not None and s.device == inline_device else w
-            for s, w in zip(self.stages, self.workers)
-        ]
-        futures: dict[tuple[int, int], Future[Any]] = {}
-        if pipelined:
-            plan = backward_plan(m, n)
-        else:
-            plan = [[Action(j, "B", -1)] for j in reversed(range(n))]
-        # The stage before waits for each later stage's first backward: it gets its gradients before that
-        # stage computes its parameters' gradients of that backward, left for after its other actions.
-        first = {j: stage_order(plan, j)[0].microbatch for j in range(1, n)}
-        later: dict[int, list[Callable[..., None]]] = {j: [] for j in range(n)}
-
-        def finish(run: Run, j: int) -> None:
-            for weights in later[j]:
-                weights(not run.failed)
-            if run.failed:
-                raise _Skipped()
-
-        def task(run: Run, futures: dict[tuple[int, int], Future[Any]], i: int, j: int) -> None:
-            if run.failed:
-                raise _Skipped()
-            mbs = range(m) if i < 0 else (i,)
-            for k in mbs:
-                if j < n - 1:
-                    _wait(futures[(-1 if i < 0 else k, j + 1)])
-                for dst in set(self.layout.exports[j].values()):
-                    _wait(futures[(-1 if i < 0 else k, dst)])
-            items = [(k, grads.pop((k, j + 1)), {key: grads.pop((k, key)) for key in self.layout.exports[j]})
-                     for k in mbs]
-            try:
-                if first.get(j) == i:
-                    results, weights = self.stages[j].backward_inputs_first(run.id, items)
-                    later[j].append(weights)
-                else:
-                    results = self.stages[j].backward(run.id, items)
-            except BaseException:
-                run.failed = True
-                raise
-            for k, (grad_inputs, grad_imports) in zip(mbs, results):
-                grads[(k, j)] = grad_inputs
-                grads.update({(k, key): g for key, g in grad_imports.items()})
-
-        self._submit(executors, futures, run, plan, task, then=finish)
-        return [grads.pop((i, 0)) for i in range(m)]
+def _settle(mark: Future[Any], future: Future[Any]) -> None:
+    """Give ``mark`` the outcome of ``future`` (a task whose completion other tasks wait for)."""
+    exc = future.exception()
+    if exc is not None:
+        mark.set_exception(exc)
+    else:
+        mark.set_result(None)
 
 
 def scatter_grads(grads: Sequence[Tensor | None], sizes: Sequence[int]) -> list[Grads]:

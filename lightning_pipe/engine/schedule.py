@@ -1,59 +1,310 @@
-"""The GPipe schedule as data: which micro-batch each partition works on at each clock tick.
+"""Schedules as data: the actions each process of a pipeline runs in one step, in order, and their simulation.
 
-With ``m`` micro-batches and ``n`` partitions, partition ``j`` runs the forward of micro-batch ``i`` at
-tick ``i + j``; backward runs the same ticks in reverse. A step therefore takes ``m + n - 1`` ticks in
-each direction, which bounds the speed-up over one device at ``n·m / (m + n - 1)``::
+An action is one unit of work of one stage on one micro-batch: ``"F"`` forward, ``"B"`` backward (input and
+parameter gradients), ``"I"`` the input gradients alone (the graph kept) and ``"W"`` the parameter gradients
+of an earlier ``"I"``. ``"1F0"`` is stage 1's forward of micro-batch 0. A :class:`Plan` lists, per process,
+its actions in the order it runs them; each action waits only for its inputs, so a process starts an action
+as soon as it is ready. With ``m`` micro-batches and ``p`` processes (``v`` stages each)::
 
-    tick        0    1    2    3    4          forward, m=4, n=2
-    part 0     0F0  0F1  0F2  0F3  .
-    part 1      .   1F0  1F1  1F2  1F3
+    gpipe          every forward, then every backward: m micro-batches' activations at each stage
+        0F0 0F1 0F2 0F3 .   .   .   0B3 0B2 0B1 0B0
+        .   1F0 1F1 1F2 1F3 1I3 1B2 1B1 1B0 1W3             (1I3 ... 1W3: stage 1's first backward hands
+                                                             on its input gradients first)
+    1f1b           after p - j forwards, stage j alternates backward and forward: at most p - j held
+        0F0 0F1 .   .   0B0 0F2 0B1 0F3 0B2 0B3
+        .   1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+    zero-bubble    1f1b whose backwards hand on input gradients first (I) and compute parameter gradients
+                   (W) where the stage would otherwise wait: a smaller bubble, the same peak at stage 0
+    interleaved-1f1b   v stages per process (stage s on process s % p): the bubble shrinks about v times
 
-The runtime does not wait for a whole tick before starting the next: each partition processes its own
-actions in this order as soon as their inputs are ready, which is the same schedule without barriers.
+The loss of a micro-batch is computed on the last stage right after its forward, so a backward can start
+before the other micro-batches' forwards; only ``gpipe`` also works with the loss computed after the whole
+output is back (its backward then waits for it). :func:`simulate` runs a plan with given action times and
+reports the bubble and each stage's peak of micro-batches held, for tests and benchmarks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__: list[str] = []
+__all__ = ["Action", "Plan", "SCHEDULES", "Simulation", "schedule_plan", "simulate"]
 
 
 class Action(NamedTuple):
-    """One unit of work: partition ``stage`` runs ``kind`` ("F" or "B") of micro-batch ``microbatch``."""
+    """Stage ``stage`` runs ``kind`` (``"F"``, ``"B"``, ``"I"`` or ``"W"``) of micro-batch ``microbatch``
+    (``-1``: of every micro-batch at once, in one autograd call)."""
 
     stage: int
     kind: str
     microbatch: int
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+        return f"{self.stage}{self.kind}{self.microbatch if self.microbatch >= 0 else '*'}"
 
 
-def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
-    """Yield, tick by tick, the ``(micro-batch, partition)`` pairs that run forward at that tick."""
-    if m < 1 or n < 1:
-        raise ValueError(f"a schedule needs at least one micro-batch and one partition (m: {m}, n: {n})")
-    for k in range(m + n - 1):
-        yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
+@dataclass(frozen=True)
+class Plan:
+    """What each of ``processes`` processes runs in one step of ``schedule``, in order: ``actions[r]``.
+
+    Stage ``s`` is held by process ``s % processes``; ``stages`` is a multiple of ``processes``.
+    """
+
+    schedule: str
+    microbatches: int
+    stages: int
+    processes: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    def process_of(self, stage: int) -> int:
+        """The process that holds ``stage``."""
+        return stage % self.processes
+
+    def split(self, process: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+        """``process``'s actions before its first non-forward one, and from there on."""
+        mine = self.actions[process]
+        cut = next((k for k, a in enumerate(mine) if a.kind != "F"), len(mine))
+        return mine[:cut], mine[cut:]
+
+    @property
+    def eager(self) -> bool:
+        """Whether some process runs a backward before its last forward: the step's backward cannot wait for
+        the caller's (the loss must be on the last stage)."""
+        return any(a.kind == "F" for r in range(self.processes) for a in self.split(r)[1])
+
+    def render(self) -> str:
+        """One line per process, its actions in order: ``"0F0 0F1 0B1 0B0"``."""
+        return "\n".join(" ".join(map(str, actions)) for actions in self.actions)
 
 
-def forward_plan(m: int, n: int) -> list[list[Action]]:
-    """The forward actions, one list per tick."""
-    return [[Action(j, "F", i) for i, j in tick] for tick in clock_cycles(m, n)]
+def _check(m: int, p: int, v: int) -> None:
+    for name, value in (("micro-batches", m), ("processes", p), ("stages per process", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"the number of {name} must be a positive integer (got: {value!r})")
 
 
-def backward_plan(m: int, n: int) -> list[list[Action]]:
-    """The backward actions, one list per tick: the forward ticks reversed, last partition first."""
-    return [[Action(j, "B", i) for i, j in reversed(tick)] for tick in reversed(list(clock_cycles(m, n)))]
+def forward_only(m: int, p: int, v: int = 1) -> Plan:
+    """Every forward and no backward (evaluation, or a forward whose backward comes later): each process
+    runs its stages in order, each on every micro-batch."""
+    _check(m, p, v)
+    actions = tuple(tuple(Action(s, "F", i) for s in range(r, p * v, p) for i in range(m)) for r in range(p))
+    return Plan("forward", m, p * v, p, actions)
 
 
-def stage_order(plan: list[list[Action]], stage: int) -> list[Action]:
-    """The actions of one partition in the order it executes them."""
-    return [a for tick in plan for a in tick if a.stage == stage]
+def gpipe(m: int, p: int, v: int = 1, *, pipelined: bool = True, inputs_first: bool = True) -> Plan:
+    """Every forward, then every backward in reverse micro-batch order. With ``inputs_first``, each stage after
+    the first hands on its first backward's input gradients before computing that backward's parameter
+    gradients, which it does last (``I`` ... ``W``). ``pipelined=False``: one backward of every micro-batch at
+    once per stage."""
+    if v != 1:
+        raise ValueError(f"gpipe runs one stage per process (stages per process: {v}); for several, use "
+                         "schedule='interleaved-1f1b'")
+    forward = forward_only(m, p).actions
+    plans = []
+    for j in range(p):
+        if not pipelined:
+            backward: list[Action] = [Action(j, "I", -1), Action(j, "W", -1)] if inputs_first and j > 0 else \
+                [Action(j, "B", -1)]
+        else:
+            backward = [Action(j, "B", i) for i in reversed(range(m))]
+            if inputs_first and j > 0:
+                backward = [Action(j, "I", m - 1), *backward[1:], Action(j, "W", m - 1)]
+        plans.append((*forward[j], *backward))
+    return Plan("gpipe", m, p, p, tuple(plans))
 
 
-def render(plan: list[list[Action]]) -> str:
-    """The plan as text, one tick per line (``"0F1 1F0"``), for tests and debugging."""
-    return "\n".join(" ".join(str(a) for a in tick) for tick in plan)
+def one_f_one_b(m: int, p: int, v: int = 1) -> Plan:
+    """1F1B: stage ``j`` runs ``min(m, p - j)`` forwards, then alternates one backward and one forward, then
+    the remaining backwards: it holds at most ``p - j`` micro-batches' activations."""
+    if v != 1:
+        raise ValueError(f"1f1b runs one stage per process (stages per process: {v}); for several, use "
+                         "schedule='interleaved-1f1b'")
+    _check(m, p, v)
+    plans = []
+    for j in range(p):
+        warmup = min(m, p - j)
+        actions = [Action(j, "F", i) for i in range(warmup)]
+        for k in range(m - warmup):
+            actions += [Action(j, "B", k), Action(j, "F", warmup + k)]
+        actions += [Action(j, "B", k) for k in range(m - warmup, m)]
+        plans.append(tuple(actions))
+    return Plan("1f1b", m, p, p, tuple(plans))
+
+
+def zero_bubble(m: int, p: int, v: int = 1) -> Plan:
+    """ZB-H1: 1F1B with each backward split into its input gradients (``I``, on the critical path) and its
+    parameter gradients (``W``); stage ``j`` runs ``p - 1 - j`` forwards first, then ``F``, ``I`` pairs, and
+    holds its ``W`` back by ``j`` micro-batches, so that the stages near the end of the pipeline, which wait
+    longest for input gradients, fill that time with parameter gradients. Stage 0 holds at most ``p``
+    micro-batches, as in 1F1B; the others hold their inputs of the ``W`` not yet run."""
+    if v != 1:
+        raise ValueError(f"zero-bubble runs one stage per process (stages per process: {v})")
+    _check(m, p, v)
+    plans = []
+    for j in range(p):
+        warmup = min(m, p - 1 - j)
+        actions = [Action(j, "F", i) for i in range(warmup)]
+        weights = 0
+        for k in range(m):
+            if warmup + k < m:
+                actions.append(Action(j, "F", warmup + k))
+            actions.append(Action(j, "I", k))
+            if k >= j:  # the W of the oldest micro-batch, j behind
+                actions.append(Action(j, "W", weights))
+                weights += 1
+        actions += [Action(j, "W", i) for i in range(weights, m)]
+        plans.append(tuple(actions))
+    return Plan("zero-bubble", m, p, p, tuple(plans))
+
+
+def interleaved_1f1b(m: int, p: int, v: int = 2) -> Plan:
+    """Interleaved 1F1B: each process holds ``v`` stages (stage ``s`` on process ``s % p``) and runs their
+    micro-batches in rounds of ``m / rounds`` (``rounds = max(1, m // p)``), depth first: a process's warmup
+    runs ``(v - 1)`` rounds plus two forwards per process after it, then it alternates one forward and one
+    backward. The bubble is about ``1 / v`` of 1F1B's."""
+    _check(m, p, v)
+    if v < 2:
+        raise ValueError(f"interleaved-1f1b needs at least 2 stages per process (stages per process: {v}); "
+                         "with one, use schedule='1f1b'")
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ValueError(f"interleaved-1f1b needs the number of micro-batches ({m}) to be a multiple of the "
+                         f"number of rounds ({rounds} = max(1, micro-batches // processes)); use "
+                         f"{rounds * (m // rounds)} or {rounds * (m // rounds + 1)} micro-batches")
+    per_round = m // rounds
+    total = v * m
+    plans = []
+    for r in range(p):
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - r), total)
+        taken: dict[tuple[str, int], int] = {}  # the next micro-batch of each (kind, stage)
+        actions: list[Action] = []
+        for step in range(total + warmup):
+            due = []
+            if step < total:  # forwards: v stages in turn, a round of micro-batches each
+                due.append(("F", ((step // per_round) % v) * p + r))
+            if step >= warmup:  # backwards: the stages in reverse, a round each
+                due.append(("B", (v - 1 - ((step - warmup) // per_round) % v) * p + r))
+            for kind, stage in due:
+                i = taken.get((kind, stage), 0)
+                taken[(kind, stage)] = i + 1
+                actions.append(Action(stage, kind, i))
+        plans.append(tuple(actions))
+    return Plan("interleaved-1f1b", m, p * v, p, tuple(plans))
+
+
+#: Schedule names (``PipeStrategy(schedule=...)``, ``Pipe(schedule=...)``) and their plans, as
+#: ``plan(micro-batches, processes, stages per process)``.
+SCHEDULES: dict[str, Callable[[int, int, int], Plan]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b, "zero-bubble": zero_bubble,
+}
+
+
+def check_schedule(name: object) -> str:
+    """Reject an unknown schedule name, naming the valid ones."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (got: {name!r})")
+    return name  # type: ignore[return-value]
+
+
+def schedule_plan(name: str, m: int, p: int, v: int = 1) -> Plan:
+    """The plan of schedule ``name`` for ``m`` micro-batches on ``p`` processes of ``v`` stages each."""
+    return SCHEDULES[check_schedule(name)](m, p, v)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A plan run with fixed action times: when each action ran, the step's length, the idle fraction of
+    the processes (the bubble), and how many micro-batches each stage held at most (forward done, its
+    backward's parameter gradients not yet)."""
+
+    times: Mapping[Action, tuple[float, float]]
+    makespan: float
+    bubble: float
+    held: tuple[int, ...]
+
+
+def _needs(action: Action, stages: int, m: int, loss_on_last_stage: bool) -> list[Action]:
+    s, kind, i = action
+    if kind == "F":
+        return [Action(s - 1, "F", i)] if s > 0 else []
+    if kind == "W":
+        return [Action(s, "I", i)]
+    mbs = range(m) if i < 0 else [i]
+    if s == stages - 1:  # the loss: after this micro-batch's forward, or after every forward if it is not here
+        return [Action(s, "F", k) for k in (mbs if loss_on_last_stage else range(m))]
+    return [Action(s, "F", k) for k in mbs] + [Action(s + 1, "grad", k) for k in mbs]
+
+
+def simulate(plan: Plan, costs: Mapping[str, float] | None = None, *, loss_on_last_stage: bool = True) -> Simulation:
+    """Run ``plan`` with action times ``costs`` (default: forward 1, backward 2, each half of a split
+    backward 1); each process runs its actions in order, each as soon as its inputs are there. Raises
+    ``ValueError`` if the plan cannot finish (an action waits for one that comes after it)."""
+    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(costs or {})}
+    m, n = plan.microbatches, plan.stages
+    done: dict[Action, float] = {}  # also ("grad" of stage s, micro-batch i): its input gradients are out
+    times: dict[Action, tuple[float, float]] = {}
+    position = [0] * plan.processes
+    clock = [0.0] * plan.processes
+    remaining = sum(len(a) for a in plan.actions)
+    while remaining:
+        progressed = False
+        for r in range(plan.processes):
+            while position[r] < len(plan.actions[r]):
+                action = plan.actions[r][position[r]]
+                needs = _needs(action, n, m, loss_on_last_stage)
+                if any(need not in done for need in needs):
+                    break
+                start = max([clock[r], *(done[need] for need in needs)])
+                count = m if action.microbatch < 0 else 1
+                end = start + cost[action.kind] * count
+                times[action] = (start, end)
+                clock[r] = end
+                done[action] = end
+                if action.kind in ("B", "I"):
+                    for k in (range(m) if action.microbatch < 0 else [action.microbatch]):
+                        done[Action(action.stage, "grad", k)] = end
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [str(plan.actions[r][position[r]]) for r in range(plan.processes)
+                     if position[r] < len(plan.actions[r])]
+            raise ValueError(f"plan {plan.schedule!r} cannot finish: every process waits ({', '.join(stuck)})")
+    makespan = max(end for _, end in times.values())
+    busy = sum(end - start for start, end in times.values())
+    return Simulation(times, makespan, 1.0 - busy / (plan.processes * makespan), _held(plan, times))
+
+
+def _held(plan: Plan, times: Mapping[Action, tuple[float, float]]) -> tuple[int, ...]:
+    """Per stage, the most micro-batches between their forward's start and their backward's end."""
+    peaks = []
+    for s in range(plan.stages):
+        events: list[tuple[float, int]] = []
+        for i in range(plan.microbatches):
+            start = times[Action(s, "F", i)][0]
+            ends = [times[a][1] for a in (Action(s, "B", i), Action(s, "W", i), Action(s, "B", -1)) if a in times]
+            if not ends and Action(s, "I", i) in times:
+                ends = [times[Action(s, "I", i)][1]]
+            events += [(start, 1), (max(ends), -1)]
+        level = peak = 0
+        for _, change in sorted(events, key=lambda e: (e[0], e[1])):
+            level += change
+            peak = max(peak, level)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def theory(name: str, m: int, p: int, v: int = 1) -> tuple[float, Sequence[int]]:
+    """The textbook bubble fraction (forward 1, backward 2) and per-stage peak of micro-batches held by
+    schedule ``name``: gpipe and 1f1b ``(p - 1) / (m + p - 1)``, with ``m`` and ``p - j`` held; interleaved
+    ``(p - 1) / (v m + p - 1)``; zero-bubble (I = W = 1) ``(p - 1) / (3 m + p - 1)``."""
+    if name == "gpipe":
+        return (p - 1) / (m + p - 1), [m] * p
+    if name == "1f1b":
+        return (p - 1) / (m + p - 1), [min(m, p - j) for j in range(p)]
+    if name == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1), []
+    if name == "zero-bubble":
+        return (p - 1) / (3 * m + p - 1), []
+    raise ValueError(f"no theory for schedule {name!r}")

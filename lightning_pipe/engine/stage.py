@@ -36,9 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe.engine.aside import GradientsAside
 from lightning_pipe.engine.backward_split import _leaves, _nothing, _rest, twice_safe
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.checkpoint import checkpointing, recomputing
+from lightning_pipe.engine.loss import LossFn, MicroLoss, compute, detach, to_device
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.rng import StageRandom, draws_no_random, mix_seed
 from lightning_pipe.engine.skip.namespace import SkipKey
@@ -62,6 +64,8 @@ class _Saved:
     outputs: tuple[Tensor, ...] | None  # None: checkpointed, recompute in backward
     exports: dict[SkipKey, Tensor] | None
     versions: tuple[int, ...] = ()  # of inputs and imports after a checkpointed forward: unchanged till recomputed
+    loss: LossFn | None = None  # the last stage's loss function: its output for backward is the loss
+    target: Any = None
 
 
 def _move(t: Tensor, device: torch.device) -> Tensor:
@@ -111,6 +115,7 @@ class Stage:
         self._lock = threading.Lock()
         self.recorder: Recorder | None = None  # set to record when each micro-batch ran (a timeline)
         self.inplace = _has_inplace(partition)  # whether its layers get copies of inputs backward needs
+        self.aside = GradientsAside(partition)  # a step's gradients made before its caller's backward
 
     # ------------------------------------------------------------------ running the layers
     def _given(self, leaves: tuple[Tensor, ...], imports: Mapping[SkipKey, Tensor], keep: bool
@@ -160,12 +165,14 @@ class Stage:
         return Batch.of(value, f"output of partition {self.index}"), tracker.exported
 
     def forward(self, run: Hashable, microbatch: int, inputs: Batch, imports: Mapping[SkipKey, Tensor], *,
-                seed: Callable[[], int], save: bool, checkpoint: bool, last: bool
-                ) -> tuple[Batch, dict[SkipKey, Tensor]]:
+                seed: Callable[[], int], save: bool, checkpoint: bool, last: bool, loss: LossFn | None = None,
+                target: Any = None) -> tuple[Batch | MicroLoss, dict[SkipKey, Tensor]]:
         """Run the partition on one micro-batch; with ``save``, keep what backward needs.
 
         Returned tensors are detached and say by ``requires_grad`` whether a gradient flows back to them.
-        ``last`` marks the last micro-batch of the mini-batch (deferred BatchNorm commits then).
+        ``last`` marks the last micro-batch of the mini-batch (deferred BatchNorm commits then). With ``loss``
+        (the last stage), ``loss(output, target)`` is computed here and returned instead of the output, and a
+        backward starts from it: its gradient is the loss's weight in the batch's loss.
         """
         start = time.time()
         leaves = tuple(_leaf(t, self.device, save and t.requires_grad) for t in inputs.tensors)
@@ -177,11 +184,16 @@ class Stage:
             given, given_imports = self._given(leaves, got, save)  # copies, if any, are part of the graph
             outputs, exports = self._run(Batch(given, inputs.atomic).value, given_imports, seed, microbatch,
                                          watch)
+            if loss is not None:
+                target = to_device(target, self.device)
+                value, extras = compute(loss, outputs.value, target)
+                outputs = Batch((value,), True)
         if save:
             kept = None if checkpoint else outputs.tensors
             with self._lock:
                 self._saved[(run, microbatch)] = _Saved(leaves, got, inputs.atomic, seed, capture_context(), kept,
-                                                        None if checkpoint else exports, _versions(watch))
+                                                        None if checkpoint else exports, _versions(watch), loss,
+                                                        target)
         if save and self.recorder is not None:
             self.recorder.record(self.index, "F", [microbatch], run, start)  # type: ignore[arg-type]
         if last and self.partition.training:
@@ -200,6 +212,8 @@ class Stage:
                 through.get(id(t), needs) and (t.is_floating_point() or t.is_complex()))
         else:
             mark = _handoff
+        if loss is not None:
+            return detach(value, extras), {}
         return outputs.with_tensors([mark(t) for t in outputs.tensors]), {k: mark(t) for k, t in exports.items()}
 
     def _recompute(self, saved: _Saved, microbatch: int) -> tuple[tuple[Tensor, ...], dict[SkipKey, Tensor]]:
@@ -213,6 +227,8 @@ class Stage:
         with saved.context(), recomputing(), torch.enable_grad():
             given, given_imports = self._given(saved.inputs, saved.imports, True)
             outputs, exports = self._run(Batch(given, saved.atomic).value, given_imports, saved.seed, microbatch)
+            if saved.loss is not None:
+                return (compute(saved.loss, outputs.value, saved.target)[0],), {}
         return outputs.tensors, exports
 
     def backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]]
@@ -316,7 +332,8 @@ class Stage:
             for t, g in pairs:
                 if g is not None and t.requires_grad:
                     tensors.append(t)
-                    grads.append(_move(g, t.device))
+                    # A number: the gradient of a loss computed here (its weight in the batch's loss).
+                    grads.append(torch.full_like(t, g) if isinstance(g, float) else _move(g, t.device))
         weights = None
         upstream = [t for s in saved_items for t in (*s.inputs, *s.imports.values()) if t.requires_grad]
         if tensors and inputs_first and upstream:
@@ -342,7 +359,9 @@ class Stage:
             return any(key[0] == run for key in self._saved)
 
     def release(self, run: Hashable) -> None:
-        """Drop whatever is still saved for ``run`` (its output was freed without backward)."""
+        """Drop whatever is still saved for ``run`` (its output was freed without backward), and gradients it
+        made that were never committed."""
         with self._lock:
             for key in [k for k in self._saved if k[0] == run]:
                 del self._saved[key]
+        self.aside.release(run)

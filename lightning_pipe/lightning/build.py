@@ -40,6 +40,7 @@ class PipeStrategy(Protocol):
 
     module_name: str
     balance: list[int] | None
+    pipelined_backward: bool
     balance_mode: str
     microbatches: int
     checkpoint: str
@@ -49,6 +50,8 @@ class PipeStrategy(Protocol):
     parallel_devices: list[torch.device] | None
     num_processes: int
     stages: int
+    pipeline_processes: int
+    schedule: str
     topology: Any
     rank: int
     root_device: torch.device
@@ -85,29 +88,35 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     replica = topology.replica_of(rank)
     key = f"r{replica}p{next(_pipeline_ids)}"
     ranks = topology.pipeline(replica)
-    peers = [worker_name(r) for r in ranks] + [worker_name(rank)]
+    p = strategy.pipeline_processes  # stage s in process ranks[s % p]
     parts = split_module(body, balance)
+    n = len(parts)
+    peers = [worker_name(ranks[s % p]) for s in range(n)] + [worker_name(rank)]
     layout = inspect_skip_layout(parts)
     offsets = list(itertools.accumulate([0] + balance[:-1]))
     prefix = strategy.module_name + "."
     timeout = strategy.rpc_timeout_sec
     devices = strategy.parallel_devices
-    futures = [host.configure_async(peers[j], key, j, parts[j], offsets[j],
-                                    str(devices[ranks[j] % strategy.num_processes] if devices else "cpu"),
+    futures = [host.configure_async(worker_name(ranks[r]), key, {s: (parts[s], offsets[s]) for s in range(r, n, p)},
+                                    str(devices[ranks[r] % strategy.num_processes] if devices else "cpu"),
                                     peers, layout, timeout, prefix, strategy.timeline is not None)
-               for j in range(1, len(parts))]
-    for j, future in enumerate(futures, start=1):
+               for r in range(1, p)]
+    for r, future in enumerate(futures, start=1):
         try:
             future.wait()
         except Exception as exc:
-            exc.add_note(f"while setting up stage {j} in process '{peers[j]}'")
+            exc.add_note(f"while setting up stages {list(range(r, n, p))} in process '{worker_name(ranks[r])}'")
             raise
-    stage = Stage(0, parts[0], strategy.root_device, exports=layout.exports[0].keys(), imports=layout.imports[0].keys())
-    pipeline = RemotePipeline(StageRunner(key, stage, peers, layout, timeout))
-    hosts = host.HostGroup(key, peers[1:len(parts)], timeout)
-    owner = {name: j for j, part in enumerate(parts) for name, _ in part.named_children()}
-    pipelined = PipelinedSequential(body, owner, pipeline, chunks=strategy.microbatches, checkpoint=strategy.checkpoint,
-                                    hosts=hosts, balance=balance, name=strategy.module_name)
+    stages = [Stage(s, parts[s], strategy.root_device, offset=offsets[s], exports=layout.exports[s].keys(),
+                    imports=layout.imports[s].keys()) for s in range(0, n, p)]
+    pipeline = RemotePipeline(StageRunner(key, stages, peers, layout, timeout), processes=p)
+    hosts = host.HostGroup(key, [worker_name(r) for r in ranks[1:]], timeout)
+    stage_of = {name: s for s, part in enumerate(parts) for name, _ in part.named_children()}
+    pipelined = PipelinedSequential(body, stage_of, pipeline, chunks=strategy.microbatches,
+                                    checkpoint=strategy.checkpoint, hosts=hosts, balance=balance,
+                                    name=strategy.module_name, processes=p, schedule=strategy.schedule)
+    pipeline.pipelined = strategy.pipelined_backward
+    pipeline.runner.modes_from_driver = True  # stage 0's layers are the body's: their modes are set
     setattr(module, strategy.module_name, pipelined)
     # When the model is freed (a script training one model after another), so is what its stages hold.
     weakref.finalize(pipelined, _release, pipeline, hosts).atexit = False
@@ -122,7 +131,13 @@ def _adopt(strategy: PipeStrategy, module: pl.LightningModule, body: PipelinedSe
             f"{type(module).__name__}.{strategy.module_name} is already split into stages {body.balance} by an "
             f"earlier Trainer, and this PipeStrategy asks for {strategy.balance or f'{strategy.stages} stages'}; a "
             "split cannot change within one script: pass the same balance (or devices) to every Trainer")
-    body.chunks, body.checkpoint = strategy.microbatches, strategy.checkpoint
+    if body.processes != strategy.pipeline_processes:
+        raise ValueError(
+            f"{type(module).__name__}.{strategy.module_name} is already split over {body.processes} processes per "
+            f"pipeline by an earlier Trainer, and this PipeStrategy asks for {strategy.pipeline_processes} "
+            "(virtual_stages changed?); a split cannot change within one script")
+    body.chunks, body.checkpoint, body.schedule = strategy.microbatches, strategy.checkpoint, strategy.schedule
+    body.pipeline.pipelined = strategy.pipelined_backward
     return body
 
 

@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities.model_helpers import is_overridden
 
 from lightning_pipe.engine.partition import check_balance, check_checkpoint, check_chunks, check_sequential
+from lightning_pipe.engine.schedule import check_schedule, schedule_plan
 from lightning_pipe.engine.skip.skippable import verify_skippables
 from lightning_pipe.lightning.body import PipelinedSequential
 
@@ -21,7 +22,7 @@ BALANCE_MODES = ("balance_by_size", "balance_by_time")
 
 
 def check_arguments(balance: Any, microbatches: Any, checkpoint: Any, balance_mode: Any, rpc_timeout_sec: Any,
-                    module_name: Any, kwargs: dict[str, Any]) -> list[int] | None:
+                    module_name: Any, schedule: Any, virtual_stages: Any, kwargs: dict[str, Any]) -> list[int] | None:
     """Reject ``PipeStrategy`` arguments that cannot work; return ``balance`` as a list (or None)."""
     if balance is not None:
         if not isinstance(balance, (list, tuple)) or not balance or any(
@@ -36,6 +37,19 @@ def check_arguments(balance: Any, microbatches: Any, checkpoint: Any, balance_mo
         raise ValueError(f"rpc_timeout_sec must be a positive number of seconds (got: {rpc_timeout_sec!r})")
     if not isinstance(module_name, str) or not module_name.isidentifier():
         raise ValueError(f"module_name must be the name of an attribute (got: {module_name!r})")
+    check_schedule(schedule)
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be a positive integer (got: {virtual_stages!r})")
+    if (schedule == "interleaved-1f1b") != (virtual_stages > 1):
+        runs = "several stages" if schedule == "interleaved-1f1b" else "one stage"
+        raise ValueError(f"schedule={schedule!r} runs {runs} per process (virtual_stages: {virtual_stages}): use "
+                         "schedule='interleaved-1f1b' with virtual_stages >= 2, or another schedule with "
+                         "virtual_stages=1")
+    if balance is not None:
+        if len(balance) % virtual_stages:
+            raise ValueError(f"balance must have processes x virtual_stages entries (balance: {len(balance)} "
+                             f"entries, virtual_stages: {virtual_stages}); it cannot be spread evenly over processes")
+        schedule_plan(schedule, microbatches, len(balance) // virtual_stages, virtual_stages)
     if kwargs.get("start_method", "popen") != "popen":
         raise ValueError(f"PipeStrategy starts processes as scripts (start_method='popen'); got "
                          f"start_method={kwargs['start_method']!r}")

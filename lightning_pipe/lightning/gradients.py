@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.lightning.body import PipelinedSequential, is_placeholder
+from lightning_pipe.lightning.body import PipelinedSequential
+from lightning_pipe.lightning.placeholders import is_placeholder
 
 __all__ = ["grad_norm"]
 

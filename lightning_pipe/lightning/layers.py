@@ -24,15 +24,15 @@ class LayerSync:
     ``body()`` returns the LightningModule's pipelined body (looked up at each call: a user may replace it).
     """
 
-    def __init__(self, body: Callable[[], PipelinedSequential], stages: int) -> None:
+    def __init__(self, body: Callable[[], PipelinedSequential], processes: int) -> None:
         self.body = body
-        self.stages = stages
+        self.processes = processes
         self._requires_grad = self._requires_grad_flags()
-        self._modes: list[tuple[bool, bytes] | None] = [None] * stages  # sent before the first forward
+        self._modes: list[tuple[bool, bytes] | None] = [None] * processes  # sent before the first forward
 
     def _layers(self) -> list[list[nn.Module]]:
         body = self.body()
-        layers: list[list[nn.Module]] = [[] for _ in range(self.stages)]
+        layers: list[list[nn.Module]] = [[] for _ in range(self.processes)]
         for name, child in body.named_children():
             layers[body.owner[name]].append(child)
         return layers
@@ -52,10 +52,18 @@ class LayerSync:
             if modes != self._modes[j]:
                 body.hosts.call_stage(j, "set_modes", *modes)
                 self._modes[j] = modes
+        self.requires_grad()
+
+    def requires_grad(self) -> None:
+        """Send each remote stage its parameters' ``requires_grad`` where they changed (also as a backward
+        starts: a layer frozen between the forward and the backward gets no gradient, as in one process)."""
+        body = self.body()
+        if body.hosts is None:
+            return
         flags = self._requires_grad_flags()
         if flags == self._requires_grad:
             return
-        for j in range(1, self.stages):
+        for j in range(1, self.processes):
             if flags[j] != self._requires_grad[j]:
                 named = {f"{body.name}.{n}": p.requires_grad for n, p in body.named_parameters()
                          if body.owner[n.split(".", 1)[0]] == j}

@@ -102,16 +102,16 @@ class StageOptimizers:
     ``stage_of(name)`` gives the stage holding LightningModule parameter ``name``.
     """
 
-    def __init__(self, hosts: HostGroup, stage_of: Callable[[str], int], stages: int) -> None:
+    def __init__(self, hosts: HostGroup, stage_of: Callable[[str], int], processes: int) -> None:
         self.hosts = hosts
         self.stage_of = stage_of
-        self.stages = stages
+        self.processes = processes
 
     def mirror(self, optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str],
                amp_scaler: Any = None, precision: str = "") -> None:
         """Make each of ``optimizers`` (the driver's, over the whole module: ``names`` maps parameter ids to
         names) an optimizer of every stage: its part is built on each remote stage."""
-        per_stage: list[list[optim.OptimizerSpec | None]] = [[] for _ in range(self.stages)]
+        per_stage: list[list[optim.OptimizerSpec | None]] = [[] for _ in range(self.processes)]
         for k, optimizer in enumerate(optimizers):
             if amp_scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
                 # Such an optimizer unscales and skips inside its own step, where the other stages' gradients
@@ -120,7 +120,7 @@ class StageOptimizers:
                                  f"(precision={precision!r}) across pipeline stages: build it with fused=False "
                                  "(the default), or use precision='bf16-mixed'")
             optimizer._lp_names = optim.flat_names(optimizer, names)  # type: ignore[attr-defined]
-            for j, spec in enumerate(optim.specs_for_stages(optimizer, names, self.stage_of, self.stages)):
+            for j, spec in enumerate(optim.specs_for_stages(optimizer, names, self.stage_of, self.processes)):
                 per_stage[j].append(spec)
             optim.drop_placeholder_state(optimizer)
             optimizer._lp_hosts = self.hosts  # type: ignore[attr-defined]
@@ -161,6 +161,6 @@ class StageOptimizers:
         optimizer.load_state_dict(own)
         # Every stage loads, also one the checkpoint has no state for (saved before any step, as the
         # learning-rate finder's is): what it built since must go, as it does from the driver's.
-        for j in range(1, self.stages):
+        for j in range(1, self.processes):
             self.hosts.call_stage(j, "load_optimizer_state", optimizer._lp_index,  # type: ignore[attr-defined]
                                   remote.get(j, {}))

@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor
 
-from lightning_pipe.lightning.body import is_placeholder
+from lightning_pipe.lightning.placeholders import is_placeholder
 
 __all__: list[str] = []
 
@@ -67,3 +67,16 @@ class PipePrecision:
         torch.nn.utils.clip_grad_value_(params, clip_val)
         hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
         return None
+
+
+def loss_gradient(module: pl.LightningModule, plugin: Any) -> float:
+    """The gradient Lightning's backward will bring to a loss computed in ``training_step``: divided by the number
+    of accumulated batches in automatic optimization, times the gradient scaler's scale (16-mixed). A schedule
+    that runs its backwards ahead of Lightning's runs them with it (:mod:`lightning_pipe.engine.aside`)."""
+    scale = 1.0
+    if module.automatic_optimization and module._trainer is not None:
+        scale /= module.trainer.accumulate_grad_batches
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None and scaler.is_enabled():
+        scale *= float(scaler.get_scale())
+    return scale

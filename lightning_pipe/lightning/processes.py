@@ -53,9 +53,11 @@ def devices_by_rank(topology: Topology, devices: list[torch.device] | None, proc
 
 class PipelineProcesses(DDPStrategy):
     """A ``DDPStrategy`` whose processes form pipelines: Lightning's launchers and cluster environments start
-    them all, Lightning's loop sees the drivers alone. Subclasses set ``balance`` and ``rpc_timeout_sec``."""
+    them all, Lightning's loop sees the drivers alone. Subclasses set ``balance``, ``virtual_stages`` and
+    ``rpc_timeout_sec``."""
 
     balance: list[int] | None
+    virtual_stages: int = 1
     rpc_timeout_sec: float
     _topology: Topology | None = None
     _rank = -1
@@ -74,8 +76,14 @@ class PipelineProcesses(DDPStrategy):
 
     @property
     def stages(self) -> int:
-        """The number of pipeline stages."""
-        return len(self.balance) if self.balance is not None else self.num_processes
+        """The number of pipeline stages (partitions of the body): ``len(balance)``, or one per device of a node
+        times ``virtual_stages``."""
+        return len(self.balance) if self.balance is not None else self.num_processes * self.virtual_stages
+
+    @property
+    def pipeline_processes(self) -> int:
+        """The number of processes of one pipeline: each holds ``virtual_stages`` stages."""
+        return self.stages // self.virtual_stages
 
     @property
     def is_driver(self) -> bool:
@@ -110,7 +118,7 @@ class PipelineProcesses(DDPStrategy):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         self._rank = self.cluster_environment.global_rank()
-        self._topology = topology = Topology(self.cluster_environment.world_size(), self.stages)
+        self._topology = topology = Topology(self.cluster_environment.world_size(), self.pipeline_processes)
         rank_zero_only.rank = topology.replica_of(self._rank) if topology.is_driver(self._rank) else self._rank
 
     @override

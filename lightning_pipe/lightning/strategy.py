@@ -37,10 +37,9 @@ from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, mix_in, raw
-from lightning_pipe.lightning.precision import PipePrecision
+from lightning_pipe.lightning.precision import PipePrecision, loss_gradient
 from lightning_pipe.lightning.processes import PipelineProcesses
 from lightning_pipe.lightning.replicas import Replicas
-from lightning_pipe.transport.driver import RemotePipeline
 from lightning_pipe.transport.session import SESSION, abort_world
 
 __all__ = ["PipeStrategy"]
@@ -78,6 +77,11 @@ class PipeStrategy(PipelineProcesses):
         timeline: a path: record when each stage ran each micro-batch's forward and backward in training and
             write it there as a Chrome trace (replica 0, at the end of fit); ``python -m lightning_pipe
             timeline PATH out.png`` draws it and prints the bubble fraction.
+        schedule: the order of a step's forwards and backwards: ``'gpipe'``, ``'1f1b'``, ``'zero-bubble'`` or
+            ``'interleaved-1f1b'``. All but GPipe need the loss computed on the last stage
+            (:func:`lightning_pipe.loss_on_last_stage` in ``training_step``).
+        virtual_stages: stages per process (``'interleaved-1f1b'``): ``balance`` has processes x virtual_stages
+            entries, and stage ``s`` runs in the pipeline's process ``s % processes``.
         **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``cluster_environment``, ...). Models are not wrapped in DDP: each stage averages its
             own gradients.
@@ -88,12 +92,13 @@ class PipeStrategy(PipelineProcesses):
     def __init__(self, balance: list[int] | None = None, microbatches: int = 8, checkpoint: str = "except_last",
                  balance_mode: str = "balance_by_size", pipelined_backward: bool = True,
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
-                 deferred_batch_norm: bool = False, timeline: str | None = None, accelerator: Any = None,
+                 deferred_batch_norm: bool = False, timeline: str | None = None, schedule: str = "gpipe",
+                 virtual_stages: int = 1, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         balance = checks.check_arguments(balance, microbatches, checkpoint, balance_mode, rpc_timeout_sec,
-                                         module_name, kwargs)
+                                         module_name, schedule, virtual_stages, kwargs)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -107,6 +112,8 @@ class PipeStrategy(PipelineProcesses):
         self.module_name = module_name
         self.deferred_batch_norm = deferred_batch_norm
         self.timeline = timeline
+        self.schedule = schedule
+        self.virtual_stages = virtual_stages
         self._body: PipelinedSequential | None = None  # the body this strategy runs, once set up
         self._stage_optimizers: StageOptimizers | None = None
         self._replicas = Replicas(1)
@@ -144,29 +151,27 @@ class PipeStrategy(PipelineProcesses):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _attach(self, body: PipelinedSequential) -> None:
-        """Run ``body`` with this strategy's settings: what the driver sets on its layers reaches their stages
-        before each forward, a pending remote step is taken first, and backward is checked."""
-        self.balance = list(body.balance)
-        self._body = body
-        body.pipeline.pipelined = self.pipelined_backward
-        body.pipeline.runner.modes_from_driver = True  # stage 0's layers are the body's: their modes are set
-        sync = LayerSync(lambda: checks.body_of(self.lightning_module, self.module_name), self.stages)
+        """Run ``body`` with this strategy: layers in step with the driver's, a pending remote step first."""
+        self.balance, self._body = list(body.balance), body
+        sync = LayerSync(lambda: checks.body_of(self.lightning_module, self.module_name), self.pipeline_processes)
 
         def before_forward() -> None:
             for optimizer in self.optimizers:  # a step taken outside Lightning's optimizer_step
                 self.post_optimizer_step(raw(optimizer))
             sync()
 
+        def on_backward() -> None:
+            self._replicas.check_backward_path()
+            sync.requires_grad()
+
         body.before_forward = before_forward
-        body.on_backward = self._replicas.check_backward_path
+        body.on_backward = on_backward
+        body.loss_scale = lambda: loss_gradient(self.lightning_module, self.precision_plugin)
         self._replicas.hosts, self._replicas.count = body.hosts, self.world_size
-        assert body.hosts is not None
-        self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.stages)
+        self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes)  # type: ignore
         self.record_timeline(self.timeline is not None)
 
-    @property
-    def _pipeline(self) -> RemotePipeline | None:
-        return self._body.pipeline if self._body is not None else None
+    _pipeline = property(lambda self: self._body.pipeline if self._body is not None else None)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -182,29 +187,26 @@ class PipeStrategy(PipelineProcesses):
     # ------------------------------------------------------------------ a training step, in Lightning's order
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        """Lightning's backward starts (automatic optimization or ``manual_backward``): the pipeline's backward,
-        which the loss's backward drives, may run. A backward that bypasses Lightning's is refused when there
-        are replicas, whose gradients nothing would average."""
+        """Lightning's backward starts: the pipeline's backward may run (with replicas, one that bypasses
+        Lightning's is refused: nothing would average its gradients)."""
         super().pre_backward(closure_loss)
         self._replicas.in_backward += 1
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        """Lightning's backward is over (the gradients were averaged over the replicas before
-        ``on_after_backward``, by :meth:`after_backward`)."""
+        """Lightning's backward is over (:meth:`after_backward` averaged before ``on_after_backward``)."""
         self._replicas.in_backward = max(0, self._replicas.in_backward - 1)
         super().post_backward(closure_loss)
 
     def after_backward(self) -> None:
-        """Right after each backward, before ``on_after_backward``: every stage's gradients are averaged over
-        the replicas (unless Lightning blocks the sync while it accumulates), as under DDP."""
+        """Right after each backward, before ``on_after_backward``: every stage's gradients averaged over the
+        replicas, as under DDP."""
         self._replicas.after_backward(self.optimizers)
 
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        """Backwards inside keep their gradients per replica (Lightning blocks the sync while it accumulates
-        gradients, as DDP's ``no_sync``); the first backward outside averages everything accumulated."""
+        """Backwards inside keep their gradients per replica (DDP's ``no_sync``, while Lightning accumulates)."""
         with self._replicas.no_sync():
             yield None
 
@@ -224,9 +226,8 @@ class PipeStrategy(PipelineProcesses):
 
     def post_optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         """After each optimizer step (automatic or manual): every remote stage steps its part of ``optimizer``
-        with the hyper-parameters the driver's step used, and none does when the driver's step was skipped (a
-        gradient scaler's overflow). Schedulers step after this, on the driver; their learning rates reach the
-        stages with the next step."""
+        with the hyper-parameters the driver's step used; none does when the driver's step was skipped (a
+        gradient scaler's overflow)."""
         if self._stage_optimizers is not None:
             self._stage_optimizers.step_remote(optimizer)
 
@@ -307,8 +308,7 @@ class PipeStrategy(PipelineProcesses):
 
     # ------------------------------------------------------------------ seeing the pipeline
     def record_timeline(self, on: bool = True) -> None:
-        """Start (or stop) recording when each stage of this driver's pipeline runs each micro-batch, as
-        ``timeline=`` does from the start of fit; call it once the pipeline is set up (``on_fit_start`` on)."""
+        """Start (or stop) recording each stage's actions, as ``timeline=`` does (from ``on_fit_start`` on)."""
         observe.record_timeline(self._body, on)
 
     def write_timeline(self, path: str | None = None) -> None:
@@ -318,8 +318,7 @@ class PipeStrategy(PipelineProcesses):
             observe.write_timeline(self._body, path, self.topology.pipeline(0))
 
     def memory_per_process(self) -> list[dict[str, int]]:
-        """Per process of this driver's pipeline, stage by stage: resident memory (bytes) and what the
-        pipeline keeps between steps (saved micro-batches, undelivered messages, seeds: all 0 when idle)."""
+        """Per process of this driver's pipeline: resident memory and what it keeps between steps (all 0)."""
         return observe.memory(self._body)
 
     # ------------------------------------------------------------------ the end

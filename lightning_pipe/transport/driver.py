@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from functools import partial
 from typing import Any
 
 import torch
@@ -22,8 +21,8 @@ from torch import nn
 
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.partition import normalize_device, split_module
-from lightning_pipe.engine.pipeline import Run, _Skipped, drain
-from lightning_pipe.engine.schedule import Action, backward_plan, forward_plan, stage_order
+from lightning_pipe.engine.pipeline import Run, Step, _Skipped, drain
+from lightning_pipe.engine.schedule import Plan, forward_only, gpipe
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Grads, Stage, _move
 from lightning_pipe.engine.worker import Inline
@@ -32,8 +31,10 @@ from lightning_pipe.transport.messages import (
     _PROGRESS_LOCK,
     MAILBOX,
     Slot,
+    StepSpec,
     _unpack,
     _wire,
+    _wire_any,
     to_concurrent,
     where,
 )
@@ -41,6 +42,7 @@ from lightning_pipe.transport.runner import (
     StageRunner,
     _abort,
     _act,
+    _commit,
     _is_registered,
     _release,
     call_runner,
@@ -63,29 +65,38 @@ def wait_registered(peers: Sequence[str], key: str, timeout: float) -> None:
 
 
 def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], names: Sequence[str], *,
-                      device: torch.device | str = "cpu", timeout: float = 60.0) -> RemotePipeline | None:
-    """Split ``module`` by ``balance`` across the processes ``names`` (stage j in process ``names[j]``).
+                      device: torch.device | str = "cpu", timeout: float = 60.0,
+                      virtual_stages: int = 1) -> RemotePipeline | None:
+    """Split ``module`` by ``balance`` across the processes ``names``: stage ``s`` in process
+    ``names[s % len(names)]`` (``len(balance) == len(names) * virtual_stages``).
 
     Call it in each of those processes after ``rpc.init_rpc``, with the same arguments. In the process of
-    stage 0 it returns the pipeline to run with :func:`~lightning_pipe.engine.pipe.run_pipeline` once every stage
-    is ready; elsewhere it hosts this process's stage and returns None (RPC threads serve it until
-    ``rpc.shutdown``). This is what ``PipeStrategy`` does for Lightning, without Lightning.
+    stage 0 it returns the pipeline to run with :func:`~lightning_pipe.engine.autograd.run_pipeline` or
+    :func:`~lightning_pipe.engine.autograd.pipeline_loss` once every stage is ready; elsewhere it hosts this
+    process's stages and returns None (RPC threads serve them until ``rpc.shutdown``). This is what
+    ``PipeStrategy`` does for Lightning, without Lightning.
     """
     me = rpc.get_worker_info().name
     if me not in names:
         raise ValueError(f"this process ('{me}') holds no stage of pipeline '{key}' (processes: {list(names)})")
-    j = list(names).index(me)
+    p = len(names)
+    if len(balance) != p * virtual_stages:
+        raise ValueError(f"balance must have one entry per stage: processes x virtual_stages (balance: "
+                         f"{len(balance)} entries, processes: {p}, virtual_stages: {virtual_stages})")
+    r = list(names).index(me)
     parts = split_module(module, balance)
     layout = inspect_skip_layout(parts)
     device = normalize_device(device)  # "cuda" is cuda:N, as the tensors placed there say
-    parts[j].to(device)
-    stage = Stage(j, parts[j], device, offset=sum(balance[:j]), exports=layout.exports[j].keys(),
-                  imports=layout.imports[j].keys())
-    runner = StageRunner(key, stage, [*names, names[0]], layout, timeout)
-    if j != 0:
+    stages = []
+    for s in range(r, len(parts), p):
+        parts[s].to(device)
+        stages.append(Stage(s, parts[s], device, offset=sum(balance[:s]), exports=layout.exports[s].keys(),
+                            imports=layout.imports[s].keys()))
+    runner = StageRunner(key, stages, [names[s % p] for s in range(len(parts))] + [names[0]], layout, timeout)
+    if r != 0:
         register(runner)
         return None
-    pipeline = RemotePipeline(runner)
+    pipeline = RemotePipeline(runner, processes=p)
     wait_registered(list(names[1:]), key, timeout)
     return pipeline
 
@@ -136,46 +147,137 @@ class _RemoteStageRef:
 
 
 class RemotePipeline:
-    """The driver's view of a pipeline whose stage 0 is here and stages 1..n-1 are in other processes.
+    """The driver's view of a pipeline whose first process (stage 0, and every ``processes``-th after it) is
+    here and whose other processes hold the rest.
 
-    Same interface as :class:`~lightning_pipe.engine.pipeline.LocalPipeline`: :meth:`forward` and
-    :meth:`backward` per :class:`~lightning_pipe.engine.pipeline.Run`.
+    Same interface as :class:`~lightning_pipe.engine.pipeline.LocalPipeline`: :meth:`execute` of a plan, its
+    GPipe halves :meth:`forward` and :meth:`backward`, and :meth:`commit`.
     """
 
-    def __init__(self, runner: StageRunner) -> None:
+    def __init__(self, runner: StageRunner, processes: int | None = None) -> None:
         if runner.index != 0:
             raise ValueError(f"the driver must hold stage 0 (got stage {runner.index})")
         self.runner = runner
         self.key = runner.key
         self.n = runner.n
+        self.processes = processes or self.n
+        # The process of each process index: the one holding stage r.
+        self.peers = [runner.peers[r] for r in range(self.processes)]
         self._settled = _Settled()
-        # What a Run releases when freed: this process's runner and every remote stage.
-        self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, p, self._settled)
-                                             for p in runner.peers[1:self.n]]
+        # What a Run releases when freed: this process's runner and every remote process.
+        self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, peer, self._settled) for peer in self.peers[1:]]
         self.pipelined = True  # backward micro-batch by micro-batch (False: one backward per stage)
         register(runner)
 
-    def _describe(self, j: int) -> Callable[[], str]:
-        return lambda: f"in stage {j} of pipeline '{self.key}' ({where(self.runner.peers[j])})"
+    @property
+    def num_stages(self) -> int:
+        """How many stages (partitions) the pipeline has, over all its processes."""
+        return self.n
 
-    def _submit(self, run: Run, plan: list[list[Action]], local: Callable[[list[list[int]]], Any],
-                args: Callable[[list[list[int]]], tuple[Any, ...]],
-                collect: Callable[[], Any] | None = None,
-                deliveries: dict[int, list[tuple[Slot, Any]]] | None = None, inline: bool = False) -> Any:
-        """Give every stage its actions of ``plan`` at once (one message per stage, not per action), run
-        ``collect`` (the driver's own waits, each bounded) meanwhile, and wait for every stage.
-        ``deliveries[j]``: mailbox items that travel to stage ``j`` in the same message as its actions.
-        Returns what ``collect`` returned and each stage's answer (None for stage 0).
+    def _describe(self, r: int) -> Callable[[], str]:
+        stages = ", ".join(map(str, range(r, self.n, self.processes)))
+        return lambda: f"in stage {stages} of pipeline '{self.key}' ({where(self.peers[r])})"
 
-        ``inline``: stage 0's share runs on the calling thread, once the others have theirs. A backward on a
-        GPU is called on autograd's thread for that device, which stage 0's own autograd call needs: on the
+    # ------------------------------------------------------------------ the plan's parts
+    def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
+        """Every forward (GPipe's first half, or evaluation); return the last stage's outputs."""
+        plan = forward_only(len(microbatches), self.processes, self.n // self.processes)
+        return self.execute(run, plan, inputs=microbatches, save=save).outputs  # type: ignore[return-value]
+
+    def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
+                 inline_device: torch.device | None = None) -> list[Grads]:
+        """GPipe's second half: every backward, from the last stage's output gradients; returns stage 0's input
+        gradients per micro-batch. ``pipelined=False``: each stage runs one backward over all its micro-batches
+        (default: :attr:`pipelined`)."""
+        plan = gpipe(len(grad_outputs), self.processes, pipelined=self.pipelined if pipelined is None else pipelined)
+        backward = Plan(plan.schedule, plan.microbatches, plan.stages, plan.processes,
+                        tuple(plan.split(r)[1] for r in range(plan.processes)))
+        return self.execute(run, backward, output_grads=grad_outputs,  # type: ignore[return-value]
+                            inline_device=inline_device).input_grads
+
+    def commit(self, run: Run, scale: float) -> None:
+        """Add what ``run``'s backwards made aside, times ``scale``, into every stage's gradients (a plan that
+        ran its backwards ahead of its caller's), here and in every other process at once."""
+        timeout = self.runner.timeout
+        futures = [to_concurrent(rpc.rpc_async(peer, _commit, args=(self.key, run.id, scale), timeout=timeout),
+                                 self._describe(r)) for r, peer in enumerate(self.peers) if r > 0]
+        self.runner.commit(run.id, scale)
+        for future in futures:
+            future.result()
+        self._settled.add(run.id, self.processes - 1)
+
+    # ------------------------------------------------------------------ running a plan
+    def execute(self, run: Run, plan: Plan, *, inputs: list[Batch] | None = None,
+                output_grads: list[Grads] | None = None, save: bool = True,
+                inline_device: torch.device | None = None) -> Step:
+        """Run ``plan``: every process gets all its actions of the step in one message (the output gradients
+        and the targets of the last stage travel with them), stage 0's share runs here; returns the last
+        stage's outputs or losses and stage 0's input gradients (see ``LocalPipeline.execute``).
+
+        ``inline_device``: stage 0's share runs on the calling thread, once the others have theirs. A backward
+        on a GPU is called on autograd's thread for that device, which stage 0's own autograd call needs: on the
         stage's worker, that call would wait for the very thread that waits for it.
 
-        Nothing waits unboundedly: a failure aborts the others, who then get at most the RPC timeout to
-        stop; once the driver has what it needs (stage 0 done, ``collect`` returned), stages still busy get
-        the RPC timeout from their last sign of progress (a share finished, or a slow stage's word that it
+        Nothing waits unboundedly: a failure aborts the others, who then get at most the RPC timeout to stop;
+        once the driver has what it needs (stage 0 done, the last stage's outputs here), processes still busy
+        get the RPC timeout from their last sign of progress (a share finished, or a slow stage's word that it
         finished another micro-batch) before they are reported as not answering.
         """
+        m, n, p, key = plan.microbatches, self.n, self.processes, self.key
+        spec = StepSpec(m, save, run.checkpoint_stop, run.training, run.autocast, run.anomaly, run.dtype,
+                        eager=plan.eager, loss=run.loss, weights=run.weights, loss_scale=run.loss_scale)
+        last = plan.process_of(n - 1)
+        deliveries: list[tuple[Slot, Any]] = []
+        if output_grads is not None:
+            # With the last stage's actions: one message instead of m + 1, between the forward and the backward.
+            direct = self.runner.direct(n - 1)
+            deliveries += [((key, run.id, "B", i, n - 1, n), g if run.loss is not None else _wire(g, direct))
+                           for i, g in enumerate(output_grads)]
+        if run.loss is not None and any(a.kind == "F" and a.stage == n - 1 for a in plan.actions[last]):
+            deliveries += [((key, run.id, "T", i, n - 1, "target"), _wire_any(t)) for i, t in enumerate(run.targets)]
+        if last == 0:
+            for slot, payload in deliveries:
+                MAILBOX.put(slot, payload)
+        grads: dict[int, Grads] = {}
+
+        def local() -> list[Future[Any]]:
+            sends, mine = self.runner.run_actions(run.id, plan.actions[0], spec, inputs)
+            grads.update(mine)
+            return sends
+
+        forwards = any(a.kind == "F" and a.stage == n - 1 for a in plan.actions[last])
+
+        def collect() -> list[Any]:
+            # A little longer than the stages' own waits, so that the stage that noticed a silent neighbour
+            # first reports it (more precisely than "no output").
+            return [self.runner._take((key, run.id, "F", i, n, n - 1), timeout=1.5 * self.runner.timeout)
+                    for i in range(m)]
+
+        collected, answers = self._submit(run, plan, spec, local, collect if forwards and last == 0 else None,
+                                          {last: deliveries} if last != 0 else {}, inline_device is not None and
+                                          self.runner.stage.device == inline_device)
+        if not save or (not plan.eager and any(a.kind != "F" for a in plan.actions[0])):
+            self._settled.add(run.id, p - 1)  # nothing saved, or a backward done: nothing left behind elsewhere
+        results = None
+        if forwards:
+            results = collected if last == 0 else [answers[last][i] for i in range(m)]
+        losses = outputs = None
+        if results is not None and run.loss is not None:
+            losses = results
+        elif results is not None:
+            # They travelled through host memory; the driver's code goes on with them where stage 0 is (its GPU).
+            device = self.runner.stage.device
+            outputs = [Batch(_unpack([_move(t, device) for t in tensors], flags), atomic)
+                       for tensors, flags, atomic in results]
+        backwards = any(a.kind in "BI" and a.stage == 0 for a in plan.actions[0])
+        return Step(outputs, losses, [grads[i] for i in range(m)] if backwards else None)
+
+    def _submit(self, run: Run, plan: Plan, spec: StepSpec, local: Callable[[], Any],
+                collect: Callable[[], Any] | None, deliveries: dict[int, list[tuple[Slot, Any]]],
+                inline: bool) -> Any:
+        """Give every process its actions of ``plan`` at once (one message per process), run ``collect`` (the
+        driver's own waits, each bounded) meanwhile, and wait for every process. Returns what ``collect``
+        returned and each process's answer (None for this one)."""
         sends: list[Future[Any]] = []
         aborted = threading.Event()
 
@@ -185,39 +287,35 @@ class RemotePipeline:
                 aborted.set()
                 self._abort(run)
 
-        def start(groups: list[list[int]]) -> None:
-            out = local(groups)
-            if isinstance(out, list):  # sends in flight: waited for below, not on the worker
-                sends.extend(out)
+        def start() -> None:
+            sends.extend(local())  # sends in flight: waited for below, not on the worker
 
-        futures: list[Future[Any]] = [Future() for _ in range(self.n)]  # stage j's share, in stage order
+        futures: list[Future[Any]] = [Future() for _ in range(self.processes)]  # each process's share
         collected = None
         progress = (self.key, run.id)
         with _PROGRESS_LOCK:
             _PROGRESS[progress] = 0.0
         try:
-            # Inside the try: a stage that cannot be reached aborts those that already have their actions.
-            for j in [*range(1, self.n), 0] if inline else range(self.n):
-                groups = [[a.microbatch] if a.microbatch >= 0 else list(range(len(run.sizes)))
-                          for a in stage_order(plan, j)]
-                if j == 0:
-                    future = (Inline() if inline else self.runner.worker).submit(partial(start, groups))
+            # Inside the try: a process that cannot be reached aborts those that already have their actions.
+            for r in [*range(1, self.processes), 0] if inline else range(self.processes):
+                if r == 0:
+                    future = (Inline() if inline else self.runner.worker).submit(start)
                 else:
                     # No RPC timeout on the whole share: its waits are bounded one by one, a lost process fails
                     # the call at once, and a silent one is caught below.
-                    extra = (deliveries or {}).get(j)
-                    rf = rpc.rpc_async(self.runner.peers[j], _act, timeout=0,
-                                       args=(*args(groups), extra) if extra else args(groups))
-                    future = to_concurrent(rf, self._describe(j))
+                    extra = deliveries.get(r)
+                    args = (self.key, run.id, list(plan.actions[r]), spec) + ((extra,) if extra else ())
+                    future = to_concurrent(rpc.rpc_async(self.peers[r], _act, timeout=0, args=args),
+                                           self._describe(r))
                 future.add_done_callback(on_done)
-                futures[j] = future
+                futures[r] = future
             if collect is not None:
                 try:
                     collected = collect()
                 except _Skipped:
                     pass  # a stage failed: the error is in its future
             drain(futures, grace=self.runner.timeout, ready=futures[0], alive=lambda: _PROGRESS.get(progress, 0.0),
-                  describe=lambda j: f"stage {j} ({where(self.runner.peers[j])}) of pipeline '{self.key}'")
+                  describe=lambda r: f"{self._describe(r)()[3:]}")
             drain(sends)
         except BaseException:
             if not aborted.is_set():
@@ -232,78 +330,17 @@ class RemotePipeline:
     def _abort(self, run: Run) -> None:
         run.failed = True
         self.runner.fail(run.id)
-        for peer in self.runner.peers[1:self.n]:
+        for peer in self.peers[1:]:
             try:
                 rpc.rpc_async(peer, _abort, args=(self.key, run.id), timeout=self.runner.timeout)
             except Exception:  # noqa: BLE001 - an unreachable stage is what the error already reports
                 pass
 
-    def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
-        """Run every micro-batch through every stage; return the last stage's outputs."""
-        m, n, key = len(microbatches), self.n, self.key
-
-        def local(groups: list[list[int]]) -> list[Future[Any]]:
-            sends: list[Future[Any]] = []
-            for (i,) in groups:
-                sends += self.runner.forward(run.id, i, m, save, run.checkpoint_stop, run.training, [],
-                                             microbatches[i])
-            return sends
-
-        def collect() -> list[Any]:
-            # A little longer than the stages' own waits, so that the stage that noticed a silent neighbour
-            # first reports it (more precisely than "no output").
-            return [self.runner._take((key, run.id, "F", i, n, n - 1), timeout=1.5 * self.runner.timeout)
-                    for i in range(m)]
-
-        # The last stage answers with its outputs when it is in another process; here, they are delivered.
-        collected, answers = self._submit(run, forward_plan(m, n), local,
-                                          lambda groups: (key, "F", run.id, groups, m, save, run.checkpoint_stop,
-                                                          run.training, run.autocast, run.anomaly, run.dtype),
-                                          collect if n == 1 else None)
-        if not save:
-            self._settled.add(run.id, n - 1)
-        outputs = collected if n == 1 else [answers[n - 1][i] for i in range(m)]
-        # They travelled through host memory; the driver's code goes on with them where stage 0 is (its GPU).
-        device = self.runner.stage.device
-        return [Batch(_unpack([_move(t, device) for t in tensors], flags), atomic)
-                for tensors, flags, atomic in outputs]
-
-    def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
-                 inline_device: torch.device | None = None) -> list[Grads]:
-        """Backward of every micro-batch from the last stage's output gradients; returns stage 0's input
-        gradients per micro-batch. ``pipelined=False``: each stage runs one backward over all its
-        micro-batches (default: :attr:`pipelined`)."""
-        m, n, key = len(grad_outputs), self.n, self.key
-        if pipelined is None:
-            pipelined = self.pipelined
-        # The output gradients go to the last stage inside the message carrying its actions: one message
-        # instead of m + 1, on the critical path between the forward and the backward.
-        direct = self.runner.direct(n - 1)
-        deliveries = [((key, run.id, "B", i, n - 1, n), _wire(grads, direct)) for i, grads in enumerate(grad_outputs)]
-        if n == 1:
-            for slot, payload in deliveries:
-                MAILBOX.put(slot, payload)
-        plan = backward_plan(m, n) if pipelined else [[Action(j, "B", -1)] for j in reversed(range(n))]
-        result: dict[int, Grads] = {}
-
-        def local(groups: list[list[int]]) -> None:
-            for group in groups:
-                for i, grads in zip(group, self.runner.backward(run.id, group)):
-                    result[i] = grads  # type: ignore[assignment]
-
-        self._submit(run, plan, local,
-                     lambda groups: (key, "B", run.id, groups, m, True, 0, run.training, [], run.anomaly,
-                                     run.dtype),
-                     deliveries={n - 1: deliveries} if n > 1 else None,
-                     inline=inline_device is not None and self.runner.stage.device == inline_device)
-        self._settled.add(run.id, n - 1)
-        return [result[i] for i in range(m)]
-
-    def call(self, stage: int, method: str, *args: Any) -> Any:
-        """Call ``method`` of stage ``stage``'s runner (here for stage 0, by RPC otherwise)."""
-        if stage == 0:
+    def call(self, process: int, method: str, *args: Any) -> Any:
+        """Call ``method`` of process ``process``'s runner (here for process 0, by RPC otherwise)."""
+        if process == 0:
             return getattr(self.runner, method)(*args)
-        return rpc.rpc_sync(self.runner.peers[stage], call_runner, args=(self.key, method, *args),
+        return rpc.rpc_sync(self.peers[process], call_runner, args=(self.key, method, *args),
                             timeout=self.runner.timeout)
 
     def close(self) -> None:

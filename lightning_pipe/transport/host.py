@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -47,24 +48,29 @@ def layer_modes(layers: Sequence[nn.Module]) -> bytes:
 
 
 class StageHost:
-    """Partition ``index`` of pipeline ``key`` in this process, with what training it needs.
+    """This process's stages of pipeline ``key`` (``parts``: stage index -> (partition, index of its first
+    layer in the body); several under an interleaved schedule), with what training them needs.
 
-    ``prefix`` turns the partition's parameter names (``"3.weight"``) into the LightningModule's
+    ``prefix`` turns the layers' parameter names (``"3.weight"``) into the LightningModule's
     (``"sequential_module.3.weight"``), the names every message uses.
     """
 
-    def __init__(self, key: str, index: int, partition: nn.Sequential, offset: int, device: torch.device,
+    def __init__(self, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: torch.device,
                  peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str, record: bool = False) -> None:
         self.key = key
         self.prefix = prefix
-        self.partition = partition.to(device)
-        self.stage = Stage(index, self.partition, device, offset=offset, exports=layout.exports[index].keys(),
-                           imports=layout.imports[index].keys())
-        self.stage.recorder = Recorder() if record else None
-        self.runner = StageRunner(key, self.stage, peers, layout, timeout)
+        self.stages = [Stage(s, part.to(device), device, offset=offset, exports=layout.exports[s].keys(),
+                             imports=layout.imports[s].keys()) for s, (part, offset) in sorted(parts.items())]
+        self.stage = self.stages[0]
+        # Every layer of this process, by its name in the body, in order: what optimizers, state and modes see.
+        self.partition = nn.Sequential(OrderedDict(
+            (name, layer) for stage in self.stages for name, layer in stage.partition.named_children()))
+        for stage in self.stages:
+            stage.recorder = Recorder() if record else None
+        self.runner = StageRunner(key, self.stages, peers, layout, timeout)
         self.params = {prefix + n: p for n, p in self.partition.named_parameters()}
         self.optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
-        self.counts = {"steps": 0, "barriers": 0}  # what this stage did, for :meth:`stats`
+        self.counts = {"steps": 0, "barriers": 0}  # what this process did, for :meth:`stats`
         register(self.runner)
 
     # ------------------------------------------------------------------ optimizers
@@ -185,14 +191,15 @@ class StageHost:
 
     def set_recording(self, on: bool) -> None:
         """Start (keeping what is recorded already) or stop recording this stage's timeline."""
-        if not on:
-            self.stage.recorder = None
-        elif self.stage.recorder is None:
-            self.stage.recorder = Recorder()
+        for stage in self.stages:
+            if not on:
+                stage.recorder = None
+            elif stage.recorder is None:
+                stage.recorder = Recorder()
 
     def timeline_events(self) -> list[Event]:
         """What this stage recorded for the timeline (empty unless recording)."""
-        return self.stage.recorder.events() if self.stage.recorder is not None else []
+        return [e for stage in self.stages if stage.recorder is not None for e in stage.recorder.events()]
 
     def set_requires_grad(self, flags: Mapping[str, bool]) -> None:
         """Follow the driver's ``requires_grad`` of this stage's parameters (frozen layers)."""
@@ -204,9 +211,11 @@ class StageHost:
         from now on the run's training flag no longer overrides them."""
         modules = [m for layer in self.partition.children() for m in layer.modules()]
         if len(modules) != len(modes):
-            raise RuntimeError(f"stage {self.stage.index} holds {len(modules)} modules but the driver's copy of its "
-                               f"layers has {len(modes)}: the layers were changed in one process only")
+            raise RuntimeError(f"the process of stage {self.stage.index} holds {len(modules)} modules but the driver's "
+                               f"copy of its layers has {len(modes)}: the layers were changed in one process only")
         self.partition.training = training
+        for stage in self.stages:
+            stage.partition.training = training
         for module, mode in zip(modules, modes):
             module.training = bool(mode & _TRAINING)
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -235,22 +244,25 @@ class StageHost:
 
 
 def process_memory(runner: StageRunner) -> dict[str, int]:
-    """Resident memory of this process (bytes) and the pipeline's bookkeeping for ``runner``'s stage:
-    saved micro-batches, undelivered messages, outputs held for the driver and per-step seeds (all 0
-    between steps), and how many remote stages this process hosts (of every pipeline still in use)."""
+    """Resident memory of this process (bytes) and the pipeline's bookkeeping for ``runner``'s stages:
+    saved micro-batches, undelivered messages, outputs held for the driver, per-step seeds and gradients set
+    aside for a step's commit (all 0 between steps), and how many remote stages this process hosts (of every
+    pipeline still in use)."""
     rss = 0
     try:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:  # not Linux: the bookkeeping alone
         pass
-    return {"rss": rss, "saved": len(runner.stage._saved), "mailbox": MAILBOX.pending() + len(runner._held),
-            "seeds": len(runner._seeds), "stages": len(_HOSTS)}
+    stages = runner.stages.values()
+    return {"rss": rss, "saved": sum(len(st._saved) for st in stages), "mailbox": MAILBOX.pending() + len(runner._held),
+            "seeds": len(runner._seeds), "aside": sum(st.aside.pending() for st in stages), "stages": len(_HOSTS)}
 
 
-def configure(key: str, index: int, partition: nn.Sequential, offset: int, device: str, peers: Sequence[str],
+def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str, peers: Sequence[str],
               layout: SkipLayout, timeout: float, prefix: str, record: bool = False) -> None:
-    """Host partition ``index`` of pipeline ``key`` here (an RPC entry point, called by the driver)."""
+    """Host stages ``parts`` (stage -> (partition, offset)) of pipeline ``key`` here (an RPC entry point,
+    called by the driver)."""
     from lightning_pipe.engine.partition import normalize_device
 
     if torch.device(device).type == "cuda":
@@ -259,16 +271,15 @@ def configure(key: str, index: int, partition: nn.Sequential, offset: int, devic
     old = _HOSTS.pop(key, None)
     if old is not None:
         old.close()
-    _HOSTS[key] = StageHost(key, index, partition, offset, torch.device(device), peers, layout, timeout, prefix,
-                            record)
+    _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record)
 
 
-def configure_async(peer: str, key: str, index: int, partition: nn.Sequential, offset: int, device: str,
+def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str,
                     peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str,
                     record: bool = False) -> torch.futures.Future:
-    """Have process ``peer`` host partition ``index`` of pipeline ``key`` (see :func:`configure`)."""
+    """Have process ``peer`` host stages ``parts`` of pipeline ``key`` (see :func:`configure`)."""
     return rpc.rpc_async(peer, configure, timeout=timeout,
-                         args=(key, index, partition, offset, device, peers, layout, timeout, prefix, record))
+                         args=(key, parts, device, peers, layout, timeout, prefix, record))
 
 
 def drop(key: str) -> None:

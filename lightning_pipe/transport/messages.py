@@ -16,18 +16,48 @@ import time
 import traceback
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
+from lightning_pipe.engine.loss import LossFn, MicroLoss
 from lightning_pipe.engine.pipeline import _Skipped
 
 __all__: list[str] = []
 
-#: Where a message goes: (pipe key, run id, "F" or "B", micro-batch, receiving stage, sender or skip key).
+#: Where a message goes: (pipe key, run id, "F", "B" or "T" (target), micro-batch, receiving stage, sender, skip
+#: key or "target").
 Slot = tuple[str, int, str, int, int, Hashable]
+
+
+@dataclass
+class StepSpec:
+    """How one step runs on every stage of a pipeline; it travels with each process's actions."""
+
+    microbatches: int
+    save: bool
+    checkpoint_stop: int
+    training: bool
+    autocast: list[tuple[str, torch.dtype]]
+    anomaly: bool = False
+    dtype: torch.dtype | None = None
+    eager: bool = False  # backwards run ahead of the caller's: each stage sets its gradients aside
+    loss: LossFn | None = None  # computed on the last stage; then weights and loss_scale give its gradient
+    weights: list[float] = field(default_factory=list)
+    loss_scale: float = 1.0
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with its tensors on the CPU (what goes back in an RPC answer)."""
+    if isinstance(value, Tensor):
+        return value.cpu()
+    if isinstance(value, MicroLoss):
+        return MicroLoss(value.value.cpu(), None if value.extras is None else
+                         {k: v.cpu() for k, v in value.extras.items()})
+    return value
 
 
 class Mailbox:
@@ -98,6 +128,18 @@ def _wire(tensors: Sequence[Tensor | None], direct: torch.device | None = None) 
     """``tensors`` as they go to another process: detached; on CPU, except those on ``direct``, a GPU from
     which RPC sends them to the receiver's GPU as they are (a TensorPipe device map)."""
     return tuple(None if t is None else t.detach() if t.device == direct else t.detach().cpu() for t in tensors)
+
+
+def _wire_any(value: Any) -> Any:
+    """``value`` (a tensor, or tuples, lists and mappings of them, or anything else) as it goes to another
+    process: its tensors detached, on the CPU."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_wire_any(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _wire_any(v) for k, v in value.items()}
+    return value
 
 
 def _maps(peer: str, device: torch.device) -> bool:

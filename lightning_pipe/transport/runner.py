@@ -1,4 +1,4 @@
-"""A stage in its process: runs the stage's share of each step in schedule order, and the RPC entry points
+"""Stages in their process: runs the process's share of each step in the plan's order, and the RPC entry points
 through which its driver reaches it.
 
 Each stage executes its actions in schedule order on one worker thread, exactly like the local pipeline,
@@ -25,15 +25,18 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
+from lightning_pipe.engine.loss import MicroLoss
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.pipeline import _Skipped
 from lightning_pipe.engine.rng import LazySeed
+from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Grads, Stage
 from lightning_pipe.engine.worker import Inline, Worker, autocast_context
 from lightning_pipe.transport.messages import (
     MAILBOX,
     Slot,
+    StepSpec,
     _alive,
     _chain_into,
     _deliver,
@@ -41,6 +44,7 @@ from lightning_pipe.transport.messages import (
     _landed,
     _located,
     _maps,
+    _on_cpu,
     _pack,
     _unpack,
     _wire,
@@ -53,16 +57,19 @@ _RUNNERS: dict[str, StageRunner] = {}
 
 
 class StageRunner:
-    """Runs the actions of stage ``index`` of pipeline ``key`` in this process.
+    """Runs the actions of this process's stages of pipeline ``key`` (one stage, or several: interleaved).
 
-    ``peers[j]`` is the RPC name of the process holding stage ``j``; ``peers[n]`` receives the last
-    stage's outputs (the driver).
+    ``peers[s]`` is the RPC name of the process holding stage ``s``; ``peers[n]`` receives the last stage's
+    outputs (the driver). Actions run in order on one worker thread.
     """
 
-    def __init__(self, key: str, stage: Stage, peers: Sequence[str], layout: SkipLayout, timeout: float) -> None:
+    def __init__(self, key: str, stages: Stage | Sequence[Stage], peers: Sequence[str], layout: SkipLayout,
+                 timeout: float) -> None:
+        stages = [stages] if isinstance(stages, Stage) else sorted(stages, key=lambda st: st.index)
         self.key = key
-        self.stage = stage
-        self.index = stage.index
+        self.stages = {st.index: st for st in stages}
+        self.stage = stages[0]  # the first of them (stage 0 on the driver)
+        self.index = self.stage.index
         self.peers = list(peers)
         self.n = len(peers) - 1
         self.layout = layout
@@ -70,32 +77,34 @@ class StageRunner:
         self.me = rpc.get_worker_info().name
         self.worker = Worker(f"lightning_pipe.{key}.stage{self.index}")
         # Where sends start (see ``_send``): on the stage's own thread for a CPU stage.
-        self.sender: Worker | Inline = Inline() if stage.device.type == "cpu" else \
+        self.sender: Worker | Inline = Inline() if self.stage.device.type == "cpu" else \
             Worker(f"lightning_pipe.{key}.stage{self.index}.send")
         self._seeds: dict[int, LazySeed] = {}
         self._failed: collections.deque[int] = collections.deque(maxlen=4096)
-        # The last stage's outputs for a driver in another process, per run and micro-batch: they go back
-        # in the answer to the forward's actions (the driver needs none before the last one), one message
+        # The last stage's outputs (or losses) for a driver in another process, per run and micro-batch: they
+        # go back in the answer to the step's actions (the driver needs none before the last one), one message
         # instead of one delivery and its acknowledgement per micro-batch.
         self._held: dict[int, dict[int, Any]] = {}
-        self._beat = 0.0  # when this stage last told the driver it is still working
+        self._beat = 0.0  # when this process last told the driver it is still working
         # False: the run's training flag sets every layer's mode. True: each layer's mode is set as the
         # driver's copy of it is (by PipeStrategy: ``layer.eval()`` on one layer, frozen BatchNorm).
         self.modes_from_driver = False
-        self._direct: dict[int, torch.device | None] = {}
+        self._direct: dict[tuple[int, int], torch.device | None] = {}
 
-    def direct(self, dst: int) -> torch.device | None:
-        """This stage's GPU if its tensors go to stage ``dst`` (``n``: the driver) as they are, GPU to GPU
-        (in this process, or by RPC with a device map); None if they go through host memory."""
-        if dst not in self._direct:
-            device, peer = self.stage.device, self.peers[dst]
+    def direct(self, dst: int, src: int | None = None) -> torch.device | None:
+        """Stage ``src``'s GPU (default: this process's first stage) if its tensors go to stage ``dst`` (``n``:
+        the driver) as they are, GPU to GPU (in this process, or by RPC with a device map); None if they go
+        through host memory."""
+        device = (self.stage if src is None else self.stages[src]).device
+        if (dst, device.index or 0) not in self._direct:
+            peer = self.peers[dst]
             mapped = device.type == "cuda" and (peer == self.me or _maps(peer, device))
-            self._direct[dst] = device if mapped else None
-        return self._direct[dst]
+            self._direct[(dst, device.index or 0)] = device if mapped else None
+        return self._direct[(dst, device.index or 0)]
 
-    def describe(self) -> str:
+    def describe(self, stage: int | None = None) -> str:
         """The stage and the process, for error messages."""
-        return f"stage {self.index} of pipeline '{self.key}' ({where(self.me)})"
+        return f"stage {self.index if stage is None else stage} of pipeline '{self.key}' ({where(self.me)})"
 
     def _send(self, dst: int, slot: Slot, payload: Any) -> Future[Any] | None:
         """Deliver ``payload`` to stage ``dst``; returns the send in flight (None when ``dst`` is here).
@@ -111,7 +120,8 @@ class StageRunner:
             MAILBOX.put(slot, payload)
             return None
         sent: Future[Any] = Future()
-        describe = lambda: f"{self.describe()} could not send to stage {dst} ({where(peer)})"  # noqa: E731
+        describe = lambda: f"{self.describe(slot[5] if isinstance(slot[5], int) else None)} could not send to " \
+            f"stage {dst} ({where(peer)})"  # noqa: E731
 
         def send() -> None:
             _chain_into(rpc.rpc_async(peer, _deliver, args=(slot, payload), timeout=self.timeout), sent, describe)
@@ -130,108 +140,123 @@ class StageRunner:
         src = slot[5]
         if isinstance(src, int):
             source = f"stage {src} ({where(self.peers[src])})" if src < self.n else "the driver"
+        elif src == "target":
+            source = "the driver (the target)"
         else:
             source = f"the stage stashing '{src[1]}'"
         return MAILBOX.take(slot, timeout or self.timeout,
-                            lambda: f"{self.describe()}, micro-batch {slot[3]} ({slot[2]}) from {source}")
+                            lambda: f"{self.describe(slot[4])}, micro-batch {slot[3]} ({slot[2]}) from {source}")
 
-    def forward(self, run: int, i: int, m: int, save: bool, checkpoint_stop: int, training: bool,
-                autocast: list[tuple[str, torch.dtype]], inputs: Batch | None = None) -> list[Future[Any]]:
-        """Forward of micro-batch ``i`` in mode ``training`` under the driver's ``autocast``; sends the
-        outputs on and returns the sends in flight."""
-        j = self.index
-        if not self.modes_from_driver and self.stage.partition.training != training:
-            self.stage.partition.train(training)
+    def forward(self, run: int, s: int, i: int, spec: StepSpec, inputs: Batch | None = None) -> list[Future[Any]]:
+        """Stage ``s``'s forward of micro-batch ``i`` in the step's mode, under the driver's autocast; sends the
+        outputs on (the last stage with a loss: the loss) and returns the sends in flight."""
+        stage = self.stages[s]
+        if not self.modes_from_driver and stage.partition.training != spec.training:
+            stage.partition.train(spec.training)
         if inputs is None:
-            tensors, flags, atomic = self._take((self.key, run, "F", i, j, j - 1))
+            tensors, flags, atomic = self._take((self.key, run, "F", i, s, s - 1))
             inputs = Batch(_unpack(tensors, flags), atomic)
         imports = {}
-        for skip in self.layout.imports[j]:
-            tensors, flags = self._take((self.key, run, "F", i, j, skip))
+        for skip in self.layout.imports[s]:
+            tensors, flags = self._take((self.key, run, "F", i, s, skip))
             imports[skip] = _unpack(tensors, flags)[0]
+        loss = spec.loss if s == self.n - 1 else None
+        target = self._take((self.key, run, "T", i, s, "target")) if loss is not None else None
         seed = self._seeds.setdefault(run, LazySeed())
-        with autocast_context(autocast):
-            out, exports = self.stage.forward(run, i, inputs, imports, seed=seed, save=save,
-                                              checkpoint=i < checkpoint_stop, last=i == m - 1)
-        if not save and i == m - 1:
+        with autocast_context(spec.autocast):
+            out, exports = stage.forward(run, i, inputs, imports, seed=seed, save=spec.save,
+                                         checkpoint=i < spec.checkpoint_stop, last=i == spec.microbatches - 1,
+                                         loss=loss, target=target)
+        if not spec.save and i == spec.microbatches - 1 and s == max(self.stages):
             self._seeds.pop(run, None)  # nothing to recompute: the seed is not needed any more
-        if j + 1 == self.n and self.peers[self.n] != self.me:
+        if s + 1 == self.n and self.peers[self.n] != self.me:
             # Through host memory: it goes back in an RPC answer, which the driver waits for on no stream.
-            self._held.setdefault(run, {})[i] = (*_pack(out.tensors), out.atomic)
+            held = out if isinstance(out, MicroLoss) else (*_pack(out.tensors), out.atomic)
+            self._held.setdefault(run, {})[i] = _on_cpu(held)
             sends = []
         else:
-            payload = (*_pack(out.tensors, self.direct(j + 1)), out.atomic)
-            sends = [self._send(j + 1, (self.key, run, "F", i, j + 1, j), payload)]
-        for skip, dst in self.layout.exports[j].items():
-            sends.append(self._send(dst, (self.key, run, "F", i, dst, skip), _pack([exports[skip]], self.direct(dst))))
-        return [s for s in sends if s is not None]
+            payload = out if isinstance(out, MicroLoss) else (*_pack(out.tensors, self.direct(s + 1, s)), out.atomic)
+            sends = [self._send(s + 1, (self.key, run, "F", i, s + 1, s), payload)]
+        for skip, dst in self.layout.exports[s].items():
+            sends.append(self._send(dst, (self.key, run, "F", i, dst, skip),
+                                    _pack([exports[skip]], self.direct(dst, s))))
+        return [sent for sent in sends if sent is not None]
 
-    def backward(self, run: int, microbatches: Sequence[int], later: list[Callable[..., None]] | None = None
-                 ) -> list[Future[Any]] | list[Grads]:
-        """Backward of ``microbatches`` (several: one autograd call); sends input grads upstream.
+    def backward(self, run: int, s: int, microbatches: Sequence[int], spec: StepSpec,
+                 later: dict[tuple[int, int], Callable[..., None]] | None = None, key: int = -1
+                 ) -> tuple[list[Future[Any]], dict[int, Grads]]:
+        """Stage ``s``'s backward of ``microbatches`` (several: one autograd call); sends input grads upstream
+        and returns the sends in flight, and stage 0's input gradients by micro-batch (it sends none). With
+        ``later``, only what goes upstream is computed now where that is safe (:meth:`Stage.backward_inputs_first`),
+        and the function that computes the rest goes into ``later`` under ``(s, key)`` (the action's
+        micro-batch, -1 for a backward of every micro-batch at once).
 
-        Stage 0 returns its input gradients instead of sending them. With ``later``, only what goes upstream
-        is computed before it is sent, where that is safe (:meth:`Stage.backward_inputs_first`), and the
-        function that computes the rest is appended to ``later``.
-        """
-        j = self.index
+        The last stage with a loss and no gradient from the driver starts from the loss's weight times the
+        gradient the step assumes (a step that runs its backwards ahead of the caller's)."""
+        stage = self.stages[s]
         items = []
         for i in microbatches:
-            grads = self._take((self.key, run, "B", i, j, j + 1))
-            skip_grads = {skip: self._take((self.key, run, "B", i, j, skip))[0] for skip in self.layout.exports[j]}
+            if s == self.n - 1 and spec.eager and spec.loss is not None:
+                grads: Any = (spec.weights[i] * spec.loss_scale,)
+            else:
+                grads = self._take((self.key, run, "B", i, s, s + 1))
+            skip_grads = {skip: self._take((self.key, run, "B", i, s, skip))[0] for skip in self.layout.exports[s]}
             items.append((i, grads, skip_grads))
         if later is None:
-            results = self.stage.backward(run, items)
+            results = stage.backward(run, items)
         else:
-            results, finish = self.stage.backward_inputs_first(run, items)
-            later.append(finish)
-        if not self.stage.has_saved(run):
+            results, later[(s, key)] = stage.backward_inputs_first(run, items)
+        if not any(st.has_saved(run) for st in self.stages.values()):
             self._seeds.pop(run, None)  # the run's last backward here: nothing will be recomputed
-        if j == 0:
-            return [grad_inputs for grad_inputs, _ in results]
+        if s == 0:
+            return [], {i: grad_inputs for i, (grad_inputs, _) in zip(microbatches, results)}
         sends = []
         for i, (grad_inputs, grad_imports) in zip(microbatches, results):
-            sends.append(self._send(j - 1, (self.key, run, "B", i, j - 1, j), _wire(grad_inputs, self.direct(j - 1))))
-            for skip, src in self.layout.imports[j].items():
+            upstream = _wire(grad_inputs, self.direct(s - 1, s))
+            sends.append(self._send(s - 1, (self.key, run, "B", i, s - 1, s), upstream))
+            for skip, src in self.layout.imports[s].items():
                 sends.append(self._send(src, (self.key, run, "B", i, src, skip),
-                                        _wire((grad_imports.get(skip),), self.direct(src))))
-        return [s for s in sends if s is not None]
+                                        _wire((grad_imports.get(skip),), self.direct(src, s))))
+        return [sent for sent in sends if sent is not None], {}
 
-    def run_actions(self, kind: str, run: int, groups: Sequence[Sequence[int]], m: int, save: bool,
-                    checkpoint_stop: int, training: bool, autocast: list[tuple[str, torch.dtype]],
-                    anomaly: bool = False, dtype: torch.dtype | None = None) -> list[Future[Any]]:
-        """This stage's share of one step, in schedule order: forward (``"F"``) of each micro-batch, or
-        backward (``"B"``) of each group of micro-batches, with the driver's anomaly detection and default
-        dtype (``precision="64-true"`` sets it there: tensors a layer creates must have it here too).
-        Returns the sends still in flight."""
+    def run_actions(self, run: int, actions: Sequence[Action], spec: StepSpec,
+                    inputs: Sequence[Batch] | None = None) -> tuple[list[Future[Any]], dict[int, Grads]]:
+        """This process's share of one step, in the plan's order (``inputs``: stage 0's micro-batches, on the
+        driver), with the driver's anomaly detection and default dtype (``precision="64-true"`` sets it there:
+        tensors a layer creates must have it here too). Returns the sends still in flight and stage 0's input
+        gradients by micro-batch."""
         sends: list[Future[Any]] = []
+        grads: dict[int, Grads] = {}
         self._beat = time.monotonic()
-        if dtype is not None and torch.get_default_dtype() != dtype:
-            torch.set_default_dtype(dtype)  # a process of its own, serving this stage
-        # The stage before waits for this stage's first backward: it gets its gradients before this stage
-        # computes its parameters' gradients of that backward, which are left for the end of the share.
-        later: list[Callable[..., None]] = []
-        with torch.autograd.set_detect_anomaly(anomaly):
+        if spec.dtype is not None and torch.get_default_dtype() != spec.dtype:
+            torch.set_default_dtype(spec.dtype)  # a process of its own, serving this pipeline
+        later: dict[tuple[int, int], Callable[..., None]] = {}
+        if spec.eager:
+            for stage in self.stages.values():
+                stage.aside.defer(run)
+        with torch.autograd.set_detect_anomaly(spec.anomaly):
             try:
-                for k, group in enumerate(groups):
+                for s, kind, i in actions:
                     if kind == "F":
-                        (i,) = group
-                        sends += self.forward(run, i, m, save, checkpoint_stop, training, autocast)
+                        sends += self.forward(run, s, i, spec, inputs[i] if inputs is not None and s == 0 else None)
+                    elif kind == "W":
+                        later.pop((s, i))()
                     else:
-                        first = k == 0 and self.index > 0
-                        sends += self.backward(run, group, later if first else None)  # type: ignore[arg-type]
+                        mbs = list(range(spec.microbatches)) if i < 0 else [i]
+                        sent, mine = self.backward(run, s, mbs, spec, later if kind == "I" else None, i)
+                        sends += sent
+                        grads.update(mine)
                     self._still_working(run)
-            except BaseException:
-                for finish in later:
+            finally:
+                for finish in later.values():  # after a failure: what an I left for its W is dropped
                     finish(False)
-                raise
-            for finish in later:
-                finish()
-                self._still_working(run)
-        return sends
+                if spec.eager:
+                    for stage in self.stages.values():
+                        stage.aside.keep(run)
+        return sends, grads
 
     def _still_working(self, run: int) -> None:
-        """Tell a driver in another process that this stage is making progress, at most every third of the
+        """Tell a driver in another process that this process is making progress, at most every third of the
         timeout: a slow stage that keeps finishing micro-batches is not taken for a stuck one (a stuck one
         finishes none). Fast stages never send it."""
         driver = self.peers[self.n]
@@ -244,14 +269,20 @@ class StageRunner:
         """The outputs held for the driver from run ``run`` (see ``forward``), forgotten here."""
         return self._held.pop(run, None)
 
+    def commit(self, run: int, scale: float) -> None:
+        """Add what ``run``'s backwards made aside, times ``scale``, into every stage's gradients here."""
+        for stage in self.stages.values():
+            stage.aside.commit(run, scale)
+
     def named_grads(self) -> dict[str, Tensor | None]:
-        """The gradients of this stage's parameters, by name within the partition."""
+        """The gradients of this process's stages' parameters, by name within their partitions."""
         return {name: None if p.grad is None else p.grad.detach().cpu()
-                for name, p in self.stage.partition.named_parameters()}
+                for stage in self.stages.values() for name, p in stage.partition.named_parameters()}
 
     def zero_grad(self) -> None:
-        """Drop this stage's parameter gradients."""
-        self.stage.partition.zero_grad(set_to_none=True)
+        """Drop this process's stages' parameter gradients."""
+        for stage in self.stages.values():
+            stage.partition.zero_grad(set_to_none=True)
 
     def fail(self, run: int) -> None:
         """Mark ``run`` failed: its queued actions skip and its waits wake up."""
@@ -260,7 +291,7 @@ class StageRunner:
         MAILBOX.abort(self.key, run)
 
     def stop(self) -> None:
-        """Let this stage's threads finish their queued work and exit."""
+        """Let this process's threads of the pipeline finish their queued work and exit."""
         self.worker.stop()
         if isinstance(self.sender, Worker):
             self.sender.stop()
@@ -269,7 +300,8 @@ class StageRunner:
         """Forget what is kept for ``run``."""
         self._seeds.pop(run, None)
         self._held.pop(run, None)
-        self.stage.release(run)
+        for stage in self.stages.values():
+            stage.release(run)
 
 
 # ---------------------------------------------------------------------- RPC entry points of a stage's process
@@ -320,18 +352,23 @@ def _chain(runner: StageRunner, work: Callable[[], tuple[list[Future[Any]], Any]
 
 
 @rpc.functions.async_execution
-def _act(key: str, kind: str, run: int, groups: list[list[int]], m: int, save: bool, checkpoint_stop: int,
-         training: bool, autocast: list[tuple[str, torch.dtype]], anomaly: bool, dtype: torch.dtype,
+def _act(key: str, run: int, actions: list[Action], spec: StepSpec,
          deliveries: Sequence[tuple[Slot, Any]] = ()) -> torch.futures.Future:
     runner = _RUNNERS[key]
-    for slot, payload in deliveries:  # inputs that travelled with the actions (the output gradients)
+    for slot, payload in deliveries:  # inputs that travelled with the actions (output gradients, targets)
         MAILBOX.put(slot, _landed(payload))
 
     def work() -> tuple[list[Future[Any]], Any]:
-        sends = runner.run_actions(kind, run, groups, m, save, checkpoint_stop, training, autocast, anomaly, dtype)
-        return sends, runner.take_held(run) if kind == "F" else None
+        sends, _ = runner.run_actions(run, actions, spec)
+        return sends, runner.take_held(run)
 
     return _chain(runner, work)
+
+
+def _commit(key: str, run: int, scale: float) -> None:
+    runner = _RUNNERS.get(key)
+    if runner is not None:
+        runner.commit(run, scale)
 
 
 def _abort(key: str, run: int) -> None:

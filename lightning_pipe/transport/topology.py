@@ -8,6 +8,9 @@ runs the Lightning loop and holds stage 0. Rank ``r`` holds stage ``r % stages``
     4 processes, 2 stages:   rank 0 (driver, replica 0) ─ rank 1 (stage 1)
                              rank 2 (driver, replica 1) ─ rank 3 (stage 1)
     stage data-parallel groups: {0, 2} (the drivers: Lightning's world) and {1, 3}
+
+With virtual stages (an interleaved schedule), "stage" here is a process's place in its pipeline: process
+``j`` of a pipeline of ``p`` holds the partitions ``j, j + p, j + 2p, ...``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ DEFAULTS: dict[str, Any] = {
     "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
     "sanity_steps": 0, "configure_model": False, "nodes": 1, "log_grad_norm": False, "lr_find": False,
     "manual_accumulate": 1, "eval_layers": [], "batchnorm": False, "freeze_bn_layers": [],
-    "default_dtype_layer": False, "accelerator": "cpu",
+    "default_dtype_layer": False, "accelerator": "cpu", "schedule": "gpipe", "virtual_stages": 1,
+    "last_stage_loss": False, "predict": False,
 }
 
 
@@ -67,7 +68,11 @@ class Model(pl.LightningModule):
         self.save_hyperparameters({"config": self.config})
         torch.manual_seed(self.config["seed"])
         self.sequential_module = make_body(self.config)
-        self.head = nn.Linear(self.config["width"], 1)  # outside the body: stays on the driver
+        if self.config["last_stage_loss"]:  # the head ends the body: the loss is computed on the last stage
+            self.sequential_module.append(nn.Linear(self.config["width"], 1))
+            self.head = nn.Identity()
+        else:
+            self.head = nn.Linear(self.config["width"], 1)  # outside the body: stays on the driver
         self.automatic_optimization = not self.config["manual"]
         self.metric = torchmetrics.MeanSquaredError()
         # ModelSummary runs it as it is (Lightning converts batches, not this) under the precision's dtype.
@@ -78,13 +83,26 @@ class Model(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.sequential_module(x))
 
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean squared error of the model on (x, y): on the last stage where the head ends the body."""
+        if self.config["last_stage_loss"]:
+            return lightning_pipe.loss_on_last_stage(self.sequential_module, x, y, nn.functional.mse_loss)
+        return nn.functional.mse_loss(self(x), y)
+
+    def _head_parameters(self) -> Any:
+        return (self.sequential_module[-1] if self.config["last_stage_loss"] else self.head).parameters()
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
-        out = self(x)
-        loss = nn.functional.mse_loss(out, y)
+        if self.config["last_stage_loss"]:
+            loss = self._loss(x, y)
+        else:
+            out = self(x)
+            loss = nn.functional.mse_loss(out, y)
+            if self.config["log_metric"]:
+                self.metric(out, y)
+                self.log("train_mse", self.metric, sync_dist=True)
         if self.config["log_metric"]:
-            self.metric(out, y)
-            self.log("train_mse", self.metric, sync_dist=True)
             self.log("train_loss", loss, sync_dist=True)
         if not self.automatic_optimization and self.config["optimizer"] == "two":
             self._alternate(loss, x, y)
@@ -112,7 +130,7 @@ class Model(pl.LightningModule):
         """Two optimizers stepped in turn, each with the other's parameters frozen (as GANs train): the body's,
         then the head's on a second forward. Stage 1 holds parameters of the first optimizer only."""
         body, head = self.optimizers()
-        for opt, closure_loss in ((body, lambda: loss), (head, lambda: 2 * nn.functional.mse_loss(self(x), y))):
+        for opt, closure_loss in ((body, lambda: loss), (head, lambda: 2 * self._loss(x, y))):
             self.toggle_optimizer(opt)
             self.manual_backward(closure_loss())
             opt.step()
@@ -147,11 +165,11 @@ class Model(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+        self.log("val_loss", self._loss(x, y), sync_dist=True)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+        self.log("test_loss", self._loss(x, y), sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0])
@@ -159,8 +177,9 @@ class Model(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         c = self.config
         if c["optimizer"] == "two":
-            return [torch.optim.SGD(self.sequential_module.parameters(), lr=self.lr, momentum=0.9),
-                    torch.optim.Adam(self.head.parameters(), lr=0.01)]
+            head = {id(p) for p in self._head_parameters()}
+            body = [p for p in self.sequential_module.parameters() if id(p) not in head]
+            return [torch.optim.SGD(body, lr=self.lr, momentum=0.9), torch.optim.Adam(self._head_parameters(), lr=0.01)]
         if c["optimizer"] == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         elif c["optimizer"] == "adam-fused":
@@ -274,7 +293,8 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     if strategy == "pipe":
         strategy = PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
                                 checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],
-                                rpc_timeout_sec=60, timeline=config["timeline"], **shared)
+                                rpc_timeout_sec=60, timeline=config["timeline"], schedule=config["schedule"],
+                                virtual_stages=config["virtual_stages"], **shared)
     return pl.Trainer(devices=devices, num_nodes=config["nodes"], strategy=strategy, callbacks=callbacks,
                       **kwargs)
 
@@ -303,7 +323,8 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
     model = (LazyModel if config["configure_model"] else Model)(config)
     trainer = trainer_for(config, out, plain)
     dataset = data(config)
-    replicas = config["devices"] * config["nodes"] // len(config["balance"] or [0] * config["devices"])
+    processes = len(config["balance"]) // config["virtual_stages"] if config["balance"] else config["devices"]
+    replicas = config["devices"] * config["nodes"] // processes
     if plain and replicas > 1:
         # With replicas, Lightning gives training loaders a shuffling DistributedSampler seeded by
         # seed_everything, as under DDP; one device drawing the same permutation sees the union of every
@@ -333,6 +354,10 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
             json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "lr": model.lr,
                        "route": route, "stages": stats,
                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
+    if config["predict"] and not plain:  # the outputs, through the pipeline's forward in the schedule's processes
+        predicted = torch.cat(trainer.predict(model, DataLoader(dataset, batch_size=config["batch_size"])))
+        if trainer.is_global_zero:
+            torch.save(predicted, os.path.join(out, "predicted.pt"))
     return model
 
 

@@ -1,0 +1,124 @@
+"""The loss where the output is born: the user's loss per micro-batch on the last stage, combined into the batch's.
+
+``loss_fn(output, target)`` runs on the last stage right after each micro-batch's forward, on that
+micro-batch's slice of the target; only the loss (and any small extras it returns) travels back. It returns
+a scalar tensor, or a mapping with the scalar under ``"loss"`` and other tensors beside it (a count of correct
+predictions, per-sample scores) that come back detached::
+
+    def loss_fn(logits, targets):                       # a module-level function, or an nn.Module
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return {"loss": loss, "correct": (logits.argmax(-1) == targets).sum()}
+
+The batch's loss is ``sum_i w_i * loss_i``: with ``reduction="mean"`` (the default) ``w_i`` is the micro-batch's
+share of the samples, which gives exactly the whole batch's loss for any loss that is a mean over samples;
+with ``"sum"``, ``w_i = 1``, for a loss that is a sum over samples (or a sum divided by a count the caller
+computed over the whole batch). Extras are combined the same way when they are scalars, and concatenated
+along dim 0 otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["REDUCTIONS", "MicroLoss", "combine", "compute", "weights"]
+
+#: The accepted values of ``reduction``.
+REDUCTIONS = ("mean", "sum")
+
+LossFn = Callable[[Any, Any], Any]
+
+
+class MicroLoss(NamedTuple):
+    """One micro-batch's loss as it comes back from the last stage: the value and the extras, detached
+    (``extras`` is None when the loss function returned a tensor, not a mapping)."""
+
+    value: Tensor
+    extras: dict[str, Tensor] | None
+
+
+def check_reduction(reduction: object) -> None:
+    """Reject an unknown reduction, naming the valid ones."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))} (got: {reduction!r})")
+
+
+def compute(loss_fn: LossFn, output: Any, target: Any) -> tuple[Tensor, dict[str, Tensor] | None]:
+    """``loss_fn(output, target)`` as (the scalar loss, the other tensors it returned, or None if it returned
+    the loss alone)."""
+    result = loss_fn(output, target)
+    extras: dict[str, Tensor] | None = None
+    if isinstance(result, Mapping):
+        if "loss" not in result:
+            raise ValueError(f"the loss function returned a mapping without a 'loss' entry (keys: {sorted(result)}); "
+                             "put the scalar to minimise under 'loss'")
+        extras = {k: v for k, v in result.items() if k != "loss"}
+        result = result["loss"]
+    if not isinstance(result, Tensor) or result.numel() != 1:
+        shape = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
+        raise ValueError(f"the loss function must return a scalar tensor (or a mapping with one under 'loss'); "
+                         f"got {shape}. Reduce it to one value per micro-batch (a mean or a sum over samples)")
+    bad = sorted(k for k, v in (extras or {}).items() if not isinstance(v, Tensor))
+    if bad:
+        raise ValueError(f"what the loss function returns beside 'loss' must be tensors (not: {bad})")
+    return result.reshape(()), extras
+
+
+def weights(sizes: Sequence[int], reduction: str) -> list[float]:
+    """Each micro-batch's weight in the batch's loss: its share of the samples (``"mean"``) or 1 (``"sum"``)."""
+    check_reduction(reduction)
+    total = sum(sizes)
+    return [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
+
+
+def combine(losses: Sequence[MicroLoss], w: Sequence[float]) -> MicroLoss:
+    """The batch's loss and extras from the micro-batches' (see the module's docstring)."""
+    value = sum((wi * loss.value.double() for wi, loss in zip(w, losses)), torch.zeros((), dtype=torch.float64))
+    value = value.to(losses[0].value.dtype)
+    if losses[0].extras is None:
+        return MicroLoss(value, None)
+    extras: dict[str, Tensor] = {}
+    for key in losses[0].extras:
+        parts = [loss.extras[key] for loss in losses]  # type: ignore[index]
+        if parts[0].dim() == 0:
+            extras[key] = sum((wi * p.double() for wi, p in zip(w, parts)), torch.zeros((), dtype=torch.float64)
+                              ).to(parts[0].dtype)
+        else:
+            extras[key] = torch.cat(parts)
+    return MicroLoss(value, extras)
+
+
+def detach(value: Tensor, extras: Mapping[str, Tensor] | None) -> MicroLoss:
+    """What goes back from the last stage: the loss and extras, detached."""
+    return MicroLoss(value.detach(), None if extras is None else {k: v.detach() for k, v in extras.items()})
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (a target: a tensor, or tuples, lists and mappings of them) with its tensors on ``device``."""
+    if isinstance(value, Tensor):
+        return value.to(device, non_blocking=device.type == "cuda")
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, Mapping):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def scatter_target(target: Any, sizes: Sequence[int]) -> list[Any]:
+    """``target`` split along dim 0 into micro-batches of ``sizes``: a tensor, or a tuple, list or mapping of
+    tensors (each split alike); anything else (None, a number) goes to every micro-batch as it is."""
+    if isinstance(target, Tensor):
+        if target.dim() == 0 or target.size(0) != sum(sizes):
+            raise ValueError(f"the target must have the input's batch size along dim 0 to be split into "
+                             f"micro-batches (target shape: {tuple(target.shape)}, batch size: {sum(sizes)})")
+        return list(target.split(list(sizes)))
+    if isinstance(target, (tuple, list)):
+        columns = [scatter_target(t, sizes) for t in target]
+        return [type(target)(column[i] for column in columns) for i in range(len(sizes))]
+    if isinstance(target, Mapping):
+        columns = {k: scatter_target(t, sizes) for k, t in target.items()}
+        return [{k: column[i] for k, column in columns.items()} for i in range(len(sizes))]
+    return [target] * len(sizes)

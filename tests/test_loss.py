@@ -1,0 +1,181 @@
+"""The loss on the last stage, under every schedule: the plain model's loss and gradients, whatever runs between
+the forward and the backward (zeroing, a scaled loss, accumulation)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_pipe import Pipe, loss_on_last_stage
+from lightning_pipe.skip import pop, skippable, stash
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def with_extras(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"loss": F.mse_loss(output, target), "mean_output": output.mean(), "per_sample": output.sum(dim=1)}
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x * 1.5
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def forward(self, x):
+        skip = yield pop("skip")
+        return x + skip.sin()
+
+
+def body(skips: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)]
+    if skips:
+        layers[1:1] = [Stash()]
+        layers[-1:-1] = [Pop()]
+    return nn.Sequential(*layers)
+
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2)]
+
+
+def pipe_for(model: nn.Sequential, schedule: str, v: int, chunks: int, checkpoint: str = "never") -> Pipe:
+    n = len(model)
+    parts = 2 * v
+    balance = [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
+    return Pipe(copy.deepcopy(model), balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                virtual_stages=v)
+
+
+def grads(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+@pytest.mark.parametrize("chunks,checkpoint", [(4, "never"), (3, "except_last"), (8, "always"), (1, "never")])
+def test_loss_and_gradients_equal_the_plain_models(schedule, v, chunks, checkpoint):
+    model = body()
+    pipe = pipe_for(model, schedule, v, chunks, checkpoint)
+    x, y = torch.randn(10, 6), torch.randn(10, 3)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = mse(model(x1), y)
+    loss = loss_on_last_stage(pipe, x2, y, mse)
+    torch.testing.assert_close(loss, expected)
+    expected.backward()
+    loss.backward()
+    for got, want in zip(grads(pipe), grads(model)):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x2.grad, x1.grad)  # the input's gradient, through every stage
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_what_runs_between_forward_and_backward_counts_as_on_one_device(schedule, v):
+    """Schedules that run their backwards during the forward set the gradients they make aside until the
+    loss's backward: zeroing in between, a scaled loss and accumulation over steps all end as on one device."""
+    model = body()
+    pipe = pipe_for(model, schedule, v, chunks=4)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    for step in range(3):  # two accumulating steps, then one zeroed after the forward
+        expected, loss = mse(model(x + step), y), loss_on_last_stage(pipe, x + step, y, mse)
+        if step == 2:
+            model.zero_grad()
+            pipe.zero_grad()
+        (3.0 * expected).backward()
+        (3.0 * loss).backward()
+    for got, want in zip(grads(pipe), grads(model)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_a_loss_never_backpropagated_changes_no_gradient(schedule, v):
+    pipe = pipe_for(body(), schedule, v, chunks=4)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    loss_on_last_stage(pipe, x, y, mse).backward()
+    before = grads(pipe)
+    loss = loss_on_last_stage(pipe, x * 2, y, mse)  # never backpropagated
+    del loss
+    assert all(torch.equal(a, b) for a, b in zip(grads(pipe), before))
+    assert all(stage.aside.pending() == 0 for stage in pipe.pipeline.stages)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_extras_come_back_combined_and_the_sum_reduction(schedule, v):
+    model = body()
+    pipe = pipe_for(model, schedule, v, chunks=4)
+    x, y = torch.randn(10, 6), torch.randn(10, 3)
+    expected = with_extras(model(x), y)
+    got = loss_on_last_stage(pipe, x, y, with_extras)
+    assert set(got) == {"loss", "mean_output", "per_sample"}
+    for key in got:
+        torch.testing.assert_close(got[key], expected[key])
+    assert not got["mean_output"].requires_grad and got["loss"].requires_grad
+
+    def summed(output, target):
+        return F.mse_loss(output, target, reduction="sum")
+
+    model.zero_grad()
+    pipe.zero_grad()
+    summed(model(x), y).backward()
+    loss_on_last_stage(pipe, x, y, summed, reduction="sum").backward()
+    for a, b in zip(grads(pipe), grads(model)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_skip_connections_across_stages(schedule, v):
+    model = body(skips=True)
+    pipe = pipe_for(model, schedule, v, chunks=4, checkpoint="except_last")
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    loss_on_last_stage(pipe, x, y, mse).backward()
+    mse(model(x), y).backward()
+    for a, b in zip(grads(pipe), grads(model)):
+        torch.testing.assert_close(a, b)
+
+
+def test_on_a_plain_module_it_is_the_loss_of_its_output():
+    model = body()
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    assert torch.equal(loss_on_last_stage(model, x, y, mse), mse(model(x), y))
+    assert set(loss_on_last_stage(model, x, y, with_extras)) == {"loss", "mean_output", "per_sample"}
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_evaluation_computes_the_loss_on_the_last_stage_too(schedule, v):
+    model = body()
+    pipe = pipe_for(model, schedule, v, chunks=4).eval()
+    x, y = torch.randn(10, 6), torch.randn(10, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(loss_on_last_stage(pipe, x, y, mse), mse(model(x), y))
+        torch.testing.assert_close(pipe(x), model(x))  # and outputs, with any schedule
+
+
+def test_interleaving_schedules_need_the_loss_on_the_last_stage():
+    pipe = pipe_for(body(), "1f1b", 1, chunks=4)
+    with pytest.raises(RuntimeError, match=r"Pipe\(schedule='1f1b'\) runs backwards between forwards, so the loss "
+                                           r"must be computed on the last stage.*loss_on_last_stage"):
+        pipe(torch.randn(4, 6))
+
+
+@pytest.mark.parametrize("target,message", [
+    (torch.randn(3, 3), r"the target must have the input's batch size along dim 0 .*target shape: \(3, 3\), "
+                        r"batch size: 4"),
+])
+def test_bad_targets_and_losses_are_refused(target, message):
+    pipe = pipe_for(body(), "gpipe", 1, chunks=2)
+    with pytest.raises(ValueError, match=message):
+        loss_on_last_stage(pipe, torch.randn(4, 6), target, mse)
+    with pytest.raises(ValueError, match=r"reduction must be one of 'mean', 'sum' \(got: 'max'\)"):
+        loss_on_last_stage(pipe, torch.randn(4, 6), torch.randn(4, 3), mse, reduction="max")
+    with pytest.raises(ValueError, match=r"the loss function must return a scalar tensor.*got \(2, 3\)"):
+        loss_on_last_stage(pipe, torch.randn(4, 6), torch.randn(4, 3), lambda out, t: out - t)
+    with pytest.raises(ValueError, match=r"returned a mapping without a 'loss' entry \(keys: \['total'\]\)"):
+        loss_on_last_stage(pipe, torch.randn(4, 6), torch.randn(4, 3), lambda out, t: {"total": mse(out, t)})
