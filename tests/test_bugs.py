@@ -157,3 +157,31 @@ def test_output_without_grad_does_not_require_grad(chunks):
     assert [t.requires_grad for t in actual] == [t.requires_grad for t in expected] == [True, False]
     actual[0].sum().backward()
     assert all(p.grad is not None for p in piped.parameters())
+
+
+def test_hooks_registered_on_a_partition_run():
+    """Stages called each layer of their partition in turn, never the partition itself, so a forward hook
+    or pre-hook on ``pipe.partitions[j]`` (a profiler's, an activation capture) never ran. torchgpipe called
+    the partition; the stage now does too, and hooks see each micro-batch, in recomputation as well."""
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
+    piped = Pipe(copy.deepcopy(plain), [2, 2], chunks=3, checkpoint="always")
+    seen = []
+    piped.partitions[1].register_forward_pre_hook(lambda module, args: seen.append(("pre", args[0].shape[0])))
+    piped.partitions[1].register_forward_hook(lambda module, args, out: seen.append(("post", out.shape[1])))
+    piped.partitions[0].register_forward_hook(lambda module, args, out: out * 2)  # a hook's output is used
+    doubled = nn.Sequential(plain[0], plain[1], Scale(2.0), plain[2], plain[3])
+    x = torch.randn(6, 4)
+    assert_same(run(piped, x), run(doubled, x))
+    # Each micro-batch once in forward and once when it is recomputed in backward (checkpoint="always").
+    assert seen == [("pre", 2), ("post", 2)] * 6
+
+
+class Scale(nn.Module):
+    """Multiplies by a constant."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor

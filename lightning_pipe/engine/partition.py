@@ -2,18 +2,25 @@
 
 Both placements use these: the local :class:`~lightning_pipe.engine.pipe.Pipe` and the processes of
 :mod:`lightning_pipe.transport`. Errors say what is wrong with the values in parentheses.
+
+The cut gives :class:`Partition` modules: ``nn.Sequential`` s that a stage calls as a whole, so that hooks
+registered on a partition run, while the stage still watches each layer (see :func:`watching_layers`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any, Union
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol, Union
 
 import torch
 from torch import nn
 
-__all__ = ["CHECKPOINT_MODES"]
+from lightning_pipe.engine.rng import no_random_layer
+
+__all__ = ["CHECKPOINT_MODES", "Partition"]
 
 #: The accepted values of ``checkpoint``.
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -89,12 +96,71 @@ def check_balance(module: nn.Sequential, balance: Sequence[int] | None) -> list[
     return balance
 
 
-def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+class LayerWatch(Protocol):
+    """What a stage does around each layer of its partition: notes where an error came from, checks what the
+    layer changed."""
+
+    def failed(self, exc: BaseException, k: int, name: str, layer: nn.Module) -> None:
+        """Layer ``k`` (``name``) raised ``exc``, which is raised on after this."""
+
+    def passed(self, k: int, name: str, layer: nn.Module) -> None:
+        """Layer ``k`` (``name``; -1: the partition's hooks) returned; raise if it did what it must not."""
+
+
+_watch = threading.local()
+
+
+@contextmanager
+def watching_layers(partition: nn.Module, watch: LayerWatch) -> Iterator[None]:
+    """Have ``watch`` see each layer of ``partition`` called on this thread in the enclosed code."""
+    previous = getattr(_watch, "current", None)
+    _watch.current = (partition, watch)
+    try:
+        yield
+    finally:
+        _watch.current = previous
+
+
+class Partition(nn.Sequential):
+    """The layers of one partition, in order: an ``nn.Sequential`` that its stage calls as a whole.
+
+    Hooks registered on it (``pipe.partitions[j].register_forward_hook``) therefore run, in the first forward
+    and in recomputation, as torchgpipe ran them; the stage sees each layer through :func:`watching_layers`.
+    Each layer receives the previous one's output as its one argument, as in ``nn.Sequential``; with
+    ``spread_tuples`` a tuple is spread over the next layer's arguments instead (``layer(*value)``), as the
+    layers of torch's ``sync.Pipe`` received it. Called outside a stage, it is the ``nn.Sequential``.
+    """
+
+    spread_tuples = False
+
+    def forward(self, input: Any) -> Any:  # type: ignore[override]
+        """Run the layers in turn on ``input``."""
+        current = getattr(_watch, "current", None)
+        watch = current[1] if current is not None and current[0] is self else None
+        spread = self.spread_tuples
+        if watch is not None:
+            watch.passed(-1, "", self)  # what its pre-hooks did
+        for k, (name, layer) in enumerate(self._modules.items()):
+            try:
+                input = layer(*input) if spread and isinstance(input, tuple) else layer(input)
+            except BaseException as exc:
+                if watch is not None:
+                    watch.failed(exc, k, name, layer)  # type: ignore[arg-type]
+                raise
+            if watch is not None:
+                watch.passed(k, name, layer)  # type: ignore[arg-type]
+        return input
+
+
+no_random_layer(Partition)  # it only calls its layers, each of which is looked at in its own right
+
+
+def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[Partition]:
     """Cut ``module`` into consecutive partitions of ``balance`` layers, keeping the layers' names."""
     items = list(module.named_children())
     partitions, start = [], 0
     for size in balance:
-        partitions.append(nn.Sequential(OrderedDict(items[start:start + size])))
+        partitions.append(Partition(OrderedDict(items[start:start + size])))
         start += size
     return partitions
 

@@ -40,6 +40,7 @@ from lightning_pipe.engine.backward_split import _leaves, _nothing, _rest, twice
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.checkpoint import checkpointing, recomputing
 from lightning_pipe.engine.microbatch import Batch
+from lightning_pipe.engine.partition import watching_layers
 from lightning_pipe.engine.rng import StageRandom, draws_no_random, mix_seed
 from lightning_pipe.engine.skip.namespace import SkipKey
 from lightning_pipe.engine.skip.tracker import SkipTracker, use_skip_tracker
@@ -92,11 +93,51 @@ def _handoff(t: Tensor) -> Tensor:
     return t.detach().requires_grad_(t.requires_grad)
 
 
+class _Layers:
+    """What a stage watches around each layer of its partition (:class:`Partition` calls it): where an error
+    came from, and the version counters of the inputs a checkpointed forward must leave unchanged."""
+
+    def __init__(self, stage: Stage, microbatch: int, watch: Sequence[Tensor]) -> None:
+        self.stage = stage
+        self.microbatch = microbatch
+        self.watch = watch
+        self.versions = _versions(watch)
+
+    @staticmethod
+    def located(exc: BaseException, note: str) -> None:
+        """Add ``note`` to ``exc`` unless an inner layer or stage already said where it was raised."""
+        if not getattr(exc, "_lightning_pipe_located", False):
+            exc.add_note(note)
+            if "leaf Variable that requires grad" in str(exc):
+                exc.add_note("the partition's inputs are leaves of its autograd graph, which may not be modified "
+                             "in place: make that operation out of place (x = x + y rather than x += y), or copy "
+                             "the input first (x.clone())")
+            exc._lightning_pipe_located = True  # type: ignore[attr-defined]
+
+    def failed(self, exc: BaseException, k: int, name: str, layer: nn.Module) -> None:
+        """Note which layer raised ``exc``."""
+        self.located(exc, f"raised in partition {self.stage.index}, {self.stage._where(k, name, layer)}")
+
+    def passed(self, k: int, name: str, layer: nn.Module) -> None:
+        """Raise if layer ``k`` (-1: the partition as a whole) modified a watched input in place."""
+        if self.watch and _versions(self.watch) != self.versions:
+            where = self.stage._where(k, name, layer) if k >= 0 else f"partition {self.stage.index} or a hook on it"
+            exc = RuntimeError(
+                f"partition {self.stage.index} modified its input in place in a checkpointed forward "
+                f"(micro-batch {self.microbatch}, {where}); recomputation in backward would start from the "
+                "modified input and give wrong gradients. Make that operation out of place (x = x + y rather "
+                "than x += y, inplace=False) or copy the input first (x.clone())"
+            )
+            exc._lightning_pipe_located = True  # type: ignore[attr-defined]
+            raise exc
+
+
 class Stage:
     """Partition ``index`` of a pipeline, placed on ``device``.
 
     ``exports`` are the skip keys stashed here and popped by a later stage; ``imports`` those popped here
-    and stashed by an earlier one.
+    and stashed by an earlier one. The partition is called as a module, so hooks registered on it run; a
+    :class:`~lightning_pipe.engine.partition.Partition` (what the cut makes) lets the stage watch each layer.
     """
 
     def __init__(self, index: int, partition: nn.Sequential, device: torch.device, *, offset: int = 0,
@@ -127,32 +168,19 @@ class Stage:
 
     def _run(self, value: Any, imports: Mapping[SkipKey, Tensor], seed: Callable[[], int],
              microbatch: int, watch: Sequence[Tensor] = ()) -> tuple[Batch, dict[SkipKey, Tensor]]:
-        """Run the layers on ``value``; raise as soon as one modifies a tensor of ``watch`` in place."""
+        """Call the partition on ``value``; raise as soon as a layer modifies a tensor of ``watch`` in place."""
         tracker = SkipTracker(imports, self.exports)
-        versions = _versions(watch)
+        layers = _Layers(self, microbatch, watch)
         # Asked at every forward: a hook registered since the last one may draw random numbers.
         random = nullcontext() if draws_no_random(self.partition) else \
             StageRandom(lambda: mix_seed(seed(), self.index, microbatch))
-        with use_skip_tracker(tracker), random:
-            for k, (name, layer) in enumerate(self.partition.named_children()):
-                try:
-                    value = layer(value)
-                except BaseException as exc:
-                    if not getattr(exc, "_lightning_pipe_located", False):
-                        exc.add_note(f"raised in partition {self.index}, {self._where(k, name, layer)}")
-                        if "leaf Variable that requires grad" in str(exc):
-                            exc.add_note("the partition's inputs are leaves of its autograd graph, which may "
-                                         "not be modified in place: make that operation out of place "
-                                         "(x = x + y rather than x += y), or copy the input first (x.clone())")
-                        exc._lightning_pipe_located = True  # type: ignore[attr-defined]
-                    raise
-                if watch and _versions(watch) != versions:
-                    raise RuntimeError(
-                        f"partition {self.index} modified its input in place in a checkpointed forward "
-                        f"(micro-batch {microbatch}, {self._where(k, name, layer)}); recomputation in backward "
-                        "would start from the modified input and give wrong gradients. Make that operation out of "
-                        "place (x = x + y rather than x += y, inplace=False) or copy the input first (x.clone())"
-                    )
+        with use_skip_tracker(tracker), random, watching_layers(self.partition, layers):
+            try:
+                value = self.partition(value)  # as a module: hooks registered on the partition run
+            except BaseException as exc:
+                layers.located(exc, f"raised in partition {self.index} on {self.device}")
+                raise
+        layers.passed(-1, "", self.partition)  # a hook of the partition, or a partition that is no Partition
         missing = sorted(key[1] for key in self.exports - tracker.exported.keys())
         if missing:
             raise RuntimeError(f"partition {self.index} did not stash {missing} in this forward; a skippable "
