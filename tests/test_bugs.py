@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import Pipe
+from lightning_pipe.skip import pop, skippable, stash
 
 MODES = ["always", "except_last", "never"]
 
@@ -157,6 +158,43 @@ def test_output_without_grad_does_not_require_grad(chunks):
     assert [t.requires_grad for t in actual] == [t.requires_grad for t in expected] == [True, False]
     actual[0].sum().backward()
     assert all(p.grad is not None for p in piped.parameters())
+
+
+@skippable(stash=["maybe"])
+class MaybeStash(nn.Module):
+    """Stashes its input scaled, or ``None`` when it has nothing to pass (a skip that is switched off)."""
+
+    def __init__(self, on: bool) -> None:
+        super().__init__()
+        self.on = on
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        yield stash("maybe", x * 3 if self.on else None)
+        return self.linear(x)
+
+
+@skippable(pop=["maybe"])
+class MaybePop(nn.Module):
+    """Adds the popped skip when there is one."""
+
+    def forward(self, x):
+        skip = yield pop("maybe")
+        return x if skip is None else x + skip
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("on", [False, True], ids=["none", "tensor"])
+def test_none_stashed_in_one_partition_pops_as_none_in_another(checkpoint, on):
+    """torchgpipe documents ``stash(name, None)``; within one partition it worked, but a ``None`` popped in a
+    later partition crashed every checkpoint mode with "'NoneType' object has no attribute 'detach'": the
+    stage treated every skip as a tensor (a leaf to make, a version to watch, a gradient to send back). A
+    skip stashed as None now crosses partitions as None and gets no gradient."""
+    plain = nn.Sequential(MaybeStash(on), nn.Linear(4, 4), nn.Tanh(), MaybePop(), nn.Linear(4, 2))
+    piped = Pipe(copy.deepcopy(plain), [2, 1, 2], chunks=3, checkpoint=checkpoint)
+    assert piped.pipeline.layout.imports[2]  # the skip crosses from partition 0 to partition 2
+    x = torch.randn(6, 4)
+    assert_same(run(piped, x), run(plain, x))
 
 
 def test_hooks_registered_on_a_partition_run():

@@ -61,8 +61,9 @@ class _Saved:
     seed: Callable[[], int]
     context: Callable[[], ContextManager[None]]  # autocast state of the forward, for recomputation
     outputs: tuple[Tensor, ...] | None  # None: checkpointed, recompute in backward
-    exports: dict[SkipKey, Tensor] | None
+    exports: dict[SkipKey, Tensor | None] | None
     versions: tuple[int, ...] = ()  # of inputs and imports after a checkpointed forward: unchanged till recomputed
+    empty: tuple[SkipKey, ...] = ()  # imported skips stashed as None (they stay None, and get no gradient)
 
 
 def _move(t: Tensor, device: torch.device) -> Tensor:
@@ -166,8 +167,8 @@ class Stage:
     def _where(self, k: int, name: str, layer: nn.Module) -> str:
         return f"layer {self.offset + k} ('{name}': {type(layer).__name__}) on {self.device}"
 
-    def _run(self, value: Any, imports: Mapping[SkipKey, Tensor], seed: Callable[[], int],
-             microbatch: int, watch: Sequence[Tensor] = ()) -> tuple[Batch, dict[SkipKey, Tensor]]:
+    def _run(self, value: Any, imports: Mapping[SkipKey, Tensor | None], seed: Callable[[], int],
+             microbatch: int, watch: Sequence[Tensor] = ()) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
         """Call the partition on ``value``; raise as soon as a layer modifies a tensor of ``watch`` in place."""
         tracker = SkipTracker(imports, self.exports)
         layers = _Layers(self, microbatch, watch)
@@ -187,9 +188,9 @@ class Stage:
                                "layer must stash every name a later partition pops, in every forward")
         return Batch.of(value, f"output of partition {self.index}"), tracker.exported
 
-    def forward(self, run: Hashable, microbatch: int, inputs: Batch, imports: Mapping[SkipKey, Tensor], *,
+    def forward(self, run: Hashable, microbatch: int, inputs: Batch, imports: Mapping[SkipKey, Tensor | None], *,
                 seed: Callable[[], int], save: bool, checkpoint: bool, last: bool
-                ) -> tuple[Batch, dict[SkipKey, Tensor]]:
+                ) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
         """Run the partition on one micro-batch; with ``save``, keep what backward needs.
 
         Returned tensors are detached and say by ``requires_grad`` whether a gradient flows back to them.
@@ -197,19 +198,20 @@ class Stage:
         """
         start = time.time()
         leaves = tuple(_leaf(t, self.device, save and t.requires_grad) for t in inputs.tensors)
-        got = {k: _leaf(t, self.device, save and t.requires_grad) for k, t in imports.items()}
+        got = {k: _leaf(t, self.device, save and t.requires_grad) for k, t in imports.items() if t is not None}
+        empty = tuple(k for k, t in imports.items() if t is None)  # ``yield stash(name, None)`` pops as None
         # A checkpointed micro-batch recomputes from its saved inputs: they must come out as they went in.
         watch = (*leaves, *got.values()) if save and checkpoint else ()
         context = checkpointing() if save and checkpoint else nullcontext()
         with context, torch.set_grad_enabled(save and not checkpoint):
             given, given_imports = self._given(leaves, got, save)  # copies, if any, are part of the graph
-            outputs, exports = self._run(Batch(given, inputs.atomic).value, given_imports, seed, microbatch,
-                                         watch)
+            outputs, exports = self._run(Batch(given, inputs.atomic).value, {**given_imports, **dict.fromkeys(empty)},
+                                         seed, microbatch, watch)
         if save:
             kept = None if checkpoint else outputs.tensors
             with self._lock:
                 self._saved[(run, microbatch)] = _Saved(leaves, got, inputs.atomic, seed, capture_context(), kept,
-                                                        None if checkpoint else exports, _versions(watch))
+                                                        None if checkpoint else exports, _versions(watch), empty)
         if save and self.recorder is not None:
             self.recorder.record(self.index, "F", [microbatch], run, start)  # type: ignore[arg-type]
         if last and self.partition.training:
@@ -228,9 +230,10 @@ class Stage:
                 through.get(id(t), needs) and (t.is_floating_point() or t.is_complex()))
         else:
             mark = _handoff
-        return outputs.with_tensors([mark(t) for t in outputs.tensors]), {k: mark(t) for k, t in exports.items()}
+        return (outputs.with_tensors([mark(t) for t in outputs.tensors]),
+                {k: None if t is None else mark(t) for k, t in exports.items()})
 
-    def _recompute(self, saved: _Saved, microbatch: int) -> tuple[tuple[Tensor, ...], dict[SkipKey, Tensor]]:
+    def _recompute(self, saved: _Saved, microbatch: int) -> tuple[tuple[Tensor, ...], dict[SkipKey, Tensor | None]]:
         if _versions((*saved.inputs, *saved.imports.values())) != saved.versions:
             raise RuntimeError(
                 f"the inputs that partition {self.index} saved to recompute micro-batch {microbatch} were "
@@ -240,7 +243,8 @@ class Stage:
             )
         with saved.context(), recomputing(), torch.enable_grad():
             given, given_imports = self._given(saved.inputs, saved.imports, True)
-            outputs, exports = self._run(Batch(given, saved.atomic).value, given_imports, saved.seed, microbatch)
+            imports = {**given_imports, **dict.fromkeys(saved.empty)}
+            outputs, exports = self._run(Batch(given, saved.atomic).value, imports, saved.seed, microbatch)
         return outputs.tensors, exports
 
     def backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]]
@@ -340,7 +344,8 @@ class Stage:
                 outputs, exports = self._recompute(saved, microbatch)
             else:
                 outputs, exports = saved.outputs, saved.exports or {}
-            pairs = list(zip(outputs, grad_outputs)) + [(exports[k], g) for k, g in grad_exports.items()]
+            pairs = list(zip(outputs, grad_outputs)) + [(exports[k], g) for k, g in grad_exports.items()
+                                                        if exports[k] is not None]
             for t, g in pairs:
                 if g is not None and t.requires_grad:
                     tensors.append(t)
@@ -360,7 +365,7 @@ class Stage:
             torch.autograd.backward(tensors, grads)
         return [
             (tuple(t.grad if t.requires_grad else None for t in s.inputs),
-             {k: t.grad if t.requires_grad else None for k, t in s.imports.items()})
+             {**{k: t.grad if t.requires_grad else None for k, t in s.imports.items()}, **dict.fromkeys(s.empty)})
             for s in saved_items
         ], weights
 
