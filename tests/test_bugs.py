@@ -223,3 +223,47 @@ class Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.factor
+
+
+@skippable(stash=["typo"])
+class StashesAnotherName(nn.Module):
+    """Declares ``typo`` but stashes nothing under it (its forward never yields)."""
+
+    def forward(self, x):
+        return x * 2
+
+
+@skippable(stash=["skip"])
+class StashOne(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x
+
+
+@skippable(pop=["skip"])
+class DeclaresAPopItNeverMakes(nn.Module):
+    """Declares a pop and returns without making it (a branch that forgot it)."""
+
+    def forward(self, x):
+        return x + 1
+        yield  # a generator all the same
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["sequential", "pipe"])
+def test_a_declared_skip_that_is_never_stashed_or_popped_is_an_error(wrapped):
+    """A layer declared ``@skippable(stash=["foo"])`` whose forward never stashed ``foo`` (or a declared pop
+    that never popped) was silently accepted, so a misspelt skip name trained another model than the one
+    declared. torchgpipe raises ``RuntimeError`` after such a forward; so does the engine now, naming the
+    skip, in a plain ``nn.Sequential`` as in a pipe."""
+    stash_only = nn.Sequential(StashesAnotherName(), nn.Linear(4, 4))  # a pipe refuses it: "typo" is never popped
+    no_pop = nn.Sequential(StashOne(), nn.Linear(4, 4), DeclaresAPopItNeverMakes())
+    x = torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match=r"StashesAnotherName did not stash 'typo' in this forward, which it "
+                                           r"declares \(@skippable\(stash=\['typo'\]\)\)"):
+        stash_only(x)
+    model = Pipe(no_pop, [2, 1], chunks=2) if wrapped else no_pop
+    with pytest.raises(RuntimeError, match=r"DeclaresAPopItNeverMakes did not pop 'skip' in this forward, which "
+                                           r"it declares \(@skippable\(pop=\['skip'\]\)\)") as info:
+        model(x)
+    if wrapped:
+        assert "raised in partition 1, layer 2 ('2': DeclaresAPopItNeverMakes)" in info.value.__notes__[0]

@@ -125,3 +125,13 @@ def test_none_is_passed_through_a_skip(balance):
     expected = (m[1](x + 1)) * 2
     model = m if balance is None else Pipe(m, balance, chunks=2)
     torch.testing.assert_close(model(x), expected)
+
+
+def test_a_skippable_whose_forward_yields_nothing_must_still_stash():
+    @skippable(stash=["skip"])
+    class Plain(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(RuntimeError, match=r"Plain did not stash 'skip' in this forward"):
+        Plain()(torch.zeros(1))
