@@ -267,3 +267,22 @@ def test_a_declared_skip_that_is_never_stashed_or_popped_is_an_error(wrapped):
         model(x)
     if wrapped:
         assert "raised in partition 1, layer 2 ('2': DeclaresAPopItNeverMakes)" in info.value.__notes__[0]
+
+
+def test_moving_to_a_device_index_is_a_type_error_on_any_machine():
+    """``pipe.to(0)`` let torch parse its arguments first, which looks the index up as an accelerator: on a
+    CPU-only torch that failed with a RuntimeError about a missing accelerator instead of the TypeError
+    that refuses moving a pipe (``pipe.to("cuda:0")`` gave the TypeError). The arguments are now told apart
+    by their types, as torchgpipe did, before torch sees them."""
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1])
+    moves = {"to(0)": lambda: pipe.to(0), "to(device=0)": lambda: pipe.to(device=0),
+             "to('cuda:1')": lambda: pipe.to("cuda:1"), "to(tensor)": lambda: pipe.to(torch.zeros(1)),
+             "to(device, dtype)": lambda: pipe.to(torch.device("cpu"), torch.float64),
+             "cuda()": lambda: pipe.cuda(), "cuda(0)": lambda: pipe.cuda(0), "cpu()": lambda: pipe.cpu(),
+             "xpu()": lambda: pipe.xpu(), "to_empty": lambda: pipe.to_empty(device="cpu")}
+    for what, move in moves.items():
+        with pytest.raises(TypeError, match=r"a Pipe cannot be moved with \.\w+.*placed on \['cpu', 'cpu'\]"):
+            move()
+        assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pipe.parameters()), what
+    assert pipe.to(torch.float64) is pipe and pipe.to(dtype=torch.float16).partitions[1][0].weight.dtype == \
+        torch.float16
