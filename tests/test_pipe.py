@@ -222,6 +222,11 @@ def test_duplicate_children():
         Pipe(m, [2, 3])
 
 
+def test_empty_module():
+    with pytest.raises(ValueError, match=r"module has no layers \(an empty nn.Sequential, length: 0\).*nn.Identity"):
+        Pipe(nn.Sequential(), [])
+
+
 def test_empty_position():
     m = nn.Sequential(nn.Linear(1, 1))
     m.add_module("gap", None)

@@ -61,6 +61,9 @@ def check_sequential(module: Any, what: str = "module") -> None:
     """Reject a module that is not an ``nn.Sequential`` of distinct children with unshared parameters."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"{what} must be nn.Sequential to be partitioned (got: {type(module).__name__})")
+    if len(module._modules) == 0:
+        raise ValueError(f"{what} has no layers (an empty nn.Sequential, length: 0): there is nothing to split "
+                         "into partitions; a model that returns its input is nn.Identity()")
     empty = [name for name, child in module._modules.items() if child is None]
     if empty:
         raise ValueError(f"{what} has positions without a layer (names: {', '.join(map(repr, empty))}); "
