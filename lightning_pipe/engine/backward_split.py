@@ -84,7 +84,7 @@ def twice_safe(partition: nn.Module) -> bool:
             return False
         if type(m) in _PURE_BACKWARD:
             declared.update(id(inner) for inner in m.modules())
-        elif type(m) is not Partition and not type(m).__module__.startswith("torch.nn.modules.") or not all(
+        elif not (type(m) is Partition or type(m).__module__.startswith("torch.nn.modules.")) or not all(
                 _of_torch(v) for v in vars(m).values() if callable(v) and not isinstance(v, (nn.Module, type))):
             return False
     return True

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, Protocol, Union
 
 import torch
@@ -100,8 +99,10 @@ def check_balance(module: nn.Sequential, balance: Sequence[int] | None) -> list[
 
 
 class LayerWatch(Protocol):
-    """What a stage does around each layer of its partition: notes where an error came from, checks what the
-    layer changed."""
+    """What a stage does around each layer of its partition: notes where an error came from, and, where
+    ``checking``, checks what the layer changed."""
+
+    checking: bool  # whether :meth:`passed` has anything to check
 
     def failed(self, exc: BaseException, k: int, name: str, layer: nn.Module) -> None:
         """Layer ``k`` (``name``) raised ``exc``, which is raised on after this."""
@@ -113,15 +114,20 @@ class LayerWatch(Protocol):
 _watch = threading.local()
 
 
-@contextmanager
-def watching_layers(partition: nn.Module, watch: LayerWatch) -> Iterator[None]:
+class watching_layers:  # noqa: N801 - used as a function: ``with watching_layers(partition, watch):``
     """Have ``watch`` see each layer of ``partition`` called on this thread in the enclosed code."""
-    previous = getattr(_watch, "current", None)
-    _watch.current = (partition, watch)
-    try:
-        yield
-    finally:
-        _watch.current = previous
+
+    __slots__ = ("current", "previous")
+
+    def __init__(self, partition: nn.Module, watch: LayerWatch) -> None:
+        self.current = (partition, watch)
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_watch, "current", None)
+        _watch.current = self.current
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _watch.current = self.previous
 
 
 class Partition(nn.Sequential):
@@ -140,9 +146,10 @@ class Partition(nn.Sequential):
         """Run the layers in turn on ``input``."""
         current = getattr(_watch, "current", None)
         watch = current[1] if current is not None and current[0] is self else None
+        check = watch is not None and watch.checking
         spread = self.spread_tuples
-        if watch is not None:
-            watch.passed(-1, "", self)  # what its pre-hooks did
+        if check:
+            watch.passed(-1, "", self)  # type: ignore[union-attr] # what its pre-hooks did
         for k, (name, layer) in enumerate(self._modules.items()):
             try:
                 input = layer(*input) if spread and isinstance(input, tuple) else layer(input)
@@ -150,8 +157,8 @@ class Partition(nn.Sequential):
                 if watch is not None:
                     watch.failed(exc, k, name, layer)  # type: ignore[arg-type]
                 raise
-            if watch is not None:
-                watch.passed(k, name, layer)  # type: ignore[arg-type]
+            if check:
+                watch.passed(k, name, layer)  # type: ignore[arg-type,union-attr]
         return input
 
 

@@ -102,6 +102,7 @@ class _Layers:
         self.stage = stage
         self.microbatch = microbatch
         self.watch = watch
+        self.checking = bool(watch)
         self.versions = _versions(watch)
 
     @staticmethod
@@ -121,7 +122,7 @@ class _Layers:
 
     def passed(self, k: int, name: str, layer: nn.Module) -> None:
         """Raise if layer ``k`` (-1: the partition as a whole) modified a watched input in place."""
-        if self.watch and _versions(self.watch) != self.versions:
+        if self.checking and _versions(self.watch) != self.versions:
             where = self.stage._where(k, name, layer) if k >= 0 else f"partition {self.stage.index} or a hook on it"
             exc = RuntimeError(
                 f"partition {self.stage.index} modified its input in place in a checkpointed forward "
