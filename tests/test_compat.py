@@ -78,6 +78,19 @@ def test_signatures_are_those_documented():
                                                          ("device", "KEYWORD_ONLY", None)]
 
 
+def test_balancing_defaults_to_the_cpu_without_cuda_and_says_when_cuda_is_asked_for(monkeypatch):
+    from lightning_pipe.compat.torchgpipe.balance import balance_by_size, balance_by_time
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, sample = nn.Sequential(*layers()), torch.randn(8, 4)
+    by_time = balance_by_time(2, model, sample, timeout=0.01)  # profiled on the CPU
+    assert len(by_time) == 2 and sum(by_time) == 4
+    assert balance_by_size(2, model, sample, chunks=2) == [2, 2]  # four layers of one size
+    for balance in (balance_by_time, balance_by_size):
+        with pytest.raises(ValueError, match=r"cannot profile the layers on cuda(:0)?: CUDA is not available here"):
+            balance(2, model, sample, device="cuda")
+
+
 # ---------------------------------------------------------------------- GPipe as torchgpipe documents it
 def test_gpipe_attributes_and_container_behaviour():
     modules = [nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]

@@ -23,7 +23,11 @@ def _device(device: Device | None) -> torch.device:
     """``device``, or torchgpipe's default: the current CUDA device (the CPU on a machine without CUDA)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return normalize_device(device)
+    device = normalize_device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"cannot profile the layers on {device}: CUDA is not available here "
+                         "(torch.cuda.is_available() is False); pass device='cpu', or leave device out")
+    return device
 
 
 def balance_by_time(partitions: int, module: nn.Sequential, sample: Tensor | tuple[Tensor, ...], *,
