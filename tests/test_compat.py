@@ -350,6 +350,7 @@ def test_sync_partitions_on_gpus_by_torchs_rule(monkeypatch):
 
     monkeypatch.setattr(sync, "layer_device", lambda name, layer: on.get(id(layer)))
     monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     fc1, fc2, fc3, fc4 = (place(nn.Linear(4, 4), d) for d in ("cuda:0", "cuda:0", "cuda:1", "cuda:1"))
     # A layer without parameters runs on the CPU (a partition of its own) unless WithDevice says otherwise.
     pipe = sync.Pipe(nn.Sequential(fc1, fc2, nn.ReLU(), fc3, fc4), chunks=8)
@@ -368,6 +369,10 @@ def test_sync_refuses_a_layer_on_several_devices():
         sync.Pipe(nn.Sequential(nn.Linear(2, 2), layer))
     with pytest.raises(TypeError, match="must be nn.Sequential"):
         sync.Pipe(nn.Linear(2, 2))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"layer '1' is WithDevice\(\.\.\., 'cuda:1'\), but CUDA is not "
+                                             r"available here"):
+            sync.Pipe(nn.Sequential(nn.Linear(2, 2), WithDevice(nn.ReLU(), "cuda:1")))
     with pytest.raises(ValueError, match="has no layers"):
         sync.Pipe(nn.Sequential(nn.Sequential()))
 

@@ -114,6 +114,9 @@ def place(module: nn.Sequential) -> tuple[list[nn.Module], list[int], list[torch
     for name, child in module.named_children():
         if isinstance(child, WithDevice):
             device = normalize_device(child.device)
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"layer '{name}' is WithDevice(..., '{device}'), but CUDA is not available here "
+                                 "(torch.cuda.is_available() is False); name a device this machine has ('cpu')")
             child = child.module.to(device)
         else:
             device = normalize_device(layer_device(name, child) or torch.device("cpu"))
