@@ -26,6 +26,7 @@ from torch import nn
 
 import lightning_pipe.engine.stage as stage_module
 from lightning_pipe.engine.microbatch import Batch
+from lightning_pipe.engine.partition import split_module
 from lightning_pipe.engine.rng import LazySeed
 
 
@@ -38,7 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    partition = nn.Sequential(*[m for _ in range(args.layers) for m in (nn.Linear(args.width, args.width), nn.ReLU())])
+    body = nn.Sequential(*[m for _ in range(args.layers) for m in (nn.Linear(args.width, args.width), nn.ReLU())])
+    partition = split_module(body, [len(body)])[0]  # a Partition, as a pipeline's stages hold
     stage = stage_module.Stage(0, partition, torch.device("cpu"))
     x = torch.randn(args.rows, args.width)
     runs = iter(range(10**9))

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import Pipe
+from lightning_pipe.skip import pop, skippable, stash
 
 MODES = ["always", "except_last", "never"]
 
@@ -157,3 +158,131 @@ def test_output_without_grad_does_not_require_grad(chunks):
     assert [t.requires_grad for t in actual] == [t.requires_grad for t in expected] == [True, False]
     actual[0].sum().backward()
     assert all(p.grad is not None for p in piped.parameters())
+
+
+@skippable(stash=["maybe"])
+class MaybeStash(nn.Module):
+    """Stashes its input scaled, or ``None`` when it has nothing to pass (a skip that is switched off)."""
+
+    def __init__(self, on: bool) -> None:
+        super().__init__()
+        self.on = on
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        yield stash("maybe", x * 3 if self.on else None)
+        return self.linear(x)
+
+
+@skippable(pop=["maybe"])
+class MaybePop(nn.Module):
+    """Adds the popped skip when there is one."""
+
+    def forward(self, x):
+        skip = yield pop("maybe")
+        return x if skip is None else x + skip
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("on", [False, True], ids=["none", "tensor"])
+def test_none_stashed_in_one_partition_pops_as_none_in_another(checkpoint, on):
+    """torchgpipe documents ``stash(name, None)``; within one partition it worked, but a ``None`` popped in a
+    later partition crashed every checkpoint mode with "'NoneType' object has no attribute 'detach'": the
+    stage treated every skip as a tensor (a leaf to make, a version to watch, a gradient to send back). A
+    skip stashed as None now crosses partitions as None and gets no gradient."""
+    plain = nn.Sequential(MaybeStash(on), nn.Linear(4, 4), nn.Tanh(), MaybePop(), nn.Linear(4, 2))
+    piped = Pipe(copy.deepcopy(plain), [2, 1, 2], chunks=3, checkpoint=checkpoint)
+    assert piped.pipeline.layout.imports[2]  # the skip crosses from partition 0 to partition 2
+    x = torch.randn(6, 4)
+    assert_same(run(piped, x), run(plain, x))
+
+
+def test_hooks_registered_on_a_partition_run():
+    """Stages called each layer of their partition in turn, never the partition itself, so a forward hook
+    or pre-hook on ``pipe.partitions[j]`` (a profiler's, an activation capture) never ran. torchgpipe called
+    the partition; the stage now does too, and hooks see each micro-batch, in recomputation as well."""
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
+    piped = Pipe(copy.deepcopy(plain), [2, 2], chunks=3, checkpoint="always")
+    seen = []
+    piped.partitions[1].register_forward_pre_hook(lambda module, args: seen.append(("pre", args[0].shape[0])))
+    piped.partitions[1].register_forward_hook(lambda module, args, out: seen.append(("post", out.shape[1])))
+    piped.partitions[0].register_forward_hook(lambda module, args, out: out * 2)  # a hook's output is used
+    doubled = nn.Sequential(plain[0], plain[1], Scale(2.0), plain[2], plain[3])
+    x = torch.randn(6, 4)
+    assert_same(run(piped, x), run(doubled, x))
+    # Each micro-batch once in forward and once when it is recomputed in backward (checkpoint="always").
+    assert seen == [("pre", 2), ("post", 2)] * 6
+
+
+class Scale(nn.Module):
+    """Multiplies by a constant."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+@skippable(stash=["typo"])
+class StashesAnotherName(nn.Module):
+    """Declares ``typo`` but stashes nothing under it (its forward never yields)."""
+
+    def forward(self, x):
+        return x * 2
+
+
+@skippable(stash=["skip"])
+class StashOne(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x
+
+
+@skippable(pop=["skip"])
+class DeclaresAPopItNeverMakes(nn.Module):
+    """Declares a pop and returns without making it (a branch that forgot it)."""
+
+    def forward(self, x):
+        return x + 1
+        yield  # a generator all the same
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["sequential", "pipe"])
+def test_a_declared_skip_that_is_never_stashed_or_popped_is_an_error(wrapped):
+    """A layer declared ``@skippable(stash=["foo"])`` whose forward never stashed ``foo`` (or a declared pop
+    that never popped) was silently accepted, so a misspelt skip name trained another model than the one
+    declared. torchgpipe raises ``RuntimeError`` after such a forward; so does the engine now, naming the
+    skip, in a plain ``nn.Sequential`` as in a pipe."""
+    stash_only = nn.Sequential(StashesAnotherName(), nn.Linear(4, 4))  # a pipe refuses it: "typo" is never popped
+    no_pop = nn.Sequential(StashOne(), nn.Linear(4, 4), DeclaresAPopItNeverMakes())
+    x = torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match=r"StashesAnotherName did not stash 'typo' in this forward, which it "
+                                           r"declares \(@skippable\(stash=\['typo'\]\)\)"):
+        stash_only(x)
+    model = Pipe(no_pop, [2, 1], chunks=2) if wrapped else no_pop
+    with pytest.raises(RuntimeError, match=r"DeclaresAPopItNeverMakes did not pop 'skip' in this forward, which "
+                                           r"it declares \(@skippable\(pop=\['skip'\]\)\)") as info:
+        model(x)
+    if wrapped:
+        assert "raised in partition 1, layer 2 ('2': DeclaresAPopItNeverMakes)" in info.value.__notes__[0]
+
+
+def test_moving_to_a_device_index_is_a_type_error_on_any_machine():
+    """``pipe.to(0)`` let torch parse its arguments first, which looks the index up as an accelerator: on a
+    CPU-only torch that failed with a RuntimeError about a missing accelerator instead of the TypeError
+    that refuses moving a pipe (``pipe.to("cuda:0")`` gave the TypeError). The arguments are now told apart
+    by their types, as torchgpipe did, before torch sees them."""
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1])
+    moves = {"to(0)": lambda: pipe.to(0), "to(device=0)": lambda: pipe.to(device=0),
+             "to('cuda:1')": lambda: pipe.to("cuda:1"), "to(tensor)": lambda: pipe.to(torch.zeros(1)),
+             "to(device, dtype)": lambda: pipe.to(torch.device("cpu"), torch.float64),
+             "cuda()": lambda: pipe.cuda(), "cuda(0)": lambda: pipe.cuda(0), "cpu()": lambda: pipe.cpu(),
+             "xpu()": lambda: pipe.xpu(), "to_empty": lambda: pipe.to_empty(device="cpu")}
+    for what, move in moves.items():
+        with pytest.raises(TypeError, match=r"a Pipe cannot be moved with \.\w+.*placed on \['cpu', 'cpu'\]"):
+            move()
+        assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pipe.parameters()), what
+    assert pipe.to(torch.float64) is pipe and pipe.to(dtype=torch.float16).partitions[1][0].weight.dtype == \
+        torch.float16

@@ -126,6 +126,12 @@ def test_draws_no_random_only_for_known_layers_without_hooks():
         finally:
             handle.remove()
         assert draws_no_random(nn.Sequential(layer, nn.ReLU()))
+    # The partitions of a pipe: the container adds no draw, a hook on it may.
+    partition = Pipe(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), [2]).partitions[0]
+    assert draws_no_random(partition)
+    handle = partition.register_forward_pre_hook(lambda *args: None)
+    assert not draws_no_random(partition)
+    handle.remove()
 
 
 def test_the_random_mode_is_left_out_only_where_nothing_draws(monkeypatch):
@@ -143,10 +149,10 @@ def test_the_random_mode_is_left_out_only_where_nothing_draws(monkeypatch):
     assert len(entered) == 2  # the partition with dropout, once per micro-batch
 
 
-@pytest.mark.parametrize("where", ["layer", "global"])
+@pytest.mark.parametrize("where", ["layer", "partition", "global"])
 def test_a_hook_that_draws_noise_is_replayed_in_recomputation(where):
-    """A forward hook on a partition of layers that draw nothing puts it back under the mode: the noise it
-    draws is the stage's, and recomputation replays it."""
+    """A forward hook on a layer of a partition of layers that draw nothing, on the partition itself, or on
+    every module puts it back under the mode: the noise it draws is the stage's, and recomputation replays it."""
 
     def noisy(module, args, output):
         return output + torch.rand_like(output)
@@ -154,11 +160,11 @@ def test_a_hook_that_draws_noise_is_replayed_in_recomputation(where):
     def run_with(mode):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-        register = model[2].register_forward_hook if where == "layer" else \
-            nn.modules.module.register_module_forward_hook
+        pipe = Pipe(model, [2, 3], chunks=4, checkpoint=mode)
+        register = {"layer": model[2].register_forward_hook, "partition": pipe.partitions[1].register_forward_hook,
+                    "global": nn.modules.module.register_module_forward_hook}[where]
         handle = register(noisy)
         try:
-            pipe = Pipe(model, [2, 3], chunks=4, checkpoint=mode)
             torch.manual_seed(5)
             y = pipe(torch.randn(8, 4))
             y.square().sum().backward()

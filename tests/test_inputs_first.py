@@ -11,6 +11,7 @@ from torch import nn
 from lightning_pipe.engine.backward_split import twice_safe
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.microbatch import Batch
+from lightning_pipe.engine.partition import split_module
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Recorder
 
@@ -49,6 +50,14 @@ def test_twice_safe_only_for_built_in_layers_without_hooks():
         finally:
             handle.remove()
         assert twice_safe(nn.Sequential(layer, nn.ReLU()))
+    # The partitions of a pipe, which their stages call as modules: safe by themselves, not with a hook on them.
+    partition = split_module(body(), [6])[0]
+    assert twice_safe(partition)
+    for register in (partition.register_forward_hook, partition.register_forward_pre_hook,
+                     partition.register_full_backward_hook):
+        handle = register(lambda *args: None)
+        assert not twice_safe(partition), register
+        handle.remove()
 
 
 def _forward(stage: Stage, xs: list[torch.Tensor], checkpoint: bool) -> list[torch.Tensor]:

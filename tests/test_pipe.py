@@ -157,6 +157,55 @@ def test_deepcopy_gets_its_own_workers():
     assert torch.allclose(clone(x), y)
 
 
+# ---------------------------------------------------------------------- hooks on partitions
+class Boom(nn.Module):
+    def forward(self, x):
+        raise ValueError("boom")
+
+
+def test_a_partition_is_called_as_a_module_and_works_on_its_own():
+    m = model(4)
+    x = torch.randn(3, 4)
+    expected = copy.deepcopy(m)(x)
+    pipe = Pipe(m, [2, 2])
+    assert all(type(p).__mro__[1] is nn.Sequential for p in pipe.partitions)
+    torch.testing.assert_close(pipe.partitions[1](pipe.partitions[0](x)), expected)  # as the Sequential
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_errors_and_inplace_changes_are_still_located_by_layer_with_hooks_on_the_partition(checkpoint):
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Boom()), [1, 2], chunks=2, checkpoint=checkpoint)
+    calls = []
+    pipe.partitions[1].register_forward_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match="boom") as info:
+        pipe(torch.randn(4, 4))
+    assert info.value.__notes__ == ["raised in partition 1, layer 2 ('2': Boom) on cpu"] and calls == []
+
+
+def test_an_error_in_a_hook_on_a_partition_names_the_partition():
+    pipe = Pipe(model(), [2, 2], chunks=2)
+
+    def failing(module, args):
+        raise KeyError("from the hook")
+
+    pipe.partitions[1].register_forward_pre_hook(failing)
+    with pytest.raises(KeyError, match="from the hook") as info:
+        pipe(torch.randn(4, 4))
+    assert info.value.__notes__ == ["raised in partition 1 on cpu"]
+
+
+def test_a_hook_that_changes_the_input_in_place_in_a_checkpointed_forward_is_an_error():
+    pipe = Pipe(model(), [2, 2], chunks=2, checkpoint="always")
+    pipe.partitions[1].register_forward_pre_hook(lambda module, args: args[0].mul_(2))
+    with pytest.raises(RuntimeError, match=r"partition 1 modified its input in place in a checkpointed forward "
+                                           r"\(micro-batch 0, partition 1 or a hook on it\)"):
+        pipe(torch.randn(4, 4))
+    pipe = Pipe(model(), [2, 2], chunks=2, checkpoint="always")
+    pipe.partitions[1].register_forward_hook(lambda module, args, out: args[0].mul_(2))
+    with pytest.raises(RuntimeError, match=r"\(micro-batch 0, partition 1 or a hook on it\)"):
+        pipe(torch.randn(4, 4))
+
+
 # ---------------------------------------------------------------------- bad input, clear errors
 def test_not_sequential():
     with pytest.raises(TypeError, match=r"must be nn.Sequential .*got: Linear"):
@@ -171,6 +220,11 @@ def test_duplicate_children():
     m = nn.Sequential(layer, other, nn.Linear(1, 1), layer, other)
     with pytest.raises(ValueError, match=r"appears as: '0', '3'; '1', '4'\); give each position its own layer"):
         Pipe(m, [2, 3])
+
+
+def test_empty_module():
+    with pytest.raises(ValueError, match=r"module has no layers \(an empty nn.Sequential, length: 0\).*nn.Identity"):
+        Pipe(nn.Sequential(), [])
 
 
 def test_empty_position():

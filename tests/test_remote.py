@@ -372,3 +372,64 @@ def test_remote_stage_errors_reach_the_driver():
         kind, message = seen[mode]
         assert kind == "TypeError" and "cannot leave its process" in message, message
         assert "stage 1" in message and "worker1" in message and "could not send to stage 2" in message
+
+
+@skippable(stash=["maybe"])
+class StashMaybe(nn.Module):
+    """Stashes its input, or ``None`` (a skip switched off)."""
+
+    def __init__(self, on: bool) -> None:
+        super().__init__()
+        self.on = on
+
+    def forward(self, x):
+        yield stash("maybe", x * 2 if self.on else None)
+        return x * 1.5
+
+
+@skippable(pop=["maybe"])
+class PopMaybe(nn.Module):
+    def forward(self, x):
+        skip = yield pop("maybe")
+        return x if skip is None else x + skip.tanh()
+
+
+def _none_skips(rank: int, world: int):
+    def build_maybe(on: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), StashMaybe(on), nn.Tanh(), nn.Linear(8, 8), PopMaybe(), nn.Linear(8, 2))
+
+    checked = 0
+    for on in (False, True):
+        key = f"maybe-{on}"
+        pipeline = pipeline_over_rpc(key, build_maybe(on), [2, 2, 2], [f"worker{r}" for r in range(world)],
+                                     timeout=20)
+        if pipeline is None:
+            continue  # this process hosts its stage until rpc.shutdown
+        reference = build_maybe(on)
+        for checkpoint in ("always", "except_last", "never"):
+            x = torch.randn(6, 6)
+            x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+            expected = reference(x1)
+            actual = run_pipeline(pipeline, x2, chunks=3, checkpoint=checkpoint, training=True, parameters=iter([]))
+            torch.testing.assert_close(actual, expected)
+            expected.pow(2).sum().backward()
+            actual.pow(2).sum().backward()
+            torch.testing.assert_close(x2.grad, x1.grad)
+            grads = {}
+            for j in range(3):
+                grads.update(pipeline.call(j, "named_grads"))
+                pipeline.call(j, "zero_grad")
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, msg=f"{name} ({on}, {checkpoint})")
+                checked += 1
+            reference.zero_grad()
+        pipeline.close()
+    return checked
+
+
+@pytest.mark.timeout(120)
+def test_a_skip_stashed_as_none_crosses_processes_as_none():
+    """``yield stash(name, None)`` on stage 0 popped on stage 2, in another process: the skip travels as None
+    and sends no gradient back, with the same outputs and gradients as one process; a tensor skip too."""
+    assert run_processes(_none_skips, 3, timeout=100)[0] == 2 * 3 * 6

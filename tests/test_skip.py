@@ -101,3 +101,37 @@ def test_undeclared_stash_is_an_error():
 
     with pytest.raises(RuntimeError, match=r"stashes 'b' without declaring it"):
         Sneaky()(torch.zeros(1))
+
+
+@skippable(stash=["skip"])
+class StashNothing(nn.Module):
+    def forward(self, x):
+        yield stash("skip", None)
+        return x + 1
+
+
+@skippable(pop=["skip"])
+class PopNothing(nn.Module):
+    def forward(self, x):
+        skip = yield pop("skip")
+        assert skip is None
+        return x * 2
+
+
+@pytest.mark.parametrize("balance", [None, [3], [2, 1], [1, 2]], ids=["plain", "one", "1to2", "0to1"])
+def test_none_is_passed_through_a_skip(balance):
+    m = nn.Sequential(StashNothing(), nn.Linear(4, 4), PopNothing())
+    x = torch.randn(4, 4)
+    expected = (m[1](x + 1)) * 2
+    model = m if balance is None else Pipe(m, balance, chunks=2)
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_a_skippable_whose_forward_yields_nothing_must_still_stash():
+    @skippable(stash=["skip"])
+    class Plain(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(RuntimeError, match=r"Plain did not stash 'skip' in this forward"):
+        Plain()(torch.zeros(1))

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe.engine.partition import Partition
+
 __all__ = ["pure_backward_layer"]
 
 
@@ -56,10 +58,10 @@ def twice_safe(partition: nn.Module) -> bool:
     """Whether the backward of ``partition`` may run in two autograd calls, its input gradients first and the
     rest later, with nothing but the time changed:
 
-    - every module in it is a built-in ``torch.nn`` layer holding no function of the user's (as
-      ``TransformerEncoderLayer(activation=...)`` can), whose backward is then plain autograd with no side
-      effect, or inside a layer declared with :func:`pure_backward_layer` (another user-defined layer may
-      hold an autograd function or a tensor hook that would run twice);
+    - every module in it is a built-in ``torch.nn`` layer (or the :class:`Partition` holding them) holding no
+      function of the user's (as ``TransformerEncoderLayer(activation=...)`` can), whose backward is then plain
+      autograd with no side effect, or inside a layer declared with :func:`pure_backward_layer` (another
+      user-defined layer may hold an autograd function or a tensor hook that would run twice);
     - no hook is registered on any of them, nor for every module;
     - nothing that the graph kept between the two calls may have saved changes in place meanwhile, when
       other micro-batches are recomputed: no buffer (BatchNorm saves its running statistics) and no
@@ -82,7 +84,7 @@ def twice_safe(partition: nn.Module) -> bool:
             return False
         if type(m) in _PURE_BACKWARD:
             declared.update(id(inner) for inner in m.modules())
-        elif not type(m).__module__.startswith("torch.nn.modules.") or not all(
+        elif not (type(m) is Partition or type(m).__module__.startswith("torch.nn.modules.")) or not all(
                 _of_torch(v) for v in vars(m).values() if callable(v) and not isinstance(v, (nn.Module, type))):
             return False
     return True

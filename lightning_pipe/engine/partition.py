@@ -2,18 +2,24 @@
 
 Both placements use these: the local :class:`~lightning_pipe.engine.pipe.Pipe` and the processes of
 :mod:`lightning_pipe.transport`. Errors say what is wrong with the values in parentheses.
+
+The cut gives :class:`Partition` modules: ``nn.Sequential`` s that a stage calls as a whole, so that hooks
+registered on a partition run, while the stage still watches each layer (see :func:`watching_layers`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 import torch
 from torch import nn
 
-__all__ = ["CHECKPOINT_MODES"]
+from lightning_pipe.engine.rng import no_random_layer
+
+__all__ = ["CHECKPOINT_MODES", "Partition"]
 
 #: The accepted values of ``checkpoint``.
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -54,6 +60,9 @@ def check_sequential(module: Any, what: str = "module") -> None:
     """Reject a module that is not an ``nn.Sequential`` of distinct children with unshared parameters."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"{what} must be nn.Sequential to be partitioned (got: {type(module).__name__})")
+    if len(module._modules) == 0:
+        raise ValueError(f"{what} has no layers (an empty nn.Sequential, length: 0): there is nothing to split "
+                         "into partitions; a model that returns its input is nn.Identity()")
     empty = [name for name, child in module._modules.items() if child is None]
     if empty:
         raise ValueError(f"{what} has positions without a layer (names: {', '.join(map(repr, empty))}); "
@@ -89,12 +98,79 @@ def check_balance(module: nn.Sequential, balance: Sequence[int] | None) -> list[
     return balance
 
 
-def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+class LayerWatch(Protocol):
+    """What a stage does around each layer of its partition: notes where an error came from, and, where
+    ``checking``, checks what the layer changed."""
+
+    checking: bool  # whether :meth:`passed` has anything to check
+
+    def failed(self, exc: BaseException, k: int, name: str, layer: nn.Module) -> None:
+        """Layer ``k`` (``name``) raised ``exc``, which is raised on after this."""
+
+    def passed(self, k: int, name: str, layer: nn.Module) -> None:
+        """Layer ``k`` (``name``; -1: the partition's hooks) returned; raise if it did what it must not."""
+
+
+_watch = threading.local()
+
+
+class watching_layers:  # noqa: N801 - used as a function: ``with watching_layers(partition, watch):``
+    """Have ``watch`` see each layer of ``partition`` called on this thread in the enclosed code."""
+
+    __slots__ = ("current", "previous")
+
+    def __init__(self, partition: nn.Module, watch: LayerWatch) -> None:
+        self.current = (partition, watch)
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_watch, "current", None)
+        _watch.current = self.current
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _watch.current = self.previous
+
+
+class Partition(nn.Sequential):
+    """The layers of one partition, in order: an ``nn.Sequential`` that its stage calls as a whole.
+
+    Hooks registered on it (``pipe.partitions[j].register_forward_hook``) therefore run, in the first forward
+    and in recomputation, as torchgpipe ran them; the stage sees each layer through :func:`watching_layers`.
+    Each layer receives the previous one's output as its one argument, as in ``nn.Sequential``; with
+    ``spread_tuples`` a tuple is spread over the next layer's arguments instead (``layer(*value)``), as the
+    layers of torch's ``sync.Pipe`` received it. Called outside a stage, it is the ``nn.Sequential``.
+    """
+
+    spread_tuples = False
+
+    def forward(self, input: Any) -> Any:  # type: ignore[override]
+        """Run the layers in turn on ``input``."""
+        current = getattr(_watch, "current", None)
+        watch = current[1] if current is not None and current[0] is self else None
+        check = watch is not None and watch.checking
+        spread = self.spread_tuples
+        if check:
+            watch.passed(-1, "", self)  # type: ignore[union-attr] # what its pre-hooks did
+        for k, (name, layer) in enumerate(self._modules.items()):
+            try:
+                input = layer(*input) if spread and isinstance(input, tuple) else layer(input)
+            except BaseException as exc:
+                if watch is not None:
+                    watch.failed(exc, k, name, layer)  # type: ignore[arg-type]
+                raise
+            if check:
+                watch.passed(k, name, layer)  # type: ignore[arg-type,union-attr]
+        return input
+
+
+no_random_layer(Partition)  # it only calls its layers, each of which is looked at in its own right
+
+
+def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[Partition]:
     """Cut ``module`` into consecutive partitions of ``balance`` layers, keeping the layers' names."""
     items = list(module.named_children())
     partitions, start = [], 0
     for size in balance:
-        partitions.append(nn.Sequential(OrderedDict(items[start:start + size])))
+        partitions.append(Partition(OrderedDict(items[start:start + size])))
         start += size
     return partitions
 

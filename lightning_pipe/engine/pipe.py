@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_pipe.engine.autograd import pipeline_loss, run_pipeline
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
@@ -167,21 +167,42 @@ class Pipe(nn.Module):
             yield from partition
 
     # ------------------------------------------------------------------ placement is fixed
+    def _moving(self, how: str) -> TypeError:
+        return TypeError(f"a Pipe cannot be moved with {how}: its partitions are placed on "
+                         f"{[str(d) for d in self.devices]}; pass devices=... when creating it")
+
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
         """Change the dtype only: ``pipe.to(torch.float64)``. Moving to a device raises ``TypeError``."""
-        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
-            raise TypeError("a Pipe cannot be moved to one device: its partitions are placed on "
-                            f"{[str(d) for d in self.devices]}; pass devices=... when creating it")
+        # Told apart by the arguments themselves, as torchgpipe did: asking torch to parse them would turn
+        # ``to(0)`` into an accelerator lookup, which fails first on a machine without one.
+        first = args[0] if args else None
+        if "device" in kwargs or "tensor" in kwargs or isinstance(first, (torch.device, int, str, Tensor)):
+            raise self._moving(".to(device)")
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Any = None) -> Pipe:
         """Not allowed: partitions stay on their devices."""
-        raise TypeError("a Pipe cannot be moved with .cuda(): pass devices=... when creating it")
+        raise self._moving(".cuda()")
 
     def cpu(self) -> Pipe:
         """Not allowed: partitions stay on their devices."""
-        raise TypeError("a Pipe cannot be moved with .cpu(): pass devices=... when creating it")
+        raise self._moving(".cpu()")
+
+    def xpu(self, device: Any = None) -> Pipe:
+        """Not allowed: partitions stay on their devices."""
+        raise self._moving(".xpu()")
+
+    def ipu(self, device: Any = None) -> Pipe:
+        """Not allowed: partitions stay on their devices."""
+        raise self._moving(".ipu()")
+
+    def mtia(self, device: Any = None) -> Pipe:
+        """Not allowed: partitions stay on their devices."""
+        raise self._moving(".mtia()")
+
+    def to_empty(self, *, device: Any, recurse: bool = True) -> Pipe:
+        """Not allowed: partitions stay on their devices."""
+        raise self._moving(".to_empty(device=...)")
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

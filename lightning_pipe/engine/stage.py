@@ -42,6 +42,7 @@ from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.checkpoint import checkpointing, recomputing
 from lightning_pipe.engine.loss import LossFn, MicroLoss, compute, detach, to_device
 from lightning_pipe.engine.microbatch import Batch
+from lightning_pipe.engine.partition import watching_layers
 from lightning_pipe.engine.rng import StageRandom, draws_no_random, mix_seed
 from lightning_pipe.engine.skip.namespace import SkipKey
 from lightning_pipe.engine.skip.tracker import SkipTracker, use_skip_tracker
@@ -62,15 +63,15 @@ class _Saved:
     seed: Callable[[], int]
     context: Callable[[], ContextManager[None]]  # autocast state of the forward, for recomputation
     outputs: tuple[Tensor, ...] | None  # None: checkpointed, recompute in backward
-    exports: dict[SkipKey, Tensor] | None
+    exports: dict[SkipKey, Tensor | None] | None
     versions: tuple[int, ...] = ()  # of inputs and imports after a checkpointed forward: unchanged till recomputed
+    empty: tuple[SkipKey, ...] = ()  # imported skips stashed as None (they stay None, and get no gradient)
     loss: LossFn | None = None  # the last stage's loss function: its output for backward is the loss
     target: Any = None
 
 
 def _move(t: Tensor, device: torch.device) -> Tensor:
-    """``t`` on ``device``. Asynchronous only towards a GPU: a copy from a GPU into ordinary host memory
-    with ``non_blocking=True`` returns before the data is there, and a CPU stage would read it early."""
+    """``t`` on ``device``, asynchronously only towards a GPU (a non-blocking copy into host memory is early)."""
     return t.to(device, non_blocking=device.type == "cuda")
 
 
@@ -96,11 +97,52 @@ def _handoff(t: Tensor) -> Tensor:
     return t.detach().requires_grad_(t.requires_grad)
 
 
+class _Layers:
+    """What a stage watches around each layer of its partition (:class:`Partition` calls it): where an error
+    came from, and the version counters of the inputs a checkpointed forward must leave unchanged."""
+
+    def __init__(self, stage: Stage, microbatch: int, watch: Sequence[Tensor]) -> None:
+        self.stage = stage
+        self.microbatch = microbatch
+        self.watch = watch
+        self.checking = bool(watch)
+        self.versions = _versions(watch)
+
+    @staticmethod
+    def located(exc: BaseException, note: str) -> None:
+        """Add ``note`` to ``exc`` unless an inner layer or stage already said where it was raised."""
+        if not getattr(exc, "_lightning_pipe_located", False):
+            exc.add_note(note)
+            if "leaf Variable that requires grad" in str(exc):
+                exc.add_note("the partition's inputs are leaves of its autograd graph, which may not be modified "
+                             "in place: make that operation out of place (x = x + y rather than x += y), or copy "
+                             "the input first (x.clone())")
+            exc._lightning_pipe_located = True  # type: ignore[attr-defined]
+
+    def failed(self, exc: BaseException, k: int, name: str, layer: nn.Module) -> None:
+        """Note which layer raised ``exc``."""
+        self.located(exc, f"raised in partition {self.stage.index}, {self.stage._where(k, name, layer)}")
+
+    def passed(self, k: int, name: str, layer: nn.Module) -> None:
+        """Raise if layer ``k`` (-1: the partition as a whole) modified a watched input in place."""
+        if self.checking and _versions(self.watch) != self.versions:
+            where = self.stage._where(k, name, layer) if k >= 0 else f"partition {self.stage.index} or a hook on it"
+            exc = RuntimeError(
+                f"partition {self.stage.index} modified its input in place in a checkpointed forward "
+                f"(micro-batch {self.microbatch}, {where}); recomputation in backward would start from the "
+                "modified input and give wrong gradients. Make that operation out of place (x = x + y rather "
+                "than x += y, inplace=False) or copy the input first (x.clone())"
+            )
+            exc._lightning_pipe_located = True  # type: ignore[attr-defined]
+            raise exc
+
+
 class Stage:
     """Partition ``index`` of a pipeline, placed on ``device``.
 
     ``exports`` are the skip keys stashed here and popped by a later stage; ``imports`` those popped here
-    and stashed by an earlier one.
+    and stashed by an earlier one. The partition is called as a module, so hooks registered on it run; a
+    :class:`~lightning_pipe.engine.partition.Partition` (what the cut makes) lets the stage watch each layer.
     """
 
     def __init__(self, index: int, partition: nn.Sequential, device: torch.device, *, offset: int = 0,
@@ -130,43 +172,30 @@ class Stage:
     def _where(self, k: int, name: str, layer: nn.Module) -> str:
         return f"layer {self.offset + k} ('{name}': {type(layer).__name__}) on {self.device}"
 
-    def _run(self, value: Any, imports: Mapping[SkipKey, Tensor], seed: Callable[[], int],
-             microbatch: int, watch: Sequence[Tensor] = ()) -> tuple[Batch, dict[SkipKey, Tensor]]:
-        """Run the layers on ``value``; raise as soon as one modifies a tensor of ``watch`` in place."""
+    def _run(self, value: Any, imports: Mapping[SkipKey, Tensor | None], seed: Callable[[], int],
+             microbatch: int, watch: Sequence[Tensor] = ()) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
+        """Call the partition on ``value``; raise as soon as a layer modifies a tensor of ``watch`` in place."""
         tracker = SkipTracker(imports, self.exports)
-        versions = _versions(watch)
+        layers = _Layers(self, microbatch, watch)
         # Asked at every forward: a hook registered since the last one may draw random numbers.
         random = nullcontext() if draws_no_random(self.partition) else \
             StageRandom(lambda: mix_seed(seed(), self.index, microbatch))
-        with use_skip_tracker(tracker), random:
-            for k, (name, layer) in enumerate(self.partition.named_children()):
-                try:
-                    value = layer(value)
-                except BaseException as exc:
-                    if not getattr(exc, "_lightning_pipe_located", False):
-                        exc.add_note(f"raised in partition {self.index}, {self._where(k, name, layer)}")
-                        if "leaf Variable that requires grad" in str(exc):
-                            exc.add_note("the partition's inputs are leaves of its autograd graph, which may "
-                                         "not be modified in place: make that operation out of place "
-                                         "(x = x + y rather than x += y), or copy the input first (x.clone())")
-                        exc._lightning_pipe_located = True  # type: ignore[attr-defined]
-                    raise
-                if watch and _versions(watch) != versions:
-                    raise RuntimeError(
-                        f"partition {self.index} modified its input in place in a checkpointed forward "
-                        f"(micro-batch {microbatch}, {self._where(k, name, layer)}); recomputation in backward "
-                        "would start from the modified input and give wrong gradients. Make that operation out of "
-                        "place (x = x + y rather than x += y, inplace=False) or copy the input first (x.clone())"
-                    )
+        with use_skip_tracker(tracker), random, watching_layers(self.partition, layers):
+            try:
+                value = self.partition(value)  # as a module: hooks registered on the partition run
+            except BaseException as exc:
+                layers.located(exc, f"raised in partition {self.index} on {self.device}")
+                raise
+        layers.passed(-1, "", self.partition)  # a hook of the partition, or a partition that is no Partition
         missing = sorted(key[1] for key in self.exports - tracker.exported.keys())
         if missing:
             raise RuntimeError(f"partition {self.index} did not stash {missing} in this forward; a skippable "
                                "layer must stash every name a later partition pops, in every forward")
         return Batch.of(value, f"output of partition {self.index}"), tracker.exported
 
-    def forward(self, run: Hashable, microbatch: int, inputs: Batch, imports: Mapping[SkipKey, Tensor], *,
+    def forward(self, run: Hashable, microbatch: int, inputs: Batch, imports: Mapping[SkipKey, Tensor | None], *,
                 seed: Callable[[], int], save: bool, checkpoint: bool, last: bool, loss: LossFn | None = None,
-                target: Any = None) -> tuple[Batch | MicroLoss, dict[SkipKey, Tensor]]:
+                target: Any = None) -> tuple[Batch | MicroLoss, dict[SkipKey, Tensor | None]]:
         """Run the partition on one micro-batch; with ``save``, keep what backward needs.
 
         Returned tensors are detached and say by ``requires_grad`` whether a gradient flows back to them.
@@ -176,14 +205,15 @@ class Stage:
         """
         start = time.time()
         leaves = tuple(_leaf(t, self.device, save and t.requires_grad) for t in inputs.tensors)
-        got = {k: _leaf(t, self.device, save and t.requires_grad) for k, t in imports.items()}
+        got = {k: _leaf(t, self.device, save and t.requires_grad) for k, t in imports.items() if t is not None}
+        empty = tuple(k for k, t in imports.items() if t is None)  # ``yield stash(name, None)`` pops as None
         # A checkpointed micro-batch recomputes from its saved inputs: they must come out as they went in.
         watch = (*leaves, *got.values()) if save and checkpoint else ()
         context = checkpointing() if save and checkpoint else nullcontext()
         with context, torch.set_grad_enabled(save and not checkpoint):
             given, given_imports = self._given(leaves, got, save)  # copies, if any, are part of the graph
-            outputs, exports = self._run(Batch(given, inputs.atomic).value, given_imports, seed, microbatch,
-                                         watch)
+            outputs, exports = self._run(Batch(given, inputs.atomic).value, {**given_imports, **dict.fromkeys(empty)},
+                                         seed, microbatch, watch)
             if loss is not None:
                 target = to_device(target, self.device)
                 value, extras = compute(loss, outputs.value, target)
@@ -192,8 +222,8 @@ class Stage:
             kept = None if checkpoint else outputs.tensors
             with self._lock:
                 self._saved[(run, microbatch)] = _Saved(leaves, got, inputs.atomic, seed, capture_context(), kept,
-                                                        None if checkpoint else exports, _versions(watch), loss,
-                                                        target)
+                                                        None if checkpoint else exports, _versions(watch), empty,
+                                                        loss, target)
         if save and self.recorder is not None:
             self.recorder.record(self.index, "F", [microbatch], run, start)  # type: ignore[arg-type]
         if last and self.partition.training:
@@ -214,9 +244,10 @@ class Stage:
             mark = _handoff
         if loss is not None:
             return detach(value, extras), {}
-        return outputs.with_tensors([mark(t) for t in outputs.tensors]), {k: mark(t) for k, t in exports.items()}
+        return (outputs.with_tensors([mark(t) for t in outputs.tensors]),
+                {k: None if t is None else mark(t) for k, t in exports.items()})
 
-    def _recompute(self, saved: _Saved, microbatch: int) -> tuple[tuple[Tensor, ...], dict[SkipKey, Tensor]]:
+    def _recompute(self, saved: _Saved, microbatch: int) -> tuple[tuple[Tensor, ...], dict[SkipKey, Tensor | None]]:
         if _versions((*saved.inputs, *saved.imports.values())) != saved.versions:
             raise RuntimeError(
                 f"the inputs that partition {self.index} saved to recompute micro-batch {microbatch} were "
@@ -226,7 +257,8 @@ class Stage:
             )
         with saved.context(), recomputing(), torch.enable_grad():
             given, given_imports = self._given(saved.inputs, saved.imports, True)
-            outputs, exports = self._run(Batch(given, saved.atomic).value, given_imports, saved.seed, microbatch)
+            imports = {**given_imports, **dict.fromkeys(saved.empty)}
+            outputs, exports = self._run(Batch(given, saved.atomic).value, imports, saved.seed, microbatch)
             if saved.loss is not None:
                 return (compute(saved.loss, outputs.value, saved.target)[0],), {}
         return outputs.tensors, exports
@@ -328,7 +360,8 @@ class Stage:
                 outputs, exports = self._recompute(saved, microbatch)
             else:
                 outputs, exports = saved.outputs, saved.exports or {}
-            pairs = list(zip(outputs, grad_outputs)) + [(exports[k], g) for k, g in grad_exports.items()]
+            pairs = list(zip(outputs, grad_outputs)) + [(exports[k], g) for k, g in grad_exports.items()
+                                                        if exports[k] is not None]
             for t, g in pairs:
                 if g is not None and t.requires_grad:
                     tensors.append(t)
@@ -349,7 +382,7 @@ class Stage:
             torch.autograd.backward(tensors, grads)
         return [
             (tuple(t.grad if t.requires_grad else None for t in s.inputs),
-             {k: t.grad if t.requires_grad else None for k, t in s.imports.items()})
+             {**{k: t.grad if t.requires_grad else None for k, t in s.imports.items()}, **dict.fromkeys(s.empty)})
             for s in saved_items
         ], weights
 

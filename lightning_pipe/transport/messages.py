@@ -118,10 +118,11 @@ def _alive(key: str, run: int) -> None:
             _PROGRESS[(key, run)] = time.monotonic()
 
 
-def _pack(batch_tensors: Sequence[Tensor], direct: torch.device | None = None) -> tuple[list[Tensor], list[bool]]:
+def _pack(batch_tensors: Sequence[Tensor | None], direct: torch.device | None = None
+          ) -> tuple[list[Tensor | None], list[bool]]:
     # Tensors cross processes detached, on CPU unless they are on the GPU ``direct`` that RPC maps to the
-    # receiver's; the flags say which ones need a gradient back.
-    return list(_wire(batch_tensors, direct)), [t.requires_grad for t in batch_tensors]
+    # receiver's; the flags say which ones need a gradient back. A skip stashed as None crosses as None.
+    return list(_wire(batch_tensors, direct)), [t is not None and t.requires_grad for t in batch_tensors]
 
 
 def _wire(tensors: Sequence[Tensor | None], direct: torch.device | None = None) -> tuple[Tensor | None, ...]:
@@ -170,8 +171,8 @@ def _tensors(value: Any) -> list[Tensor]:
     return []
 
 
-def _unpack(tensors: Sequence[Tensor], flags: Sequence[bool]) -> tuple[Tensor, ...]:
-    return tuple(t.requires_grad_(f) if t.is_floating_point() or t.is_complex() else t
+def _unpack(tensors: Sequence[Tensor | None], flags: Sequence[bool]) -> tuple[Tensor | None, ...]:
+    return tuple(t.requires_grad_(f) if t is not None and (t.is_floating_point() or t.is_complex()) else t
                  for t, f in zip(tensors, flags))
 
 

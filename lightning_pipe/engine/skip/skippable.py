@@ -77,15 +77,34 @@ class Skippable(nn.Module):
         return self
 
     def forward(self, input: Any) -> Any:
-        """Run the wrapped forward, serving its ``stash``/``pop`` commands from the thread's tracker."""
+        """Run the wrapped forward, serving its ``stash``/``pop`` commands from the thread's tracker.
+
+        Every declared name must be stashed or popped in every forward, as torchgpipe required: a layer that
+        leaves one out (a name misspelt in ``yield stash(...)``, a branch that skips its pop) raises
+        ``RuntimeError`` naming it, rather than training a model other than the one declared.
+        """
         result = self.module(input)
-        if not isinstance(result, Generator):
-            return result
+        stashed: set[str] = set()
+        popped: set[str] = set()
+        if isinstance(result, Generator):
+            result = self._serve(result, stashed, popped)
+        for verb, past, declared, done, how in (
+                ("stash", "stashed", self.stashable_names, stashed,
+                 "yield stash(name, tensor), or stash(name, None) where there is nothing to pass"),
+                ("pop", "popped", self.poppable_names, popped, "x = yield pop(name), even where x goes unused")):
+            missing = sorted(declared - done)
+            if missing:
+                raise RuntimeError(f"{type(self).__name__} did not {verb} {', '.join(map(repr, missing))} in this "
+                                   f"forward, which it declares (@skippable({verb}={sorted(declared)})); every "
+                                   f"declared name must be {past} in every forward: {how}")
+        return result
+
+    def _serve(self, forward: Generator[Any, Any, Any], stashed: set[str], popped: set[str]) -> Any:
         tracker = current_skip_tracker()
         send: Any = None
         try:
             while True:
-                command = result.send(send)
+                command = forward.send(send)
                 send = None
                 if isinstance(command, stash):
                     if command.name not in self.stashable_names:
@@ -94,6 +113,7 @@ class Skippable(nn.Module):
                             f"(declared: @skippable(stash={sorted(self.stashable_names)}))"
                         )
                     tracker.save(self.namespaced(command.name), command.tensor)
+                    stashed.add(command.name)
                 elif isinstance(command, pop):
                     if command.name not in self.poppable_names:
                         raise RuntimeError(
@@ -101,6 +121,7 @@ class Skippable(nn.Module):
                             f"(declared: @skippable(pop={sorted(self.poppable_names)}))"
                         )
                     send = tracker.load(self.namespaced(command.name))
+                    popped.add(command.name)
                 else:
                     raise TypeError(
                         f"a skippable forward may only yield stash(...) or pop(...) (got: {type(command).__name__})"

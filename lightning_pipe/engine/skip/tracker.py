@@ -20,21 +20,21 @@ class SkipTracker:
     is in ``exports`` are handed out to a later partition instead of being kept here.
     """
 
-    def __init__(self, imports: Mapping[SkipKey, Tensor] | None = None,
+    def __init__(self, imports: Mapping[SkipKey, Tensor | None] | None = None,
                  exports: frozenset[SkipKey] = frozenset()) -> None:
-        self.imports: dict[SkipKey, Tensor] = dict(imports or {})
+        self.imports: dict[SkipKey, Tensor | None] = dict(imports or {})  # None: stashed as None
         self.export_keys = exports
-        self.exported: dict[SkipKey, Tensor] = {}
-        self.local: dict[SkipKey, Tensor] = {}
+        self.exported: dict[SkipKey, Tensor | None] = {}
+        self.local: dict[SkipKey, Tensor | None] = {}
 
-    def save(self, key: SkipKey, tensor: Tensor) -> None:
+    def save(self, key: SkipKey, tensor: Tensor | None) -> None:
         """Stash ``tensor`` under ``key``."""
         if key in self.export_keys:
             self.exported[key] = tensor
         else:
             self.local[key] = tensor
 
-    def load(self, key: SkipKey) -> Tensor:
+    def load(self, key: SkipKey) -> Tensor | None:
         """Pop the tensor stashed under ``key``."""
         if key in self.imports:
             return self.imports.pop(key)
