@@ -1,29 +1,37 @@
-"""Training throughput of our RPC engine vs torch.distributed.pipelining's ScheduleGPipe, 2 CPU processes, side by side.
+"""Training throughput of our RPC engine vs torch.distributed.pipelining's schedules, 2 CPU processes, side by side.
 
-The same model (``layers`` x Linear(width, width) + ReLU, cut into two halves), the same batch, the same loss
-(mean of the squared output) and the same micro-batch count run on 2 processes with one intra-op thread each:
+The same model, the same batch, the same loss and the same micro-batch count run on 2 processes with one
+intra-op thread each:
 
-    ours:   the driver (process 0) holds stage 0 and drives the GPipe schedule; process 1 holds stage 1.
-            RemotePipeline + run_pipeline(checkpoint='never') over TensorPipe RPC. The last stage's output
-            goes back to the driver, which computes the loss there and sends its gradient back.
-    theirs: PipelineStage + ScheduleGPipe(stage, n_microbatches, loss_fn) over a gloo process group; the
-            loss is computed on the last stage (process 1), nothing returns to process 0.
+    --model mlp  ``layers`` x Linear(width, width) + ReLU cut in two halves; loss = mean of the squared output
+    --model lm   a language model: Embedding(vocab, width), ``layers`` x (Linear + ReLU), Linear(width, vocab)
+                 head, cut in two halves (the head on the last stage); loss = the tokens' cross-entropy
+
+    ours:   the driver (process 0) holds stage 0 and drives the schedule; process 1 holds stage 1.
+            RemotePipeline over TensorPipe RPC. ``--loss last``: the loss on the last stage per micro-batch
+            (pipeline_loss), only losses come back; ``--loss driver``: run_pipeline, the last stage's output
+            goes back to the driver, which computes the loss there and sends its gradient back (GPipe only).
+    theirs: PipelineStage + ScheduleGPipe or Schedule1F1B(stage, n_microbatches, loss_fn) over a gloo process
+            group; the loss is computed on the last stage (process 1), nothing returns to process 0.
 
 Each round spawns a fresh 2-process job per engine (order alternating), times ``--steps`` training steps after
 ``--warmup`` ones on process 0; the ratio of the two engines' median step times is printed per round (two jobs
 back to back, so a noisy minute hits both) and over all rounds. Parameters are never updated, so every step
 does the same work; gradients accumulate in both engines alike.
 
-``--paired N``: instead, one 2-process job holds both engines (RPC and a gloo group side by side, each engine
-with its own copy of the weights) and alternates them step by step, N steps each, with a barrier between
-steps: both see the same moment of a noisy machine, and the per-pair ratios give the spread. ``--jobs K``
-runs K such jobs one after another: a job's median moves by a few percent from one job to the next (where
-the scheduler happens to put the threads of that job), more than within one, so K jobs give the spread
-that matters and the median over all their pairs. ``--pin``: process r runs on core r only (both engines
-alike), so that a process's helper threads share its core with its compute instead of using an idle one.
+``--paired N`` (the default for ``--model lm``): instead, one 2-process job holds both engines (RPC and a gloo
+group side by side, each engine with its own copy of the weights) and alternates them step by step, N steps
+each per schedule, with a barrier between steps: both see the same moment of a noisy machine, and the per-pair
+ratios give the spread. ``--jobs K`` runs K such jobs one after another: a job's median moves by a few percent
+from one job to the next (where the scheduler happens to put the threads of that job), more than within one,
+so K jobs give the spread that matters and the median over all their pairs. It ends with the line
+``RESULT <model>_ours_over_theirs=<median over every pair of our step time / theirs>`` (below 1: ours faster).
+``--pin``: process r runs on core r only (both engines alike), so that a process's helper threads share its
+core with its compute instead of using an idle one.
 
+    python benchmarks/bench_vs_pipelining.py --model lm [--paired 10 --jobs 1] [--schedules gpipe,1f1b]
     python benchmarks/bench_vs_pipelining.py [--width 1024] [--layers 8] [--batch 512] [--chunks 8]
-                                             [--rounds 6] [--steps 6] [--transport default]
+                                             [--rounds 6] [--steps 6] [--transport default] [--loss last]
                                              [--paired 40 --jobs 5] [--pin]
 """
 
@@ -45,29 +53,38 @@ from torch import nn
 RPC_TIMEOUT = 120.0
 
 
-def build(layers: int, width: int) -> nn.Sequential:
+def build(args: argparse.Namespace) -> nn.Sequential:
+    """The model: ``mlp``, layers x (Linear(width) + ReLU); ``lm``, an embedding of ``vocab`` tokens, layers x
+    (Linear(width) + ReLU) and a vocabulary head (the last stage's output: tokens x vocab logits)."""
     torch.manual_seed(0)  # the same weights in every process and engine
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
+    blocks: list[nn.Module] = [nn.Embedding(args.vocab, args.width)] if args.model == "lm" else []
+    for _ in range(args.layers):
+        blocks += [nn.Linear(args.width, args.width), nn.ReLU()]
+    if args.model == "lm":
+        blocks.append(nn.Linear(args.width, args.vocab))
     return nn.Sequential(*blocks)
 
 
 def halves(args: argparse.Namespace) -> list[nn.Sequential]:
     from lightning_pipe.engine import split_module
 
-    model = build(args.layers, args.width)
+    model = build(args)
     n = len(model)
-    return split_module(model, [n // 2, n - n // 2])
+    return [nn.Sequential(*part) for part in split_module(model, [n // 2, n - n // 2])]
 
 
 def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
+    if args.model == "lm":  # batch x sequence token ids, and the next tokens to predict
+        tokens = torch.randint(args.vocab, (args.batch, args.sequence + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
     return torch.randn(args.batch, args.width, generator=g), torch.zeros(args.batch, args.width)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean of the squared output (the target is zeros; ScheduleGPipe's loss_fn takes one)."""
+    """The mean squared output (mlp: the target is zeros), or the tokens' mean cross-entropy (lm)."""
+    if output.dim() == 3:
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
     return (output - target).square().mean()
 
 
@@ -95,10 +112,24 @@ def _start_ours(rank: int, port: int, args: argparse.Namespace) -> tuple[list[nn
     return parts, pipeline
 
 
+def ours_step(pipeline: Any, parts: list[nn.Sequential], x: torch.Tensor, y: torch.Tensor,
+              args: argparse.Namespace, schedule: str) -> float:
+    """One training step of our engine: the loss on the last stage (``--loss last``), or the output back on
+    the driver and the loss there (``--loss driver``, GPipe only)."""
+    from lightning_pipe.engine import pipeline_loss, run_pipeline
+
+    if args.loss == "last":
+        loss = pipeline_loss(pipeline, x, y, loss_fn, chunks=args.chunks, checkpoint="never", training=True,
+                             parameters=parts[0].parameters(), schedule=schedule)
+    else:
+        loss = loss_fn(run_pipeline(pipeline, x, chunks=args.chunks, checkpoint="never", training=True,
+                                    parameters=parts[0].parameters()), y)
+    loss.backward()
+    return loss.item()
+
+
 def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed.rpc as rpc
-
-    from lightning_pipe.engine import run_pipeline
 
     parts, pipeline = _start_ours(rank, port, args)
     if pipeline is None:
@@ -107,11 +138,7 @@ def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
     x, y = batch(args)
 
     def step() -> float:
-        out = run_pipeline(pipeline, x, chunks=args.chunks, checkpoint="never", training=True,
-                           parameters=parts[0].parameters())
-        loss = loss_fn(out, y)
-        loss.backward()
-        return loss.item()
+        return ours_step(pipeline, parts, x, y, args, args.schedules[0])
 
     first_loss = step()
     first_grad = _grad_norm(parts[0])
@@ -127,17 +154,15 @@ def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
     return {"times": times, "loss": first_loss, "grad": first_grad}
 
 
-# ---------------------------------------------------------------------- theirs: ScheduleGPipe over gloo
+# ---------------------------------------------------------------------- theirs: torch's schedules over gloo
 def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
     try:
         part = halves(args)[rank]
-        stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-        schedule = ScheduleGPipe(stage, args.chunks, loss_fn=loss_fn)  # scale_grads: mean over micro-batches
+        schedule = their_schedule(part, rank, args, args.schedules[0])
         x, y = batch(args)
         losses: list[torch.Tensor] = []
 
@@ -163,6 +188,15 @@ def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
         return {"times": times, "loss": first_loss, "grad": first_grad}
     finally:
         dist.destroy_process_group()
+
+
+def their_schedule(part: nn.Sequential, rank: int, args: argparse.Namespace, schedule: str) -> Any:
+    """torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B over ``part`` (stage ``rank`` of 2), its
+    loss on the last stage, gradients scaled by 1 / micro-batches (the whole batch's mean loss)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, args.chunks, loss_fn=loss_fn)
 
 
 # ---------------------------------------------------------------------- both, step by step in one job
@@ -201,25 +235,26 @@ def _kind(tid: int, name: str, compute: set[int]) -> str:
 def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-    from lightning_pipe.engine import run_pipeline
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
     # The same port as the gloo group: tcp:// rendezvous stores are multi-tenant within a process.
     parts, ours = _start_ours(rank, port, args)
     part = halves(args)[rank]  # theirs: its own copy of the same weights
-    schedule = ScheduleGPipe(PipelineStage(part, rank, 2, torch.device("cpu")), args.chunks, loss_fn=loss_fn)
+    theirs = {name: their_schedule(part, rank, args, name) for name in args.schedules}
     x, y = batch(args)
+    losses: dict[str, list[float]] = {f"{engine} {name}": [] for engine in ("ours", "theirs") for name in theirs}
 
-    def ours_step() -> None:
-        if ours is not None:  # process 1 serves its stage from RPC threads meanwhile
-            loss_fn(run_pipeline(ours, x, chunks=args.chunks, checkpoint="never", training=True,
-                                 parameters=parts[0].parameters()), y).backward()
-
-    def theirs_step() -> None:
-        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+    def step(engine: str, name: str) -> None:
+        if engine == "ours":
+            if ours is not None:  # process 1 serves its stage from RPC threads meanwhile
+                losses[f"ours {name}"].append(ours_step(ours, parts, x, y, args, name))
+        elif rank == 0:
+            theirs[name].step(x)
+        else:
+            out: list[torch.Tensor] = []
+            theirs[name].step(target=y, losses=out)
+            losses[f"theirs {name}"].append(torch.stack(out).mean().item())
 
     # CPU by kind of thread, per engine: each step's share is what the threads used from the barrier before
     # it to the barrier after it (read outside the timed part). Compute: where each engine runs its stage.
@@ -230,63 +265,72 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
         return {thread.native_id} if thread is not None and thread.native_id is not None else set()
 
     cpu: dict[str, dict[str, float]] = {"ours": {}, "theirs": {}}
-    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    times: dict[str, list[float]] = {key: [] for key in losses}
     for k in range(args.warmup + args.paired):
-        for name, step in (("ours", ours_step), ("theirs", theirs_step))[:: 1 if k % 2 == 0 else -1]:
-            dist.barrier()
-            before = _thread_cpu()
-            start = time.perf_counter()
-            step()
-            if k >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-            dist.barrier()
-            if k >= args.warmup:
-                for tid, (thread, used) in _thread_cpu().items():
-                    kind = _kind(tid, thread, compute(name))
-                    cpu[name][kind] = cpu[name].get(kind, 0.0) + used - before.get(tid, (thread, 0.0))[1]
-    times["cpu"] = {engine: {kind: used / args.paired for kind, used in kinds.items()}  # type: ignore[assignment]
-                    for engine, kinds in cpu.items()}
+        for name in args.schedules:
+            for engine in ("ours", "theirs")[:: 1 if k % 2 == 0 else -1]:
+                dist.barrier()
+                before = _thread_cpu()
+                start = time.perf_counter()
+                step(engine, name)
+                if k >= args.warmup:
+                    times[f"{engine} {name}"].append(time.perf_counter() - start)
+                dist.barrier()
+                if k >= args.warmup:
+                    for tid, (thread, used) in _thread_cpu().items():
+                        kind = _kind(tid, thread, compute(engine))
+                        cpu[engine][kind] = cpu[engine].get(kind, 0.0) + used - before.get(tid, (thread, 0.0))[1]
+    steps = args.paired * len(args.schedules)
     if ours is not None:
         ours.close()
     rpc.shutdown(timeout=args.timeout)
     dist.destroy_process_group()
-    return times
+    return {"times": times, "losses": losses,
+            "cpu": {engine: {kind: used / steps for kind, used in kinds.items()} for engine, kinds in cpu.items()}}
 
 
 def paired(args: argparse.Namespace) -> None:
-    """Both engines in one job, alternating step by step (``args.jobs`` such jobs); print the per-pair
-    throughput ratios, per job and over all jobs."""
+    """Both engines in one job, alternating step by step, for each schedule (``args.jobs`` such jobs); print
+    the per-pair ratios of our step time to theirs, per schedule and job, and over everything."""
     start = time.perf_counter()
-    print(f"{args.jobs} job(s) of {args.paired} pairs of steps, each job holding both engines, alternating "
-          "(first of a pair swapped each time), a barrier before each step; timed on process 0\n")
-    steps: dict[str, list[float]] = {"ours": [], "theirs": []}
-    ratios: list[float] = []
+    print(f"{args.jobs} job(s) of {args.paired} pairs of steps per schedule ({', '.join(args.schedules)}), each "
+          "job holding both engines, alternating (first of a pair swapped each time), a barrier before each step; "
+          "timed on process 0\n")
+    ratios: dict[str, list[float]] = {name: [] for name in args.schedules}  # our step time / theirs, per pair
+    steps: dict[str, list[float]] = {}
     medians: list[float] = []
     cpu: dict[tuple[int, str, str], list[float]] = {}  # (process, engine, kind of thread) -> per job
+    losses: dict[str, float] = {}
     for job in range(args.jobs):
         both = run_processes(_job, 2, "paired", args, timeout=args.timeout, label="paired")
         for rank, result in both.items():
             for engine, kinds in result["cpu"].items():
                 for kind, used in kinds.items():
                     cpu.setdefault((rank, engine, kind), []).append(used)
-        out = both[0]
-        mine = [t / o for o, t in zip(out["ours"], out["theirs"])]
-        medians.append(statistics.median(mine))
-        ratios += mine
-        for engine in steps:
-            steps[engine] += out[engine]
-        print(f"job {job + 1}: median step ours {statistics.median(out['ours']) * 1e3:.1f} ms, theirs "
-              f"{statistics.median(out['theirs']) * 1e3:.1f} ms; throughput ours/theirs, median of its pairs "
-              f"{medians[-1]:.3f}; ours faster in {sum(r > 1 for r in mine)} of {len(mine)}", flush=True)
-    ratios.sort()
-    q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
-    ours, theirs = statistics.median(steps["ours"]), statistics.median(steps["theirs"])
-    print(f"\n{'engine':<8}{'median step':>13}{'samples/s':>12}")
-    print(f"{'ours':<8}{ours * 1e3:>11.1f}ms{args.batch / ours:>12.1f}")
-    print(f"{'theirs':<8}{theirs * 1e3:>11.1f}ms{args.batch / theirs:>12.1f}")
-    print(f"throughput ours/theirs over all {len(ratios)} pairs: median {statistics.median(ratios):.3f}, quartiles "
-          f"{q(0.25):.3f}-{q(0.75):.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}; ours faster in "
-          f"{sum(r > 1 for r in ratios)} of {len(ratios)} pairs   (target >= 1.0)")
+            for key, values in result["losses"].items():
+                if values:
+                    losses.setdefault(key, values[0])
+        times = both[0]["times"]
+        line = []
+        for name in args.schedules:
+            mine = [o / t for o, t in zip(times[f"ours {name}"], times[f"theirs {name}"])]
+            ratios[name] += mine
+            medians.append(statistics.median(mine))
+            for engine in ("ours", "theirs"):
+                steps.setdefault(f"{engine} {name}", []).extend(times[f"{engine} {name}"])
+            line.append(f"{name}: ours {statistics.median(times[f'ours {name}']) * 1e3:.1f} ms, theirs "
+                        f"{statistics.median(times[f'theirs {name}']) * 1e3:.1f} ms, ours/theirs {medians[-1]:.3f}")
+        print(f"job {job + 1}: " + "; ".join(line), flush=True)
+    print(f"\n{'schedule':<10}{'engine':<8}{'median step':>13}{'ours/theirs, median of pairs (quartiles)':>44}")
+    for name in args.schedules:
+        r = sorted(ratios[name])
+        q = lambda f, r=r: r[min(len(r) - 1, int(f * len(r)))]  # noqa: E731
+        for engine in ("ours", "theirs"):
+            extra = f"{statistics.median(r):.3f} ({q(0.25):.3f}-{q(0.75):.3f})" if engine == "ours" else ""
+            print(f"{name:<10}{engine:<8}{statistics.median(steps[f'{engine} {name}']) * 1e3:>11.1f}ms{extra:>44}")
+    print("\nthe same work? the first step's loss, same weights and batch:")
+    for key, value in sorted(losses.items()):
+        print(f"  {key:<14} {value:.6f}")
     if cpu:
         print("\nCPU per step by thread, ms (median over jobs; compute: the thread running the stage, which "
               "also starts its sends; a step's share runs from the barrier before it to the one after):")
@@ -296,9 +340,10 @@ def paired(args: argparse.Namespace) -> None:
                 line = ", ".join(f"{k} {statistics.median(cpu[(rank, engine, k)]) * 1e3:.1f}" for k in kinds)
                 print(f"  process {rank}, {engine:<6}: {line}")
     if args.jobs > 1:
-        print(f"per-job medians: {min(medians):.3f}-{max(medians):.3f}, their median {statistics.median(medians):.3f}; "
-              f"ours ahead in {sum(m > 1 for m in medians)} of {args.jobs} jobs")
+        print(f"per-job medians: {min(medians):.3f}-{max(medians):.3f}")
+    every = sorted(x for r in ratios.values() for x in r)
     print(f"wall time of the benchmark: {time.perf_counter() - start:.1f} s")
+    print(f"RESULT {args.model}_ours_over_theirs={statistics.median(every):.3f}")
 
 
 def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace) -> Any:
@@ -312,10 +357,21 @@ def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace
 # ---------------------------------------------------------------------- report
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8, help="Linear+ReLU blocks, split in two halves")
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--model", default="mlp", choices=["mlp", "lm"],
+                        help="mlp: Linear+ReLU blocks; lm: embedding, blocks and a vocabulary head (defaults: paired "
+                             "steps, both schedules, the loss on the last stage)")
+    parser.add_argument("--width", type=int, default=None, help="default: 1024 (mlp), 256 (lm)")
+    parser.add_argument("--layers", type=int, default=None, help="Linear+ReLU blocks, split in two halves; "
+                                                                 "default: 8 (mlp), 4 (lm)")
+    parser.add_argument("--batch", type=int, default=None, help="samples (mlp: default 512) or sequences (lm: 8)")
+    parser.add_argument("--sequence", type=int, default=128, help="lm: tokens per sequence")
+    parser.add_argument("--vocab", type=int, default=32000, help="lm: vocabulary")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches")
+    parser.add_argument("--schedules", default=None, help="comma-separated: gpipe, 1f1b (default: gpipe for mlp, "
+                                                          "gpipe,1f1b for lm)")
+    parser.add_argument("--loss", default=None, choices=["last", "driver"],
+                        help="ours: the loss on the last stage (default for lm) or on the driver, the output "
+                             "travelling back (default for mlp, GPipe only)")
     parser.add_argument("--rounds", type=int, default=6, help="jobs per engine, alternating")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per job")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per job (at least 1)")
@@ -329,6 +385,17 @@ def main() -> None:
                         help="with --paired: K such jobs, one after another")
     parser.add_argument("--pin", action="store_true", help="run process r on core r only (needs 2 cores)")
     args = parser.parse_args()
+    lm = args.model == "lm"
+    args.width = args.width or (256 if lm else 1024)
+    args.layers = args.layers or (4 if lm else 8)
+    args.batch = args.batch or (8 if lm else 512)
+    args.schedules = (args.schedules or ("gpipe,1f1b" if lm else "gpipe")).split(",")
+    args.loss = args.loss or ("last" if lm else "driver")
+    if lm and not args.paired:
+        args.paired = 10
+    if set(args.schedules) - {"gpipe", "1f1b"} or (args.loss == "driver" and args.schedules != ["gpipe"]):
+        parser.error(f"--schedules takes gpipe and 1f1b, and the loss on the driver runs gpipe alone (got "
+                     f"--schedules {','.join(args.schedules)}, --loss {args.loss})")
     if args.pin and len(os.sched_getaffinity(0)) < 2:
         parser.error(f"--pin needs 2 cores; this process may use {len(os.sched_getaffinity(0))}")
     if args.warmup < 1 or args.batch % args.chunks:
@@ -336,13 +403,23 @@ def main() -> None:
     if args.jobs < 1 or (args.jobs > 1 and not args.paired):
         parser.error(f"--jobs must be >= 1 and goes with --paired (got --jobs {args.jobs}, --paired {args.paired})")
 
-    print(f"model: {args.layers} x (Linear({args.width}, {args.width}) + ReLU), 2 stages of "
-          f"{args.layers // 2} and {args.layers - args.layers // 2} blocks; batch {args.batch}, {args.chunks} "
-          f"micro-batches; loss = mean(output**2); 2 processes, 1 intra-op thread each")
-    print(f"ours:   RemotePipeline over TensorPipe RPC (transport: {args.transport}); loss on the driver "
-          "(process 0): the last stage's output travels back to it and the output gradient travels out")
-    print("theirs: torch.distributed.pipelining PipelineStage + ScheduleGPipe over gloo; loss on the last "
-          "stage (process 1), grads scaled by 1/n_microbatches (= the whole batch's mean loss)")
+    if lm:
+        print(f"model: Embedding({args.vocab}, {args.width}), {args.layers} x (Linear({args.width}, {args.width}) + "
+              f"ReLU), Linear({args.width}, {args.vocab}) head, cut in two halves; batch {args.batch} x "
+              f"{args.sequence} tokens, {args.chunks} micro-batches; loss = token cross-entropy (logits: "
+              f"{args.batch * args.sequence * args.vocab * 4 / 2**20:.0f} MiB a step); 2 processes, 1 intra-op "
+              "thread each")
+    else:
+        print(f"model: {args.layers} x (Linear({args.width}, {args.width}) + ReLU), 2 stages of "
+              f"{args.layers // 2} and {args.layers - args.layers // 2} blocks; batch {args.batch}, {args.chunks} "
+              f"micro-batches; loss = mean(output**2); 2 processes, 1 intra-op thread each")
+    where = ("the loss on the last stage (process 1), per micro-batch; only losses come back" if args.loss == "last"
+             else "the loss on the driver (process 0): the last stage's output travels back to it and the output "
+                  "gradient travels out")
+    print(f"ours:   RemotePipeline over TensorPipe RPC (transport: {args.transport}), {', '.join(args.schedules)}; "
+          f"{where}")
+    print(f"theirs: torch.distributed.pipelining PipelineStage + {', '.join(args.schedules)} over gloo; loss on the "
+          "last stage (process 1), grads scaled by 1/n_microbatches (= the whole batch's mean loss)")
     if args.pin:
         print("pinned: process r runs on core r only, helper threads included")
     if args.paired:

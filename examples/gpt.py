@@ -5,8 +5,10 @@
 The model reads bytes (a vocabulary of 256, so any UTF-8 text works: ``--data.corpus PATH``) and is an
 ``nn.Sequential`` of token+position embeddings → transformer blocks (pre-norm causal self-attention and an
 MLP, with residuals) → a final norm and the output projection, which PipeStrategy cuts into stages. The
-output projection is not tied to the embedding: stages share no parameters. The validation loss is shown
-before and after training, and the trained model writes a few samples from a prompt.
+output projection is not tied to the embedding: stages share no parameters. The loss is computed on the last
+stage, where the logits are born (``lightning_pipe.loss_on_last_stage``): only losses travel back, and the
+configs run the 1F1B schedule. The validation loss is shown before and after training, and the trained model
+writes a few samples from a prompt.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
+def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of the next byte at every position (module-level: it runs on the last stage)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 class GPT(LightningModule):
     """A decoder-only transformer whose whole network is the pipelined body ``sequential_module``."""
 
@@ -103,8 +110,8 @@ class GPT(LightningModule):
         return self.sequential_module(ids)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        x, y = batch  # the same as next_byte_loss(self(x), y) on one device; under PipeStrategy on the last stage
+        return lightning_pipe.loss_on_last_stage(self.sequential_module, x, y, next_byte_loss)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Event", "Recorder", "bubble_fraction", "read_chrome_trace", "render", "write_chrome_trace"]
+__all__ = ["Event", "Recorder", "bubble_fraction", "read_chrome_trace", "read_trace_schedule", "render",
+           "write_chrome_trace"]
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,16 @@ class Recorder:
             return list(self._events)
 
 
-def write_chrome_trace(events: Sequence[Event], path: str, ranks: Sequence[int] | None = None) -> None:
-    """Write ``events`` as a Chrome trace (one track per stage), viewable in Perfetto or chrome://tracing."""
+def write_chrome_trace(events: Sequence[Event], path: str, ranks: Sequence[int] | None = None,
+                       schedule: str = "gpipe", processes: int | None = None) -> None:
+    """Write ``events`` as a Chrome trace (one track per stage), viewable in Perfetto or chrome://tracing;
+    ``schedule`` and ``processes`` (stage ``s`` ran in process ``s % processes``) are kept beside them, for
+    :func:`bubble_fraction`. ``ranks[r]``: the rank of process ``r``."""
     origin = min((e.start for e in events), default=0.0)
     trace: list[dict[str, Any]] = []
+    processes = processes or len({e.stage for e in events}) or 1
     for stage in sorted({e.stage for e in events}):
-        rank = ranks[stage] if ranks is not None else stage
+        rank = ranks[stage % processes] if ranks is not None else stage % processes
         trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage,
                       "args": {"name": f"stage {stage} (rank {rank})"}})
     for e in events:
@@ -71,7 +76,8 @@ def write_chrome_trace(events: Sequence[Event], path: str, ranks: Sequence[int] 
                       "ph": "X", "pid": 0, "tid": e.stage, "ts": (e.start - origin) * 1e6,
                       "dur": (e.end - e.start) * 1e6, "args": asdict(e)})
     with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms",
+                   "metadata": {"schedule": schedule, "processes": processes}}, f)
 
 
 def read_chrome_trace(path: str) -> list[Event]:
@@ -81,13 +87,26 @@ def read_chrome_trace(path: str) -> list[Event]:
     return [Event(**e["args"]) for e in trace["traceEvents"] if e.get("ph") == "X"]
 
 
-def bubble_fraction(events: Sequence[Event]) -> tuple[float, float]:
-    """(measured, theoretical) idle fraction of the stages over the steps in ``events``.
+def read_trace_schedule(path: str) -> tuple[str, int | None]:
+    """The schedule and the number of processes a trace was recorded with (``("gpipe", None)`` if unsaid)."""
+    with open(path) as f:
+        metadata = json.load(f).get("metadata", {})
+    return metadata.get("schedule", "gpipe"), metadata.get("processes")
 
-    Measured: per step, 1 − busy time / (stages × the step's span). Theoretical: (p − 1) / (m + p − 1).
+
+def bubble_fraction(events: Sequence[Event], schedule: str = "gpipe", processes: int | None = None
+                    ) -> tuple[float, float]:
+    """(measured, theoretical) idle fraction of the processes over the steps in ``events``.
+
+    Measured: per step, 1 − busy time / (processes × the step's span). Theoretical: ``schedule``'s bubble with
+    a backward twice a forward (:func:`~lightning_pipe.engine.schedule.theory`): for GPipe and 1F1B
+    (p − 1) / (m + p − 1). ``processes``: default, one per stage.
     """
+    from lightning_pipe.engine.schedule import theory
+
     runs = sorted({e.run for e in events})
     stages = len({e.stage for e in events})
+    processes = processes or stages
     measured, micro = [], []
     for run in runs:
         step = [e for e in events if e.run == run]
@@ -95,13 +114,15 @@ def bubble_fraction(events: Sequence[Event]) -> tuple[float, float]:
         # An event may cover several micro-batches at once (pipelined_backward=False): count its time once.
         busy = sum(e.end - e.start for e in {(e.stage, e.kind, e.start, e.end): e for e in step}.values())
         if span > 0:
-            measured.append(1 - busy / (stages * span))
+            measured.append(1 - busy / (processes * span))
         micro.append(len({e.microbatch for e in step}))
     m = max(micro, default=1)
-    return (sum(measured) / len(measured) if measured else 0.0), (stages - 1) / (m + stages - 1)
+    expected = theory(schedule, m, processes, max(1, stages // processes))[0]
+    return (sum(measured) / len(measured) if measured else 0.0), expected
 
 
-def render(events: Sequence[Event], path: str, title: str = "") -> None:
+def render(events: Sequence[Event], path: str, title: str = "", schedule: str = "gpipe",
+           processes: int | None = None) -> None:
     """Draw ``events`` as stages × time (forward blue, backward orange, parameters' gradients computed after
     the input gradients red, bubbles blank) into a PNG."""
     import matplotlib
@@ -120,8 +141,8 @@ def render(events: Sequence[Event], path: str, title: str = "") -> None:
     ax.set_yticks(stages, [f"stage {s}" for s in stages])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    measured, theory = bubble_fraction(events)
-    ax.set_title(f"{title} bubble: measured {measured:.0%}, GPipe theory {theory:.0%}".strip())
+    measured, expected = bubble_fraction(events, schedule, processes)
+    ax.set_title(f"{title} {schedule}; bubble: measured {measured:.0%}, theory {expected:.0%}".strip())
     from matplotlib.patches import Patch
 
     handles = [Patch(color=colors["F"], label="forward"), Patch(color=colors["B"], label="backward")]
@@ -148,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.last:
         keep = set(runs[-args.last:])
         events = [e for e in events if e.run in keep]
-    render(events, args.png)
-    measured, theory = bubble_fraction(events)
-    print(f"wrote {args.png}: {len({e.run for e in events})} steps, bubble fraction measured {measured:.1%}, "
-          f"theoretical (p-1)/(m+p-1) {theory:.1%}")
+    schedule, processes = read_trace_schedule(args.trace)
+    render(events, args.png, schedule=schedule, processes=processes)
+    measured, expected = bubble_fraction(events, schedule, processes)
+    print(f"wrote {args.png}: {len({e.run for e in events})} steps of {schedule}, bubble fraction measured "
+          f"{measured:.1%}, theoretical {expected:.1%}")

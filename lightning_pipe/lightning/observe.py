@@ -39,7 +39,7 @@ def write_timeline(body: PipelinedSequential | None, path: str, ranks: Sequence[
     events = stage.recorder.events() if stage.recorder is not None else []
     for part in hosts.call("timeline_events"):
         events += part
-    write_chrome_trace(events, path, ranks=ranks)
+    write_chrome_trace(events, path, ranks=ranks, schedule=body.schedule, processes=body.processes)
 
 
 def memory(body: PipelinedSequential | None) -> list[dict[str, int]]:

@@ -20,7 +20,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
-from lightning_pipe.engine.timeline import bubble_fraction, read_chrome_trace, render
+from lightning_pipe.engine.timeline import bubble_fraction, read_chrome_trace, read_trace_schedule, render
 
 __all__ = ["PipelineReport", "plot_losses"]
 
@@ -129,10 +129,11 @@ class PipelineReport(Callback):
             events = [e for e in events if e.run in set(runs)]
             if events:
                 path = self._path(trainer, "timeline.png")
-                render(events, path, title=f"last {len(runs)} training steps;")
+                schedule, processes = read_trace_schedule(trace)
+                render(events, path, title=f"last {len(runs)} training steps;", schedule=schedule, processes=processes)
                 self.paths["timeline"], self.paths["trace"] = path, trace
-                self.bubble = bubble_fraction(events)
-                lines.append(f"timeline:    {path}  (bubble: measured {self.bubble[0]:.0%}, GPipe theory "
+                self.bubble = bubble_fraction(events, schedule, processes)
+                lines.append(f"timeline:    {path}  (bubble: measured {self.bubble[0]:.0%}, {schedule} theory "
                              f"{self.bubble[1]:.0%}; trace for Perfetto: {trace})")
         if lines:
             print("\n".join(["", "PipelineReport:", *("  " + line for line in lines)]), flush=True)

@@ -174,9 +174,12 @@ class RemotePipeline:
         """How many stages (partitions) the pipeline has, over all its processes."""
         return self.n
 
+    def _stages(self, r: int) -> str:
+        """The stages of process ``r``, for messages: ``"1"``, or ``"1, 3"`` (interleaved)."""
+        return ", ".join(map(str, range(r, self.n, self.processes)))
+
     def _describe(self, r: int) -> Callable[[], str]:
-        stages = ", ".join(map(str, range(r, self.n, self.processes)))
-        return lambda: f"in stage {stages} of pipeline '{self.key}' ({where(self.peers[r])})"
+        return lambda: f"in stage {self._stages(r)} of pipeline '{self.key}' ({where(self.peers[r])})"
 
     # ------------------------------------------------------------------ the plan's parts
     def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
@@ -315,7 +318,7 @@ class RemotePipeline:
                 except _Skipped:
                     pass  # a stage failed: the error is in its future
             drain(futures, grace=self.runner.timeout, ready=futures[0], alive=lambda: _PROGRESS.get(progress, 0.0),
-                  describe=lambda r: f"{self._describe(r)()[3:]}")
+                  describe=lambda r: f"stage {self._stages(r)} ({where(self.peers[r])}) of pipeline '{self.key}'")
             drain(sends)
         except BaseException:
             if not aborted.is_set():

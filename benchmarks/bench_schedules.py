@@ -1,0 +1,171 @@
+"""The bubble of every schedule across processes, measured on the timeline, beside the schedule's theory.
+
+Every stage is one layer that only sleeps: ``t_f`` in forward, ``t_i`` for its input gradients and ``t_w``
+for its parameter's gradient (declared ``pure_backward_layer``: a schedule may split its backward in two,
+input gradients first), so a step's ideal timeline is known exactly (:func:`~lightning_pipe.engine.schedule.simulate`
+with those times) and the measurement needs no cores. Each of ``p`` processes holds one stage (two for
+interleaved 1F1B: each then sleeps half as long, the same work per process); the loss is computed on the last
+stage. Every stage records when it ran what (the timeline); the bubble of a step is the idle fraction of the
+processes between its first start and its last end, printed beside the theory's, with the step time beside
+the simulated one. The driver's time between steps is what it spends outside the pipeline (the loss's
+backward commit, Python), from one step's last event to the next step's first.
+
+    python benchmarks/bench_schedules.py [--stages 4] [--chunks 8] [--t-fwd-ms 10] [--t-in-ms 10] [--t-w-ms 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from processes import run_processes
+from torch import nn
+
+from lightning_pipe import pure_backward_layer
+from lightning_pipe.engine import pipeline_loss
+from lightning_pipe.engine.schedule import schedule_plan, simulate
+from lightning_pipe.engine.timeline import Event, Recorder
+from lightning_pipe.transport import pipeline_over_rpc
+
+RPC_TIMEOUT = 60.0
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2)]
+
+
+class _Sleep(torch.autograd.Function):
+    """The identity on ``x`` that sleeps ``t_fwd`` in forward and ``t_bwd`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t_fwd: float, t_bwd: float) -> torch.Tensor:
+        ctx.t_bwd = t_bwd
+        time.sleep(t_fwd)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        time.sleep(ctx.t_bwd)
+        return grad, None, None
+
+
+@pure_backward_layer
+class SleepLayer(nn.Module):
+    """Sleeps ``t_f`` in forward, ``t_i`` for its input's gradient and ``t_w`` for its parameter's."""
+
+    def __init__(self, t_f: float, t_i: float, t_w: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(()))
+        self.times = (t_f, t_i, t_w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t_f, t_i, t_w = self.times
+        # The parameter's branch: the gradient of the weight alone goes through the second sleep.
+        return _Sleep.apply(x, t_f, t_i) + _Sleep.apply(self.weight, 0.0, t_w)
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target).square().mean()
+
+
+def _record(key: str, on: bool) -> list[Event]:
+    """Start recording every stage of pipeline ``key`` in this process, or stop and return the events."""
+    from lightning_pipe.transport.runner import _RUNNERS
+
+    events: list[Event] = []
+    for stage in _RUNNERS[key].stages.values():
+        if on:
+            stage.recorder = Recorder()
+        elif stage.recorder is not None:
+            events += stage.recorder.events()
+            stage.recorder = None
+    return events
+
+
+def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
+    warnings.filterwarnings("ignore", message="You are using a Backend")  # said by rpc.shutdown's barrier
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=RPC_TIMEOUT, num_worker_threads=16, _transports=["uv"]))
+    peers = [f"worker{r}" for r in range(world)]
+    results = {}
+    for name, v in SCHEDULES:
+        scale = 1.0 / v  # v stages per process, each 1/v of the work
+        times = (args.t_fwd_ms / 1e3 * scale, args.t_in_ms / 1e3 * scale, args.t_w_ms / 1e3 * scale)
+        body = nn.Sequential(*[SleepLayer(*times) for _ in range(world * v)])
+        key = f"bench-{name}"
+        pipeline = pipeline_over_rpc(key, body, [1] * (world * v), peers, timeout=RPC_TIMEOUT, virtual_stages=v)
+        if pipeline is None:
+            continue  # this process serves its stages until the driver is done
+        x, y = torch.randn(args.chunks, 4), torch.randn(args.chunks, 4)
+
+        def step(name: str = name, pipeline: Any = pipeline, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            pipeline_loss(pipeline, x, y, mse, chunks=args.chunks, checkpoint="never", training=True,
+                          parameters=iter([]), schedule=name).backward()
+
+        step()  # warm-up: threads and connections
+        for peer in peers:
+            rpc.rpc_sync(peer, _record, args=(key, True))
+        walls = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            walls.append(time.perf_counter() - start)
+        events = [e for peer in peers for e in rpc.rpc_sync(peer, _record, args=(key, False))]
+        results[name] = (walls, events)
+        pipeline.close()
+    rpc.shutdown(timeout=args.timeout)
+    return results if rank == 0 else None
+
+
+def bubble(events: list[Event], processes: int) -> tuple[list[float], list[float]]:
+    """Per step: the idle fraction of the processes between its first start and last end, and the driver's
+    gap from the previous step's last event to this one's first."""
+    runs = sorted({e.run for e in events})
+    fractions, gaps = [], []
+    previous_end = None
+    for run in runs:
+        step = [e for e in events if e.run == run]
+        first, last = min(e.start for e in step), max(e.end for e in step)
+        busy = sum(e.end - e.start for e in {(e.stage, e.kind, e.start, e.end): e for e in step}.values())
+        fractions.append(1 - busy / (processes * (last - first)))
+        if previous_end is not None:
+            gaps.append(first - previous_end)
+        previous_end = last
+    return fractions, gaps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=4, help="p: processes (one stage each; 2 interleaved)")
+    parser.add_argument("--chunks", type=int, default=8, help="m: micro-batches")
+    parser.add_argument("--t-fwd-ms", type=float, default=10.0, help="a process's forward per micro-batch")
+    parser.add_argument("--t-in-ms", type=float, default=10.0, help="its input gradients per micro-batch")
+    parser.add_argument("--t-w-ms", type=float, default=10.0, help="its parameters' gradients per micro-batch")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per schedule (after one warm-up)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before every process is killed")
+    args = parser.parse_args()
+    p, m = args.stages, args.chunks
+    costs = {"F": args.t_fwd_ms, "B": args.t_in_ms + args.t_w_ms, "I": args.t_in_ms, "W": args.t_w_ms}
+    print(f"{p} processes, {m} micro-batches; per process and micro-batch: forward {args.t_fwd_ms:g} ms, input "
+          f"gradients {args.t_in_ms:g} ms, parameters' gradients {args.t_w_ms:g} ms (sleeps); the loss on the last "
+          f"stage; median of {args.steps} steps after a warm-up\n")
+    start = time.perf_counter()
+    results = run_processes(_job, p, args, timeout=args.timeout, label="schedules")[0]
+    print(f"{'schedule':<18}{'bubble':>8}{'theory':>8}{'step':>10}{'theory':>10}{'step/theory':>13}"
+          f"{'between steps':>15}")
+    for name, v in SCHEDULES:
+        walls, events = results[name]
+        fractions, gaps = bubble(events, p)
+        scaled = {k: t / v for k, t in costs.items()}
+        theory = simulate(schedule_plan(name, m, p, v), scaled)
+        step = statistics.median(walls) * 1e3
+        print(f"{name:<18}{statistics.median(fractions):>8.1%}{theory.bubble:>8.1%}{step:>8.1f}ms"
+              f"{theory.makespan:>8.1f}ms{step / theory.makespan:>13.3f}"
+              f"{statistics.median(gaps) * 1e3 if gaps else float('nan'):>13.1f}ms")
+    print(f"\nwall time of the benchmark: {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
