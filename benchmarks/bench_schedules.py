@@ -102,7 +102,7 @@ def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
 
         def step(name: str = name, pipeline: Any = pipeline, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
             pipeline_loss(pipeline, x, y, mse, chunks=args.chunks, checkpoint="never", training=True,
-                          parameters=iter([]), schedule=name).backward()
+                          parameters=pipeline.runner.stage.partition.parameters(), schedule=name).backward()
 
         step()  # warm-up: threads and connections
         for peer in peers:

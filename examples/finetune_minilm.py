@@ -70,8 +70,11 @@ class SentimentClassifier(LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         head = [p for n, p in self.named_parameters() if n.startswith("head.")]
         body = [p for n, p in self.named_parameters() if not n.startswith("head.")]
+        # The fused kernel steps the 12M-parameter word embedding about 5 times faster on CPU (the driver's step is
+        # time outside the pipeline); a gradient scaler (16-mixed) needs the unfused one across stages.
+        fused = self.trainer.precision != "16-mixed"
         return torch.optim.AdamW([{"params": body, "lr": self.hparams.lr},
-                                  {"params": head, "lr": self.hparams.head_lr}], weight_decay=0.01)
+                                  {"params": head, "lr": self.hparams.head_lr}], weight_decay=0.01, fused=fused)
 
 
 class VaderSentiment(LightningDataModule):

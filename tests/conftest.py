@@ -28,8 +28,12 @@ def full_precision_matmul():
 
 
 @pytest.fixture(scope="session")
-def jobs(tmp_path_factory: pytest.TempPathFactory):
-    """The shared multi-process jobs (tests/jobs.py): each group of cases trains once per session."""
+def jobs(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+    """The shared multi-process jobs (tests/jobs.py): each group of cases trains once per test run, in a
+    directory every test worker (``pytest -n``) shares."""
     from jobs import Jobs
 
-    return Jobs(tmp_path_factory.mktemp("jobs"))
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if worker_id != "master" else base) / "jobs"
+    root.mkdir(exist_ok=True)
+    return Jobs(root)

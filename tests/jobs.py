@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
 from strategy_utils import run_script
 
 #: Each case changes a few things from train.py's defaults (2 processes, balance [2, 2], 4 micro-batches, SGD
@@ -124,11 +125,12 @@ def config(case: str) -> dict[str, Any]:
 
 
 class Jobs:
-    """Runs each group once, when a test first asks for one of its cases (see :data:`GROUPS`)."""
+    """Runs each group once, when a test first asks for one of its cases (see :data:`GROUPS`). Test workers
+    (``pytest -n``) share ``root``: the first to ask runs the group under a file lock, the others wait for it
+    and read its files, or its failure."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.failures: dict[str, AssertionError] = {}
 
     def _group(self, case: str) -> str:
         return next(group for group, cases in GROUPS.items() if case in cases)
@@ -137,17 +139,20 @@ class Jobs:
         """Where ``case`` wrote its files (its job run first)."""
         group = self._group(case)
         out = self.root / group.replace(" ", "-")
-        if group in self.failures:
-            raise self.failures[group]
-        if not out.exists():
-            out.mkdir(parents=True)
-            cases = {name: {**c, "timeline": str(out / name / c["timeline"])} if c.get("timeline") else c
-                     for name, c in GROUPS[group].items()}
-            try:
-                run_script("train.py", json.dumps({"cases": cases}), str(out), timeout=900)
-            except AssertionError as exc:
-                self.failures[group] = AssertionError(f"the job of the {group} failed:\n{exc}")
-                raise self.failures[group] from None
+        done, failed = out.with_suffix(".done"), out.with_suffix(".failed")
+        with FileLock(str(out.with_suffix(".lock")), timeout=1200):
+            if not done.exists() and not failed.exists():
+                out.mkdir(parents=True, exist_ok=True)
+                cases = {name: {**c, "timeline": str(out / name / c["timeline"])} if c.get("timeline") else c
+                         for name, c in GROUPS[group].items()}
+                try:
+                    run_script("train.py", json.dumps({"cases": cases}), str(out), timeout=900)
+                except AssertionError as exc:
+                    failed.write_text(str(exc))
+                else:
+                    done.touch()
+        if failed.exists():
+            raise AssertionError(f"the job of the {group} failed:\n{failed.read_text()}")
         return out / case
 
     def result(self, case: str) -> dict[str, Any]:

@@ -278,3 +278,48 @@ def test_nothing_is_left_for_later_without_trainable_parameters_or_on_a_gpu():
             assert all(p.grad is not None for p in stage.partition.parameters())
         finish()
         assert [e.kind for e in stage.recorder.events()] == ["F", "B"], case
+
+
+def test_the_parameters_part_computes_nothing_the_input_gradients_computed(monkeypatch):
+    """The later call starts where each parameter's branch leaves the path to the input (captured in the first
+    call), so the backward of a layer between two linear layers runs once, not again on the way to the first
+    one's weight; the gradients are a whole backward's. A parameter used twice, and one made into the output
+    alone (its branch never meets the path), get theirs too."""
+    import lightning_pipe.engine.backward_split as split_module
+
+    calls = []
+
+    class Counted(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 3
+
+        @staticmethod
+        def backward(ctx, g):
+            calls.append(1)
+            return g * 3
+
+    class Middle(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Linear(5, 5)  # used twice: its gradient sums both uses
+            self.offset = nn.Parameter(torch.randn(5))  # meets the output without the input's path
+
+        def forward(self, x):
+            return self.shared(torch.tanh(self.shared(Counted.apply(x)))) + self.offset * 2
+
+    monkeypatch.setattr(split_module, "_PURE_BACKWARD", {Middle})
+    module = nn.Sequential(nn.Linear(4, 5), Middle(), nn.Linear(5, 2))
+    whole, split = Stage(1, copy.deepcopy(module), torch.device("cpu")), Stage(1, module, torch.device("cpu"))
+    x, g = torch.randn(3, 4), torch.randn(3, 2)
+    _forward(whole, [x.clone()], checkpoint=False)
+    _forward(split, [x.clone()], checkpoint=False)
+    expected = whole.backward("run", [(0, (g,), {})])
+    calls.clear()
+    got, finish = split.backward_inputs_first("run", [(0, (g,), {})])
+    assert len(calls) == 1 and all(p.grad is None for p in split.partition.parameters())
+    finish()
+    assert len(calls) == 1  # the parameters' part did not go through it again
+    torch.testing.assert_close(got[0][0][0], expected[0][0][0])
+    for (name, p), q in zip(split.partition.named_parameters(), whole.partition.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

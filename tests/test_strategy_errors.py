@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import pytest
 import pytorch_lightning as pl
@@ -138,31 +139,38 @@ class _TwoEvaluations(torch.optim.SGD):
 
 
 class _Stages:
-    """The remote stages' handle, recording what the driver called on them."""
+    """The remote stages' handle, recording what the driver started on them; a step may be made to fail."""
 
-    def __init__(self):
+    def __init__(self, failing: Exception | None = None):
         self.called = []
+        self.failing = failing
+
+    def start(self, method, *args, timeout=None):
+        self.called.append((method, *args))
+        done = Future()
+        done.set_exception(self.failing) if self.failing is not None else done.set_result(None)
+        return [done]
 
     def call(self, method, *args):
-        self.called.append((method, *args))
-        return [None]
+        return [f.result() for f in self.start(method, *args)]
 
 
 @pytest.mark.parametrize("optimizer", [_TwoEvaluations, torch.optim.SGD])
 def test_an_optimizer_evaluating_its_closure_twice_is_refused(optimizer):
-    """The stages step once, after the driver's step; a second evaluation of the closure could not reach them."""
+    """The stages start their step once the closure has run; a second evaluation could not reach them."""
     from lightning_pipe.lightning.optimizers import StageOptimizers, _MirroredOptimizer, mix_in
 
     weight = torch.nn.Parameter(torch.ones(2))
     opt = optimizer([weight], lr=0.1)
     mix_in(opt, _MirroredOptimizer)
     stages = _Stages()
-    opt._lp_hosts, opt._lp_index, opt._lp_stepped = stages, 0, None
+    opt._lp_hosts, opt._lp_index, opt._lp_stepping = stages, 0, None
 
     def closure():
         weight.grad = None
         loss = weight.square().sum()
         loss.backward()
+        assert stages.called == []  # not before the gradients are final
         return loss
 
     if optimizer is _TwoEvaluations:
@@ -171,9 +179,26 @@ def test_an_optimizer_evaluating_its_closure_twice_is_refused(optimizer):
             opt.step(closure)
         return
     opt.step(closure)
-    assert torch.allclose(weight.detach(), torch.full((2,), 0.8)) and stages.called == []
-    # The remote stages step after the driver's, with the hyper-parameters it stepped with, and once.
+    assert torch.allclose(weight.detach(), torch.full((2,), 0.8))
+    # The remote stages started with the hyper-parameters the driver stepped with, once; waited for after.
+    assert stages.called == [("step", 0, [{k: v for k, v in opt.param_groups[0].items() if k != "params"}])]
     remote = StageOptimizers(stages, lambda name: 0, 2)
     assert remote.step_remote(opt) and not remote.step_remote(opt)
-    assert stages.called == [("step", 0, [{**{k: v for k, v in opt.param_groups[0].items() if k != "params"}}])]
 
+
+def test_a_remote_stages_failed_step_is_raised_by_post_optimizer_step():
+    """post_optimizer_step is where the remote stages' steps end: a stage's error comes out there (without the
+    hook, it would come out nowhere before the next forward)."""
+    from lightning_pipe.lightning.optimizers import StageOptimizers, _MirroredOptimizer, mix_in
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    opt = torch.optim.SGD([weight], lr=0.1)
+    mix_in(opt, _MirroredOptimizer)
+    opt._lp_hosts, opt._lp_index, opt._lp_stepping = _Stages(ValueError("stage 1 ran out of memory")), 0, None
+    strategy = PipeStrategy(balance=[1, 1])
+    strategy._stage_optimizers = StageOptimizers(opt._lp_hosts, lambda name: 0, 2)
+    opt.step()
+    with pytest.raises(ValueError, match="stage 1 ran out of memory"):
+        strategy.post_optimizer_step(opt)
+    strategy.post_optimizer_step(opt)  # reported once: nothing is pending any more

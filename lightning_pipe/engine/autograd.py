@@ -1,15 +1,16 @@
 """Tying a pipeline into autograd: its output, or the loss computed on its last stage, per step.
 
 :func:`run_pipeline` returns the pipeline's output; its backward (``loss.backward()`` on a loss computed from
-it) drives every stage's backward through :class:`_PipeFunction`. :func:`pipeline_loss` has the last stage
-compute the loss per micro-batch instead, and returns the batch's loss (:mod:`lightning_pipe.engine.loss`):
-under GPipe its backward drives the stages' backwards as above; under a schedule that interleaves forwards
-and backwards (1F1B, zero-bubble, interleaved), the step runs them during the forward, with gradients set
-aside (:mod:`lightning_pipe.engine.aside`), and the loss's backward commits them::
+it) drives every stage's backward through :class:`_PipeFunction`: GPipe, the only schedule whose backwards can
+wait for the caller's. :func:`pipeline_loss` has the last stage compute the loss per micro-batch instead, and
+returns the batch's loss (:mod:`lightning_pipe.engine.loss`): with the loss there, the step runs whole in the
+forward, every schedule alike (one message per process and step), its backwards from the gradient the loss is
+expected to get, with gradients set aside (:mod:`lightning_pipe.engine.aside`); the loss's backward commits
+them, scaled to the gradient that arrived::
 
     run_pipeline   forward: every F ──► output ─► (caller's loss) ─► backward: every B
-    pipeline_loss  gpipe:   every F, losses on the last stage ──► loss ─► backward: every B
-                   1f1b...: every F and B, in the plan's order ──► loss ─► backward: commit on every stage
+    pipeline_loss  forward: every F and B, in the plan's order, losses on the last stage ──► loss
+                   backward: commit on every stage
 
 ``pipeline`` is local (:class:`~lightning_pipe.engine.pipeline.LocalPipeline`, threads) or remote (processes):
 anything with ``stages`` (what a run releases), ``num_stages``, ``processes``, ``pipelined``, ``forward``,
@@ -129,24 +130,18 @@ def run_pipeline(pipeline: Any, input: TensorOrTensors, *, chunks: int, checkpoi
     return Batch(tuple(outputs), run.atomic).value
 
 
-def _parts(plan: Plan, part: int) -> Plan:
-    """The forwards (``part`` 0) or the rest (1) of each process's actions in ``plan``."""
-    return Plan(plan.schedule, plan.microbatches, plan.stages, plan.processes,
-                tuple(plan.split(r)[part] for r in range(plan.processes)))
-
-
 class _LossFunction(torch.autograd.Function):
     """Ties the batch's loss, computed on the last stage per micro-batch, into autograd (see the module's
-    docstring): the forward runs the plan's forwards (all its actions, when its backwards run ahead); the
-    backward runs the rest, or commits what ran ahead, scaled to the gradient that arrived."""
+    docstring): the forward runs the whole plan, its backwards from the gradient the loss is expected to get
+    (``run.loss_scale``), with every stage's gradients set aside; the backward commits them, scaled to the
+    gradient that arrived, and hands the input's gradients on."""
 
     @staticmethod
     def forward(ctx: Any, pipeline: Any, run: Run, plan: Plan, microbatches: list[Batch], phony: Tensor,
                 *inputs: Tensor) -> Tensor:
         _remember_inputs(ctx, pipeline, run, phony, inputs)
-        ctx.plan = plan
-        step = pipeline.execute(run, plan if plan.eager else _parts(plan, 0), inputs=microbatches)
-        ctx.grads = step.input_grads  # the plan's backwards ran ahead, for an assumed gradient of the loss
+        step = pipeline.execute(run, plan, inputs=microbatches)
+        ctx.grads = step.input_grads
         total = combine(step.losses, run.weights)
         run.extras = total.extras
         return total.value
@@ -154,17 +149,11 @@ class _LossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor | None) -> Any:
         _check_backward(ctx)
-        pipeline, run, plan = ctx.pipeline, ctx.run, ctx.plan
+        pipeline, run = ctx.pipeline, ctx.run
         ctx.pipeline = ctx.run = None  # free the run's saved state as soon as backward is done
-        g = 0.0 if grad is None else float(grad)
-        if plan.eager:
-            scale = g / run.loss_scale
-            pipeline.commit(run, scale)
-            return (None, None, None, None, None, *_input_grads(ctx, ctx.grads, scale))
-        inline = grad.device if grad is not None and grad.is_cuda else None
-        step = pipeline.execute(run, _parts(plan, 1), output_grads=[(g * w,) for w in run.weights],
-                                inline_device=inline)
-        return (None, None, None, None, None, *_input_grads(ctx, step.input_grads))
+        scale = (0.0 if grad is None else float(grad)) / run.loss_scale
+        pipeline.commit(run, scale)
+        return (None, None, None, None, None, *_input_grads(ctx, ctx.grads, scale))
 
 
 def pipeline_loss(pipeline: Any, input: TensorOrTensors, target: Any, loss_fn: LossFn, *, chunks: int,

@@ -8,18 +8,23 @@ backward earlier: zero-bubble pipelines call the two halves ``B`` and ``W``::
     grad of outputs ─► autograd.grad(outputs, inputs, retain_graph=True) ─► grad of inputs ─► stage j-1
                              (later) autograd.backward(outputs, inputs=parameters) ─► parameters' .grad
 
-The second call runs the backward of every layer above the first again on its way to their parameters, so it
-applies only where that changes nothing but the time: :func:`twice_safe` says where.
+The first call captures, with hooks on the autograd graph's nodes, the gradient that flows into each node where
+a parameter's branch leaves the path to the inputs (a linear layer's matrix product, say); the second starts
+there and computes the parameters' branches alone, so nothing of the first is computed twice
+(:func:`input_gradients_first`). Hooks on a partition's modules could see a layer's backward split in two, so
+it applies only where that changes nothing but the time: :func:`twice_safe` says where.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from lightning_pipe.engine.partition import Partition
 
@@ -44,14 +49,6 @@ def pure_backward_layer(cls: _Layer) -> _Layer:
     decorator)."""
     _PURE_BACKWARD.add(cls)
     return cls
-
-
-def _rest(tensors: list[Tensor], grads: list[Tensor], leaves: list[Tensor]) -> None:
-    """The backward from ``tensors`` into ``leaves`` alone; a leaf frozen since the forward gets none, as in a
-    whole backward."""
-    leaves = [t for t in leaves if t.requires_grad]
-    if leaves:
-        torch.autograd.backward(tensors, grads, inputs=leaves)
 
 
 def twice_safe(partition: nn.Module) -> bool:
@@ -119,3 +116,97 @@ def _leaves(tensors: Sequence[Tensor], exclude: Sequence[Tensor]) -> list[Tensor
                 found[id(variable)] = variable
         stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return list(found.values())
+
+
+def _node(t: Tensor) -> Node:
+    """The autograd node a gradient of ``t`` flows into: its grad_fn, or a leaf's gradient accumulator."""
+    return t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node
+
+
+def _above(starts: Sequence[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """The nodes reached from ``starts`` towards the outputs (``parents``), not passing through ``stop``; and
+    the nodes of ``stop`` met on the way."""
+    seen, met = set(starts), set()
+    queue = collections.deque(starts)
+    while queue:
+        for parent in parents.get(queue.popleft(), ()):
+            if parent in stop:
+                met.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+    return seen, met
+
+
+def input_gradients_first(tensors: Sequence[Tensor], grads: Sequence[Tensor], upstream: Sequence[Tensor]
+                          ) -> tuple[tuple[Tensor | None, ...], Callable[[], None] | None]:
+    """The gradients of ``upstream`` from a backward of ``tensors`` with ``grads``, now, and the function that
+    accumulates every other leaf's (the parameters') into ``.grad`` later (None if there is none).
+
+    The graph is kept until then. Each parameter's branch meets the path from the outputs to ``upstream`` at
+    some nodes (the "intermediates": the matrix product of a linear layer, which makes both its input's and its
+    weight's gradient); the first call records the gradients flowing into them, and the later one starts from
+    those and runs the parameters' branches alone. A parameter whose branch never meets that path (a tensor
+    made from parameters alone) is computed from the outputs, as a whole backward would."""
+    leaves = _leaves(tensors, exclude=upstream)
+    if not leaves:
+        return torch.autograd.grad(tensors, upstream, grads, retain_graph=False, allow_unused=True), None
+    parents: dict[Node, list[Node]] = collections.defaultdict(list)
+    roots = [_node(t) for t in tensors]
+    queue, seen = collections.deque(roots), set(roots)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents[child].append(node)
+                if child not in seen:
+                    seen.add(child)
+                    queue.append(child)
+    path, _ = _above([_node(t) for t in upstream], parents, set())
+    groups: dict[Node, dict[str, set[Any]]] = {}  # intermediate -> its group: params and intermediates
+    alone: list[Tensor] = []
+    for leaf in leaves:
+        _, met = _above([_node(leaf)], parents, path)
+        if not met:
+            alone.append(leaf)
+            continue
+        group: dict[str, set[Any]] = {"params": {leaf}, "nodes": set(met)}
+        for node in met:  # parameters whose branches meet the path at a common node are computed together
+            other = groups.get(node)
+            if other is not None and other is not group:
+                group["params"] |= other["params"]
+                group["nodes"] |= other["nodes"]
+        for node in group["nodes"]:
+            groups[node] = group
+    captured: dict[Node, tuple[Tensor | None, ...]] = {}
+    handles = [node.register_prehook(lambda grad_outputs, node=node: captured.__setitem__(node, grad_outputs))
+               for node in groups]
+    try:
+        found = torch.autograd.grad(tensors, upstream, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    unique = list({id(g): g for g in groups.values()}.values())
+
+    def weights() -> None:
+        for group in unique:
+            params = [p for p in group["params"] if p.requires_grad]  # frozen since the forward: none, as ever
+            nodes = [n for n in group["nodes"] if n in captured]
+            edges = [GradientEdge(n, i) for n in nodes for i, g in enumerate(captured[n]) if g is not None]
+            if not params or not edges:
+                continue
+            # Each node gets exactly what it got in the first call: one intermediate reached from another adds
+            # nothing that call's gradient did not hold already.
+            clamps = [n.register_prehook(lambda grad_outputs, saved=captured[n]: saved) for n in nodes] \
+                if len(nodes) > 1 else []
+            try:
+                torch.autograd.backward(edges, [g for n in nodes for g in captured[n] if g is not None],
+                                        inputs=params, retain_graph=True)
+            finally:
+                for handle in clamps:
+                    handle.remove()
+        left = [p for p in alone if p.requires_grad]
+        if left:
+            torch.autograd.backward(tensors, grads, inputs=left, retain_graph=True)
+
+    return found, weights

@@ -177,15 +177,15 @@ class LocalPipeline:
                 inline_device: torch.device | None = None) -> Step:
         """Run ``plan``'s actions: forwards of ``inputs`` (with ``run.loss``, the last stage returns losses),
         backwards from ``output_grads`` (or, with ``run.loss``, from each loss's weight times
-        ``run.loss_scale``). A plan whose backwards run ahead of the caller's (``plan.eager``) sets the gradients
-        they make aside on every stage, for :meth:`commit`."""
+        ``run.loss_scale``). Backwards that start from the loss run ahead of the caller's backward: every stage
+        sets the gradients they make aside, for :meth:`commit`."""
         m, n = plan.microbatches, len(self.stages)
         table: dict[Any, Any] = {("x", i, -1): mb for i, mb in enumerate(inputs or ())}
         table.update({("g", i, n): g for i, g in enumerate(output_grads or ())})
         losses: dict[int, MicroLoss] = {}
         done: dict[tuple[str, int, int], Future[Any]] = {}
         later: dict[tuple[int, int], Callable[..., None]] = {}
-        aside = plan.eager
+        aside = ahead(run, plan, output_grads)
 
         def forward(s: int, i: int) -> None:
             if s > 0:
@@ -284,6 +284,12 @@ class LocalPipeline:
                     [losses[i] for i in range(m)] if forwards and run.loss is not None else None,
                     [table.pop(("g", i, 0)) for i in range(m)] if backwards else None)
 
+
+
+def ahead(run: Run, plan: Plan, output_grads: Any) -> bool:
+    """Whether ``plan``'s backwards run ahead of the caller's backward: they start from a loss computed on the
+    last stage (no output gradients given), so their gradients are set aside until the caller commits them."""
+    return run.loss is not None and output_grads is None and any(a.kind in "BI" for r in plan.actions for a in r)
 
 
 def _grads_in(run: Run, table: dict[Any, Any], s: int, n: int, k: int) -> Grads | tuple[float]:

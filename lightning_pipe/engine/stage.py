@@ -30,14 +30,13 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pipe.engine.aside import GradientsAside
-from lightning_pipe.engine.backward_split import _leaves, _nothing, _rest, twice_safe
+from lightning_pipe.engine.backward_split import _nothing, input_gradients_first, twice_safe
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.checkpoint import checkpointing, recomputing
 from lightning_pipe.engine.loss import LossFn, MicroLoss, compute, detach, to_device
@@ -278,15 +277,17 @@ class Stage:
         are computed now; the returned function computes the parameters' gradients, to be called once, later
         (the micro-batches' graph is kept until then; called with False, after a failure, it drops them).
         The stage before can start its backward meanwhile: on the pipeline's critical path, the first
-        backward of each later stage takes the time of its input gradients alone (about 40% of it for a
-        stack of linear layers) instead of the whole backward. The second call recomputes the input
-        gradients of every layer above the first on its way to their parameters, so that micro-batch's
-        backward costs about 1.5 times as much here.
+        backward of each later stage takes the time of its input gradients alone (about half of it for a
+        stack of linear layers) instead of the whole backward, and zero-bubble schedules fill their bubbles
+        with the parameters' part. The second call computes only the parameters' branches of the graph, from
+        the gradients the first call captured (:func:`~lightning_pipe.engine.backward_split.input_gradients_first`):
+        the two together cost what one backward costs.
 
-        The layers above the first run backward twice, so it applies only where that is certain to change
-        nothing but the time (:func:`twice_safe`). And on CPU only: on a GPU, the second call's kernels,
+        Module hooks could see a layer's backward split in two, so it applies only where that is certain to
+        change nothing but the time (:func:`twice_safe`). And on CPU only: on a GPU, the second call's kernels,
         queued on the stage's stream before the last hand-off of the step is copied from it, would delay
-        that copy by as long. Elsewhere this is :meth:`backward`, with nothing left to do later.
+        that copy by as long (there, zero-bubble runs each ``I`` as a whole backward and its ``W`` does nothing).
+        Elsewhere this is :meth:`backward`, with nothing left to do later.
         """
         if self.device.type != "cpu" or not twice_safe(self.partition):
             return self.backward(run, items), _nothing
@@ -370,14 +371,10 @@ class Stage:
         weights = None
         upstream = [t for s in saved_items for t in (*s.inputs, *s.imports.values()) if t.requires_grad]
         if tensors and inputs_first and upstream:
-            # The gradients that go upstream now; every other leaf's (the parameters') when ``weights`` is
-            # called, pruned to those: each call computes only what leads to its own leaves.
-            found = torch.autograd.grad(tensors, upstream, grads, retain_graph=True, allow_unused=True)
+            # The gradients that go upstream now; every other leaf's (the parameters') when ``weights`` is called.
+            found, weights = input_gradients_first(tensors, grads, upstream)
             for t, g in zip(upstream, found):
                 t.grad = g
-            others = _leaves(tensors, exclude=upstream)
-            if others:
-                weights = partial(_rest, tensors, grads, others)
         elif tensors:
             torch.autograd.backward(tensors, grads)
         return [

@@ -3,9 +3,10 @@
 ``configure_optimizers`` runs on the driver over the whole LightningModule (the layers of remote stages are
 placeholders there, with their real names), so parameter groups built from names work as on one device.
 Each stage then builds the same optimizer class over its own parameters (:mod:`lightning_pipe.transport.optim`).
-The driver's optimizer records when it steps, and with which hyper-parameters (learning rates moved by
-schedulers included); :meth:`StageOptimizers.step_remote` steps every remote stage with them, from
-``PipeStrategy.post_optimizer_step``. Zeroing reaches every stage at once; checkpoints hold the state the
+As soon as the driver's step has its final gradients (its closure evaluated, clipping included), every remote
+stage starts its part with the same hyper-parameters (learning rates moved by schedulers included), while the
+driver updates its own parameters; :meth:`StageOptimizers.step_remote` (``PipeStrategy.post_optimizer_step``)
+waits for them and raises their errors. Zeroing reaches every stage at once; checkpoints hold the state the
 plain model's optimizer would have.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -25,12 +27,13 @@ __all__: list[str] = []
 
 
 class _MirroredOptimizer:
-    """Mixed into the driver's optimizers: ``step`` records the step for the remote stages (its closure
-    evaluated once), ``zero_grad`` acts on every stage."""
+    """Mixed into the driver's optimizers: ``step`` has every remote stage start its part of the step as soon as
+    the gradients are final (the closure evaluated, once), with the driver's hyper-parameters, while the driver
+    updates its own parameters; ``zero_grad`` acts on every stage."""
 
     _lp_hosts: HostGroup
     _lp_index: int
-    _lp_stepped: list[dict[str, Any]] | None
+    _lp_stepping: list[Future[Any]] | None
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         evaluations = [0]
@@ -40,15 +43,25 @@ class _MirroredOptimizer:
             if evaluations[0] > 1:
                 raise RuntimeError(
                     f"{type(self).__name__}.step evaluated its closure a second time in one step (as LBFGS and "
-                    "sharpness-aware optimizers such as SAM do): the stages in other processes step once, after "
-                    "the driver's step, and cannot follow a second evaluation. Use an optimizer that evaluates the "
-                    "closure once per step (SGD, Adam, AdamW, ...)")
-            return closure()  # type: ignore[misc]
+                    "sharpness-aware optimizers such as SAM do): the stages in other processes step once, as soon "
+                    "as the first evaluation is over, and cannot follow a second one. Use an optimizer that "
+                    "evaluates the closure once per step (SGD, Adam, AdamW, ...)")
+            result = closure()  # type: ignore[misc]
+            self._lp_start()
+            return result
 
-        loss = super().step() if closure is None else super().step(once)  # type: ignore[misc]
-        # The hyper-parameters this step used: schedulers may change them before the remote stages step.
-        self._lp_stepped = optim.hyperparameters(self)  # type: ignore[arg-type]
+        if closure is None:
+            self._lp_start()  # the gradients are final already (manual optimization, a gradient scaler's step)
+            return super().step()  # type: ignore[misc]
+        loss = super().step(once)  # type: ignore[misc]
+        if self._lp_stepping is None:  # an optimizer that did not evaluate the closure
+            self._lp_start()
         return loss
+
+    def _lp_start(self) -> None:
+        """The remote stages start their part of this step, with the hyper-parameters the driver's uses."""
+        self._lp_stepping = self._lp_hosts.start("step", self._lp_index,
+                                                 optim.hyperparameters(self))  # type: ignore[arg-type]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
@@ -74,7 +87,7 @@ def _mirror(optimizer: torch.optim.Optimizer) -> None:
     that keeps the scheduler's bookkeeping and calls the mirrored ``step``.
     """
     mix_in(optimizer, _MirroredOptimizer)
-    optimizer._lp_stepped = None  # type: ignore[attr-defined]
+    optimizer._lp_stepping = None  # type: ignore[attr-defined]
     if "step" not in vars(optimizer):
         return
     owner = weakref.ref(optimizer)
@@ -134,14 +147,15 @@ class StageOptimizers:
                 raise
 
     def step_remote(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step every remote stage's part of ``optimizer`` with the hyper-parameters the driver's step used,
-        if the driver stepped since the last call (a gradient scaler skips the step on an overflow: then no
-        stage steps). Returns whether they stepped."""
-        stepped = getattr(optimizer, "_lp_stepped", None)
-        if stepped is None:
+        """Wait until every remote stage has stepped its part of ``optimizer``, if the driver stepped since the
+        last call (a gradient scaler skips the step on an overflow: then no stage steps); a stage's error is
+        raised here. Returns whether they stepped."""
+        stepping = getattr(optimizer, "_lp_stepping", None)
+        if stepping is None:
             return False
-        optimizer._lp_stepped = None  # type: ignore[attr-defined]
-        self.hosts.call("step", optimizer._lp_index, stepped)  # type: ignore[attr-defined]
+        optimizer._lp_stepping = None  # type: ignore[attr-defined]
+        for future in stepping:
+            future.result()
         return True
 
     def state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -225,9 +225,9 @@ class PipeStrategy(PipelineProcesses):
         return output
 
     def post_optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        """After each optimizer step (automatic or manual): every remote stage steps its part of ``optimizer``
-        with the hyper-parameters the driver's step used; none does when the driver's step was skipped (a
-        gradient scaler's overflow)."""
+        """After each optimizer step (automatic or manual): every remote stage has stepped its part of
+        ``optimizer`` with the driver's hyper-parameters (started with the driver's update), or raised here;
+        none steps when the driver's step was skipped (a gradient scaler's overflow)."""
         if self._stage_optimizers is not None:
             self._stage_optimizers.step_remote(optimizer)
 

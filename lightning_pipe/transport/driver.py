@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.partition import normalize_device, split_module
-from lightning_pipe.engine.pipeline import Run, Step, _Skipped, drain
+from lightning_pipe.engine.pipeline import Run, Step, _Skipped, ahead, drain
 from lightning_pipe.engine.schedule import Plan, forward_only, gpipe
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Grads, Stage, _move
@@ -228,7 +228,8 @@ class RemotePipeline:
         """
         m, n, p, key = plan.microbatches, self.n, self.processes, self.key
         spec = StepSpec(m, save, run.checkpoint_stop, run.training, run.autocast, run.anomaly, run.dtype,
-                        eager=plan.eager, loss=run.loss, weights=run.weights, loss_scale=run.loss_scale)
+                        eager=ahead(run, plan, output_grads), loss=run.loss, weights=run.weights,
+                        loss_scale=run.loss_scale)
         last = plan.process_of(n - 1)
         deliveries: list[tuple[Slot, Any]] = []
         if output_grads is not None:
@@ -259,7 +260,7 @@ class RemotePipeline:
         collected, answers = self._submit(run, plan, spec, local, collect if forwards and last == 0 else None,
                                           {last: deliveries} if last != 0 else {}, inline_device is not None and
                                           self.runner.stage.device == inline_device)
-        if not save or (not plan.eager and any(a.kind != "F" for a in plan.actions[0])):
+        if not save or (not spec.eager and any(a.kind != "F" for a in plan.actions[0])):
             self._settled.add(run.id, p - 1)  # nothing saved, or a backward done: nothing left behind elsewhere
         results = None
         if forwards:
