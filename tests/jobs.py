@@ -16,6 +16,8 @@ from typing import Any
 from filelock import FileLock
 from strategy_utils import run_script
 
+from lightning_pipe.engine import partition
+
 #: Each case changes a few things from train.py's defaults (2 processes, balance [2, 2], 4 micro-batches, SGD
 #: with momentum, 2 epochs of 8 steps); together they cover the grid of the strategy's promises.
 GROUPS: dict[str, dict[str, dict[str, Any]]] = {
@@ -117,6 +119,29 @@ for _name, _extra in SCHEDULES.items():
     GROUPS["4 processes"][f"{_name}-2replicas"] = {
         **_two, "devices": 4, "batch_size": 4, "accumulate": 2, "log_grad_norm": True, "optimizer": "adamw",
         "epochs": 1}
+
+
+# Hugging Face models as bodies (lightning_pipe.models; tests/scripts/hf_train.py), their heads untied: GPT-2 under
+# GPipe, Llama (grouped-query attention) under 1F1B with the loss on the last stage, BERT, Qwen2 (sliding-window
+# layers) over 3 stages. A head tied to its embedding crosses stages once the engine shares parameters.
+HF_CASES = {
+    "2 processes": {
+        "hf-gpt2-gpipe-sgd": {"script": "hf", "arch": "gpt2"},
+        "hf-llama-1f1b-adamw": {"script": "hf", "arch": "llama", "schedule": "1f1b", "last_stage_loss": True,
+                                "optimizer": "adamw", "epochs": 1},
+        "hf-bert-sgd": {"script": "hf", "arch": "bert", "balance": [2, 4], "epochs": 1},
+    },
+    "3 processes": {
+        "hf-qwen2-3stages-always": {"script": "hf", "arch": "qwen2", "devices": 3, "balance": [2, 2, 2],
+                                    "checkpoint": "always", "epochs": 1},
+    },
+}
+if getattr(partition, "SHARED_PARAMETERS", False):
+    HF_CASES["2 processes"]["hf-gpt2-tied"] = {"script": "hf", "arch": "gpt2", "tied": True, "epochs": 1}
+    HF_CASES["3 processes"]["hf-llama-tied-3stages"] = {"script": "hf", "arch": "llama", "tied": True, "devices": 3,
+                                                        "balance": [2, 2, 2], "epochs": 1}
+for _group, _cases in HF_CASES.items():
+    GROUPS[_group].update(_cases)
 
 
 def config(case: str) -> dict[str, Any]:
