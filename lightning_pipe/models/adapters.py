@@ -84,7 +84,8 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
     adapter = _adapter_for(model)
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ValueError(f"{type(model).__name__} has Hugging Face's activation checkpointing on, which the pipeline "
-                         "replaces: call model.activation_checkpointing_disable() and pass checkpoint='always' (or "
+                         "replaces: call model.activation_checkpointing_disable() (gradient_checkpointing_disable() "
+                         "in older transformers) and pass checkpoint='always' (or "
                          "'except_last') to PipeStrategy or Pipe")
     layers = adapter(model)
     names: dict[int, str] = {}

@@ -9,6 +9,7 @@ micro-batch, with ``transformers``' own mask functions, as the Hugging Face mode
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -78,4 +79,9 @@ def attention_mask(config: Any, hidden: Tensor, padding: Tensor, kind: str, posi
         return masking_utils.create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=padding)
     make = masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention" else \
         masking_utils.create_causal_mask
-    return make(config=config, inputs_embeds=hidden, attention_mask=padding, cache=None, position_ids=position_ids)
+    return make(config=config, inputs_embeds=hidden, attention_mask=padding, position_ids=position_ids,
+                **{_CACHE: None})
+
+
+# The mask functions' cache argument: ``cache`` since transformers 5.2x, ``past_key_values`` before.
+_CACHE = "cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters else "past_key_values"
