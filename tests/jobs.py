@@ -16,8 +16,6 @@ from typing import Any
 from filelock import FileLock
 from strategy_utils import run_script
 
-from lightning_pipe.engine import partition
-
 #: Each case changes a few things from train.py's defaults (2 processes, balance [2, 2], 4 micro-batches, SGD
 #: with momentum, 2 epochs of 8 steps); together they cover the grid of the strategy's promises.
 GROUPS: dict[str, dict[str, dict[str, Any]]] = {
@@ -121,9 +119,10 @@ for _name, _extra in SCHEDULES.items():
         "epochs": 1}
 
 
-# Hugging Face models as bodies (lightning_pipe.models; tests/scripts/hf_train.py), their heads untied: GPT-2 under
-# GPipe, Llama (grouped-query attention) under 1F1B with the loss on the last stage, BERT, Qwen2 (sliding-window
-# layers) over 3 stages. A head tied to its embedding crosses stages once the engine shares parameters.
+# Hugging Face models as bodies (lightning_pipe.models; tests/scripts/hf_train.py): GPT-2 under GPipe, Llama
+# (grouped-query attention) under 1F1B with the loss on the last stage, BERT, Qwen2 (sliding-window layers) over 3
+# stages; heads tied to their embedding across stages (a copy in the first and last stage, gradients summed),
+# clipped by the global norm (the tied parameter counted once): GPT-2 at 2 stages, Llama at 3 under 1F1B.
 HF_CASES = {
     "2 processes": {
         "hf-gpt2-gpipe-sgd": {"script": "hf", "arch": "gpt2"},
@@ -136,10 +135,11 @@ HF_CASES = {
                                     "checkpoint": "always", "epochs": 1},
     },
 }
-if getattr(partition, "SHARED_PARAMETERS", False):
-    HF_CASES["2 processes"]["hf-gpt2-tied"] = {"script": "hf", "arch": "gpt2", "tied": True, "epochs": 1}
-    HF_CASES["3 processes"]["hf-llama-tied-3stages"] = {"script": "hf", "arch": "llama", "tied": True, "devices": 3,
-                                                        "balance": [2, 2, 2], "epochs": 1}
+HF_CASES["2 processes"]["hf-gpt2-tied"] = {"script": "hf", "arch": "gpt2", "tied": True, "epochs": 1,
+                                           "optimizer": "adamw", "clip": 0.5}
+HF_CASES["3 processes"]["hf-llama-tied-3stages"] = {"script": "hf", "arch": "llama", "tied": True, "devices": 3,
+                                                    "balance": [2, 2, 2], "epochs": 1, "clip": 0.5,
+                                                    "schedule": "1f1b", "last_stage_loss": True}
 for _group, _cases in HF_CASES.items():
     GROUPS[_group].update(_cases)
 

@@ -288,11 +288,14 @@ TIED_CASES = ["hf-gpt2-tied", "hf-llama-tied-3stages"]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", STRATEGY_CASES + [
-    pytest.param(n, marks=pytest.mark.skipif(not TIED_SUPPORTED, reason=TIED_REASON)) for n in TIED_CASES])
+@pytest.mark.parametrize("name", STRATEGY_CASES + TIED_CASES)
 def test_pipestrategy_trains_the_models_weights_and_its_checkpoint_loads_into_the_model(name, jobs):
     """Through PipeStrategy's processes (tests/jobs.py), the body ends with the weights of the Hugging Face
-    model trained on its own, and the consolidated checkpoint, named by the model's keys, loads into it."""
+    model trained on its own, and the consolidated checkpoint, named by the model's keys, loads into it.
+
+    A head tied to its embedding across stages (a copy in the first and the last stage): the copies are equal
+    after training, the file holds the parameter once under both names, and loading a changed value reaches
+    every copy; training is clipped by a global norm that counts it once."""
     from jobs import config as case_config
     from scripts.hf_train import DEFAULTS, train_plain
 
@@ -300,7 +303,11 @@ def test_pipestrategy_trains_the_models_weights_and_its_checkpoint_loads_into_th
     out = jobs.directory(name)
     reference = train_plain(config)
     steps = config["epochs"] * config["samples"] // config["batch_size"]
-    assert jobs.result(name)["global_step"] == steps
+    result = jobs.result(name)
+    assert result["global_step"] == steps
+    if config["tied"]:
+        assert result["tied_gap_trained"] == [0.0] and result["tied_storages"] == 1
+        assert result["tied_loaded_error"] == [0.0] and result["tied_gap_loaded"] == [0.0]
     checkpoint = torch.load(out / "final.ckpt", weights_only=True)["state_dict"]
     template = to_sequential(tiny(config["arch"], config["tied"]))
     state = hf_state_dict(template, checkpoint, prefix="sequential_module.")

@@ -29,6 +29,8 @@ from lightning_pipe.transport import optim
 from lightning_pipe.transport.dataparallel import average_gradients
 from lightning_pipe.transport.messages import MAILBOX, to_concurrent, where
 from lightning_pipe.transport.runner import StageRunner, register, unregister
+from lightning_pipe.transport.session import SESSION
+from lightning_pipe.transport.tied import TiedCopies, TiedParameter
 
 __all__: list[str] = []
 
@@ -56,7 +58,8 @@ class StageHost:
     """
 
     def __init__(self, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: torch.device,
-                 peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str, record: bool = False) -> None:
+                 peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
+                 tied: Sequence[TiedParameter] = ()) -> None:
         self.key = key
         self.prefix = prefix
         self.stages = [Stage(s, part.to(device), device, offset=offset, exports=layout.exports[s].keys(),
@@ -69,6 +72,7 @@ class StageHost:
             stage.recorder = Recorder() if record else None
         self.runner = StageRunner(key, self.stages, peers, layout, timeout)
         self.params = {prefix + n: p for n, p in self.partition.named_parameters()}
+        self.tied = TiedCopies(key, tied, SESSION.rank)  # parameters shared with layers of other processes
         self.optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
         self.counts = {"steps": 0, "barriers": 0}  # what this process did, for :meth:`stats`
         register(self.runner)
@@ -97,14 +101,22 @@ class StageHost:
         elif k in self.optimizers:
             self.optimizers[k][0].zero_grad(set_to_none=set_to_none)
 
-    def _grads(self, k: int) -> list[Tensor]:
+    def _grads(self, k: int, counted_only: bool = False) -> list[Tensor]:
         if k not in self.optimizers:
             return []
-        return [p.grad for g in self.optimizers[k][0].param_groups for p in g["params"] if p.grad is not None]
+        optimizer, names = self.optimizers[k]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return [p.grad for p, name in zip(params, names)
+                if p.grad is not None and (not counted_only or self.tied.counted(name))]
+
+    def sum_tied_gradients(self) -> None:
+        """Add the other owners' gradients of the parameters tied across processes to this process's copies."""
+        self.tied.sum_gradients(self.params)
 
     def grad_norm(self, k: int, norm_type: float) -> float:
-        """The ``norm_type`` norm of optimizer ``k``'s gradients here (for the global norm)."""
-        grads = self._grads(k)
+        """The ``norm_type`` norm of optimizer ``k``'s gradients here (for the global norm; a tied parameter
+        counted by its first owner only)."""
+        grads = self._grads(k, counted_only=True)
         if not grads:
             return 0.0
         norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads])
@@ -113,7 +125,8 @@ class StageHost:
     def grad_norms(self, norm_type: float) -> dict[str, Tensor]:
         """The ``norm_type`` norm of each parameter's gradient here, by name, on CPU (parameters without a
         gradient left out), computed as Lightning's ``grad_norm`` computes it."""
-        return {n: p.grad.detach().norm(norm_type).cpu() for n, p in self.params.items() if p.grad is not None}
+        return {n: p.grad.detach().norm(norm_type).cpu() for n, p in self.params.items()
+                if p.grad is not None and self.tied.counted(n)}
 
     def scale_grads(self, k: int, coefficient: float) -> None:
         """Multiply optimizer ``k``'s gradients by ``coefficient`` (global-norm clipping)."""
@@ -204,7 +217,8 @@ class StageHost:
     def set_requires_grad(self, flags: Mapping[str, bool]) -> None:
         """Follow the driver's ``requires_grad`` of this stage's parameters (frozen layers)."""
         for name, flag in flags.items():
-            self.params[name].requires_grad_(flag)
+            if name in self.params:  # (a parameter tied between two of its layers: under the first's name)
+                self.params[name].requires_grad_(flag)
 
     def set_modes(self, training: bool, modes: bytes) -> None:
         """Set every module of the partition to the mode of the driver's copy (see :func:`layer_modes`);
@@ -260,9 +274,10 @@ def process_memory(runner: StageRunner) -> dict[str, int]:
 
 
 def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str, peers: Sequence[str],
-              layout: SkipLayout, timeout: float, prefix: str, record: bool = False) -> None:
+              layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
+              tied: Sequence[TiedParameter] = ()) -> None:
     """Host stages ``parts`` (stage -> (partition, offset)) of pipeline ``key`` here (an RPC entry point,
-    called by the driver)."""
+    called by the driver); ``tied``: the parameters its layers share with other processes' layers."""
     from lightning_pipe.engine.partition import normalize_device
 
     if torch.device(device).type == "cuda":
@@ -271,15 +286,15 @@ def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: 
     old = _HOSTS.pop(key, None)
     if old is not None:
         old.close()
-    _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record)
+    _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, tied)
 
 
 def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str,
                     peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str,
-                    record: bool = False) -> torch.futures.Future:
+                    record: bool = False, tied: Sequence[TiedParameter] = ()) -> torch.futures.Future:
     """Have process ``peer`` host stages ``parts`` of pipeline ``key`` (see :func:`configure`)."""
     return rpc.rpc_async(peer, configure, timeout=timeout,
-                         args=(key, parts, device, peers, layout, timeout, prefix, record))
+                         args=(key, parts, device, peers, layout, timeout, prefix, record, tied))
 
 
 def drop(key: str) -> None:

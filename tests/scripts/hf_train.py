@@ -21,7 +21,8 @@ ARCHS = ("gpt2", "llama", "mistral", "qwen2", "bert")
 
 DEFAULTS: dict[str, Any] = {"arch": "gpt2", "tied": False, "attn": "sdpa", "devices": 2, "balance": [3, 3],
                             "microbatches": 4, "schedule": "gpipe", "last_stage_loss": False, "optimizer": "sgd",
-                            "samples": 32, "batch_size": 8, "epochs": 2, "seed": 7, "checkpoint": "except_last"}
+                            "samples": 32, "batch_size": 8, "epochs": 2, "seed": 7, "checkpoint": "except_last",
+                            "clip": None}
 
 
 def tiny(arch: str, tied: bool = False, attn: str = "sdpa", seed: int = 0) -> nn.Module:
@@ -109,6 +110,8 @@ def train_plain(config: dict[str, Any]) -> nn.Module:
         for ids, mask, target in DataLoader(batches(config["arch"], config["samples"]), config["batch_size"]):
             opt.zero_grad()
             loss_fn(output(model, ids, mask), target).backward()
+            if config["clip"] is not None:  # a tied parameter counted once, as model.parameters() lists it
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config["clip"])
             opt.step()
     return model
 
@@ -148,9 +151,39 @@ def main(config: dict[str, Any], out: str) -> None:
                             schedule=c["schedule"], rpc_timeout_sec=60)
     trainer = pl.Trainer(accelerator="cpu", devices=c["devices"], strategy=strategy, max_epochs=c["epochs"],
                          logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                         enable_model_summary=False, default_root_dir=out)
+                         enable_model_summary=False, default_root_dir=out, gradient_clip_val=c["clip"])
     trainer.fit(model, DataLoader(batches(c["arch"], c["samples"]), batch_size=c["batch_size"]))
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    result: dict[str, Any] = {"global_step": trainer.global_step}
+    if c["tied"]:
+        result.update(tied_copies(model.sequential_module, os.path.join(out, "final.ckpt")))
     if trainer.is_global_zero:
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"global_step": trainer.global_step}, f)
+            json.dump(result, f)
+
+
+def tied_copies(body: Any, checkpoint: str) -> dict[str, Any]:
+    """How far each remote copy of a tied parameter is from the driver's, after training and after loading the
+    checkpoint with that parameter changed (it must reach every copy); the number of tensors the file holds for
+    it."""
+    state = torch.load(checkpoint, weights_only=True)["state_dict"]
+    (tied,) = body.tied
+    names = [n.removeprefix(body.name + ".") for n in tied.names]
+
+    def gaps() -> list[float]:
+        remote = {k: v for part in body.hosts.call("state_dict") for k, v in part.items()}
+        mine = dict(body.named_parameters(remove_duplicate=False))[names[0]].detach()
+        return [float((remote[n] - mine).abs().max()) for n in tied.names[1:]]
+
+    trained = gaps()
+    keys = [f"sequential_module.{n}" for n in names]
+    stored = len({state[k].untyped_storage().data_ptr() for k in keys})
+    changed = state[keys[0]] + 1.0
+    for k in keys:
+        state[k] = changed  # one tensor under every name, as the file holds it
+    body.load_state_dict({k.removeprefix("sequential_module."): v for k, v in state.items()})
+    loaded = gaps()
+    remote = {k: v for part in body.hosts.call("state_dict") for k, v in part.items()}
+    reached = [float((remote[n] - changed).abs().max()) for n in tied.names[1:]]
+    return {"tied_gap_trained": trained, "tied_gap_loaded": loaded, "tied_loaded_error": reached,
+            "tied_storages": stored}
