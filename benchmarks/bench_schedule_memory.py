@@ -46,7 +46,9 @@ class Counter:
         with self.lock:
             self.live += size
             self.peak = max(self.peak, self.live)
-        box = _Box(t)
+        # Detached: a saved output holding its own grad_fn would tie its node to itself through autograd's C++
+        # side, a cycle no collector sees once a graph is kept for a later backward (retain_graph).
+        box = _Box(t.detach())
         weakref.finalize(box, self._free, size)
         return box
 

@@ -9,15 +9,17 @@ imported here.
 
 from lightning_pipe.engine import (
     Pipe,
+    deferred_init,
     is_checkpointing,
     is_recomputing,
     loss_on_last_stage,
     pure_backward_layer,
     run_pipeline,
 )
-from lightning_pipe.lightning import PipelineReport, PipeStrategy, grad_norm
+from lightning_pipe.lightning import PipelineReport, PipeStrategy, consolidate_checkpoint, grad_norm
 from lightning_pipe.transport import pipeline_over_rpc
 
-__all__ = ["Pipe", "PipeStrategy", "PipelineReport", "grad_norm", "is_checkpointing", "is_recomputing",
-           "loss_on_last_stage", "pipeline_over_rpc", "pure_backward_layer", "run_pipeline"]
+__all__ = ["Pipe", "PipeStrategy", "PipelineReport", "consolidate_checkpoint", "deferred_init", "grad_norm",
+           "is_checkpointing", "is_recomputing", "loss_on_last_stage", "pipeline_over_rpc", "pure_backward_layer",
+           "run_pipeline"]
 __version__ = "0.1.0"

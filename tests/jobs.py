@@ -29,7 +29,15 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
         # Adagrad builds state in its constructor (placeholders too); the sanity check runs validation before
         # training; the body is built in configure_model, after the processes start.
         "adagrad-sanity-configure-model": {"optimizer": "adagrad", "validate": True, "sanity_steps": 2,
-                                           "configure_model": True, "epochs": 1},
+                                           "configure_model": True, "epochs": 1, "guard": True,
+                                           "save_initial": True},
+        # Built on the meta device (trainer.init_module(), lightning_pipe.deferred_init()), each process
+        # materialising its own stage alone (a guarded layer raises anywhere else), with the plain build's values:
+        # a metric's states and example_input_array included; trunc_normal_ draws as many numbers as it needs.
+        "deferred-init-module-metric": {"build": "init_module", "guard": True, "save_initial": True,
+                                        "optimizer": "adamw", "epochs": 1, "log_metric": True},
+        "deferred-init-trunc-normal": {"build": "deferred_init", "guard": True, "save_initial": True,
+                                       "init": "trunc_normal", "epochs": 1},
         "plateau-scheduler": {"scheduler": "plateau", "log_metric": True, "epochs": 3},
         # Lightning's learning-rate finder: a run of its own, checkpointed before and restored after, then fit
         # with its suggestion.
@@ -56,6 +64,17 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
         "bf16-mixed": {"precision": "bf16-mixed", "microbatches": 1, "balance": [1, 3], "epochs": 1},
         "fp16-scaler": {"precision": "16-mixed-scaler", "balance": [1, 3], "optimizer": "adamw", "microbatches": 1},
         "torchrun-reference": {"balance": [2, 2], "epochs": 1},
+        # Sharded checkpoints: each process writes its own file; resumed at the same balance and at another one
+        # (each stage reads its entries from whichever files hold them). Its twin saves one file, for the
+        # consolidated checkpoint to be compared with.
+        "sharded-resume-full": {"state_dict_type": "sharded", "optimizer": "adamw", "scheduler": "step",
+                                "epochs": 2, "save_every": "epoch"},
+        "sharded-resume-from-epoch-0": {"state_dict_type": "sharded", "optimizer": "adamw", "scheduler": "step",
+                                        "epochs": 2, "resume": "sharded-resume-full/ckpts/epoch=0.ckpt"},
+        "sharded-resharded-from-epoch-0": {"state_dict_type": "sharded", "optimizer": "adamw", "scheduler": "step",
+                                           "epochs": 2, "balance": [1, 3],
+                                           "resume": "sharded-resume-full/ckpts/epoch=0.ckpt"},
+        "full-twin-of-sharded": {"optimizer": "adamw", "scheduler": "step", "epochs": 2, "save_every": "epoch"},
     },
     "3 processes": {
         "3stages-chunks8-always": {"devices": 3, "balance": [1, 2, 1], "microbatches": 8, "checkpoint": "always"},
@@ -77,6 +96,9 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
         # Manual clipping right after manual_backward must see the replicas' averaged gradients, as under DDP.
         "2replicas-manual-optimization-clip": {"devices": 4, "batch_size": 4, "manual": True, "clip": 0.05,
                                                "scheduler": "step", "epochs": 1, "log_grad_norm": True},
+        # A deferred build with replicas: each replica's stage materialises its own, all equal to replica 0's.
+        "deferred-2replicas": {"devices": 4, "batch_size": 4, "build": "deferred_init", "guard": True,
+                               "save_initial": True, "epochs": 1},
         # fit, validate, test and predict in one script, and later Trainers taking over the pipeline.
         "phases": {"script": "phases"},
     },

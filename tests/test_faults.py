@@ -113,6 +113,36 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint_and_resume_is_exact(t
         torch.testing.assert_close(last[key], uninterrupted[key], rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.timeout(900)
+def test_a_crash_while_saving_a_sharded_checkpoint_never_leaves_one_that_looks_complete(tmp_path, jobs):
+    """state_dict_type="sharded": the main process dies when epoch 1's directory (every process's file and
+    the metadata written) is about to be renamed into place. No `epoch=1.ckpt` exists, the half-written
+    directory stays under another name, and the last good checkpoint consolidates to the uninterrupted
+    run's epoch-0 checkpoint, bit for bit."""
+    import torch
+    from jobs import config as case_config
+
+    from lightning_pipe.lightning.sharded import consolidate_checkpoint, is_sharded
+
+    config = case_config("sharded-resume-full")
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    result = run_script("train.py", json.dumps(config), str(crashed), timeout=120, expect_ok=False,
+                        env={"LP_CRASH_AT_SAVE": "3"})
+    assert result.returncode != 0
+    ckpts = crashed / "ckpts"
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["epoch=0.ckpt", "last.ckpt"]
+    partial = [p for p in ckpts.iterdir() if ".partial-" in p.name]
+    assert partial and is_sharded(str(ckpts / "last.ckpt"))  # the half-put one, under another name
+    consolidate_checkpoint(str(ckpts / "last.ckpt"), str(tmp_path / "last.pt"))
+    consolidate_checkpoint(str(jobs.directory("sharded-resume-full") / "ckpts" / "epoch=0.ckpt"),
+                           str(tmp_path / "uninterrupted.pt"))
+    last, uninterrupted = (torch.load(tmp_path / n, weights_only=True) for n in ("last.pt", "uninterrupted.pt"))
+    assert last["epoch"] == 0 and last["global_step"] == 8
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops"):
+        torch.testing.assert_close(last[key], uninterrupted[key], rtol=0, atol=0, msg=key)
+
+
 @pytest.mark.timeout(120)
 def test_anomaly_detection_reaches_the_stage_that_makes_a_nan(tmp_path):
     """Trainer(detect_anomaly=True): as on one device, the backward function that returned NaN is named, in

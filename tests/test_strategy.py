@@ -20,7 +20,7 @@ from strategy_utils import assert_same_weights
 TRANSPARENCY = ["2stages-sgd", "3stages-chunks8-always", "chunks1-never-adamw-groups", "clip-norm-steplr",
                 "clip-value-single-backward", "manual-two-optimizers-toggled",
                 "2replicas-x-2stages-onecycle-accumulate", "2replicas-manual-optimization-clip",
-                "adagrad-sanity-configure-model", "plateau-scheduler", "lr-finder", "lr-finder-callback",
+                "plateau-scheduler", "lr-finder", "lr-finder-callback",
                 "modes-frozen-bn-zero-grad-float64"]
 
 
@@ -28,12 +28,19 @@ def plain_weights(config: dict, out: Path) -> dict[str, torch.Tensor]:
     config = copy.deepcopy(config)
     replicas = config.get("devices", 2) * config.get("virtual_stages", 1) // len(config.get("balance", [2, 2]))
     config["batch_size"] = config.get("batch_size", 8) * replicas  # one device sees the global batch
+    out.mkdir(parents=True, exist_ok=True)
     model = script.main(config, str(out), plain=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
-    """The plain module's weights loaded from a checkpoint the pipeline wrote, with no strategy at all."""
+    """The plain module's weights loaded from a checkpoint the pipeline wrote, with no strategy at all (a
+    sharded one consolidated first, as its users do)."""
+    if path.is_dir():
+        import lightning_pipe
+
+        lightning_pipe.consolidate_checkpoint(str(path), str(path) + ".consolidated")
+        path = Path(str(path) + ".consolidated")
     return script.Model.load_from_checkpoint(path, map_location="cpu").state_dict()
 
 
@@ -65,6 +72,30 @@ def test_same_weights_as_one_device(name, jobs, tmp_path):
     if config.get("scheduler") == "plateau":  # the case proves something only if the LR did move
         lr = torch.load(out / "final.ckpt", weights_only=False)["optimizer_states"][0]
         assert lr["param_groups"][0]["lr"] < 0.05
+
+
+DEFERRED = ["adagrad-sanity-configure-model", "deferred-init-module-metric", "deferred-init-trunc-normal",
+            "deferred-2replicas"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", DEFERRED)
+def test_a_deferred_build_materialises_each_stage_in_its_own_process_with_the_plain_builds_values(
+        name, jobs, tmp_path):
+    """A model built on the meta device (configure_model, trainer.init_module(), lightning_pipe.deferred_init()):
+    stage 1's process materialised exactly its layers, and no other process did (its guarded layers raise
+    anywhere else); the weights as training starts are the plain build's, bit for bit, and so are the trained
+    ones (within float32 tolerance)."""
+    config = case_config(name)
+    result, out = jobs.result(name), jobs.directory(name)
+    expected = plain_weights(config, tmp_path / "plain")
+    stage1 = sorted(f"sequential_module.{i}.0.{p}" for i in (2, 3) for p in ("weight", "bias"))
+    assert [stats["materialized"] for stats in result["stages"]["fit"]] == [stage1]
+    initial, plain_initial = torch.load(out / "initial.pt"), torch.load(tmp_path / "plain" / "initial.pt")
+    assert initial.keys() == plain_initial.keys()
+    for key in plain_initial:
+        assert torch.equal(initial[key], plain_initial[key]), key
+    assert_same_weights(load(out / "final.ckpt"), expected)
 
 
 SCHEDULED = [f"{name}-{case}" for name in ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b")
@@ -170,6 +201,35 @@ def test_resume_continues_exactly(jobs):
     assert_same_weights(again, full, rtol=1e-6, atol=1e-7)
     first = load(jobs.directory("resume-full") / "ckpts" / "epoch=0.ckpt")
     assert not torch.allclose(first["head.weight"], full["head.weight"])  # the resumed run did train further
+
+
+@pytest.mark.timeout(900)
+def test_a_sharded_checkpoint_is_written_per_process_resumes_at_any_balance_and_consolidates_to_the_full_file(
+        jobs, tmp_path):
+    """state_dict_type="sharded": every process wrote its own file of each checkpoint; resuming from epoch 0's
+    at the same balance and at [1, 3] (each stage reading its own entries) ends with the uninterrupted run's
+    weights; consolidated, a checkpoint is the one-file checkpoint of the same run saved in full: the same
+    state dict, optimizer states and schedulers, bit for bit."""
+    import os
+
+    from lightning_pipe.lightning.sharded import consolidate_checkpoint
+
+    directory = jobs.directory("sharded-resume-full") / "ckpts"
+    assert sorted(p.name for p in directory.iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(directory / "epoch=0.ckpt")) == ["meta.pt", "stage-00000.pt", "stage-00001.pt"]
+    stage1 = torch.load(directory / "epoch=0.ckpt" / "stage-00001.pt", weights_only=True)
+    assert sorted(stage1["state_dict"]) == sorted(f"sequential_module.{i}.0.{p}" for i in (2, 3)
+                                                  for p in ("weight", "bias"))  # stage 1's entries only
+    full = load(jobs.directory("sharded-resume-full") / "final.ckpt")
+    for resumed in ("sharded-resume-from-epoch-0", "sharded-resharded-from-epoch-0"):
+        assert jobs.result(resumed)["global_step"] == 16
+        assert_same_weights(load(jobs.directory(resumed) / "final.ckpt"), full, rtol=1e-6, atol=1e-7)
+    twin = jobs.directory("full-twin-of-sharded") / "ckpts"
+    for name in ("epoch=0.ckpt", "epoch=1.ckpt"):
+        consolidate_checkpoint(str(directory / name), str(tmp_path / name))
+        mine, theirs = (torch.load(p, weights_only=True) for p in (tmp_path / name, twin / name))
+        for key in ("state_dict", "optimizer_states", "lr_schedulers", "epoch", "global_step"):
+            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.timeout(900)

@@ -13,7 +13,9 @@ What it offers, by module:
 - ``partition``: the checks of a body and a balance, and the cut into partitions;
 - ``checkpoint``, ``rng``: recomputation flags, and random numbers that replay exactly;
 - ``batchnorm``, ``skip``, ``balance``: deferred BatchNorm, skip connections, automatic balancing;
-- ``worker``, ``timeline``: the threads partitions run on, and the record of when they ran.
+- ``worker``, ``timeline``: the threads partitions run on, and the record of when they ran;
+- ``deferred``, ``materialize``: models built on the meta device, recorded, and materialised stage by stage as
+  built (a recording's programs, replayed anywhere).
 
 The transport (:mod:`lightning_pipe.transport`) runs the same stages in other processes.
 """
@@ -22,6 +24,7 @@ from lightning_pipe.engine.autograd import pipeline_loss, run_pipeline
 from lightning_pipe.engine.backward_split import pure_backward_layer
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.checkpoint import is_checkpointing, is_recomputing
+from lightning_pipe.engine.deferred import deferred_init
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.partition import CHECKPOINT_MODES, split_module
 from lightning_pipe.engine.pipe import Pipe, loss_on_last_stage
@@ -31,4 +34,4 @@ from lightning_pipe.engine.stage import Stage
 
 __all__ = ["Pipe", "loss_on_last_stage", "run_pipeline", "pipeline_loss", "SCHEDULES", "Plan", "schedule_plan",
            "Stage", "LocalPipeline", "Run", "Batch", "DeferredBatchNorm", "split_module", "CHECKPOINT_MODES",
-           "is_checkpointing", "is_recomputing", "pure_backward_layer"]
+           "is_checkpointing", "is_recomputing", "pure_backward_layer", "deferred_init"]

@@ -6,8 +6,9 @@ What it offers, by module:
   ``processes`` (what Lightning sees of the processes: the drivers), ``launcher`` (starting them), ``checks``
   (what it refuses), ``build`` (the body cut into a pipeline), ``layers`` (modes and ``requires_grad`` in
   step), ``optimizers`` (the user's optimizers across stages), ``precision`` (clipping and loss scaling
-  across stages), ``replicas`` (averaging over replicas), ``checkpoints`` (one file that loads into the
-  plain model), ``observe`` (timelines and memory);
+  across stages), ``replicas`` (averaging over replicas), ``checkpoints`` (Lightning's checkpoint hooks:
+  ``streamed``, one file that loads into the plain model, written stage by stage; ``sharded``, a file per
+  process), ``observe`` (timelines and memory);
 - ``body``: ``PipelinedSequential``, the driver's body: stage 0's layers, the others' placeholders;
 - ``report``: ``PipelineReport``, the callback that draws the loss curve and the timeline;
 - ``gradients``: ``grad_norm`` over every stage.
@@ -15,6 +16,7 @@ What it offers, by module:
 
 from lightning_pipe.lightning.gradients import grad_norm
 from lightning_pipe.lightning.report import PipelineReport
+from lightning_pipe.lightning.sharded import consolidate_checkpoint
 from lightning_pipe.lightning.strategy import PipeStrategy
 
-__all__ = ["PipeStrategy", "PipelineReport", "grad_norm"]
+__all__ = ["PipeStrategy", "PipelineReport", "consolidate_checkpoint", "grad_norm"]

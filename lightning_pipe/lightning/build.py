@@ -8,6 +8,7 @@ A later Trainer of the same module takes over the pipeline built here (the same 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import weakref
@@ -18,16 +19,17 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_pipe.engine.balance import balance_by_size, balance_by_time
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
+from lightning_pipe.engine.deferred import Recording, materialize, named_tensors, recording_of
 from lightning_pipe.engine.partition import check_balance, split_module
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
-from lightning_pipe.lightning.tied import TiedSync, find_tied
+from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
 from lightning_pipe.transport import host
 from lightning_pipe.transport.driver import RemotePipeline
 from lightning_pipe.transport.runner import StageRunner
@@ -64,6 +66,8 @@ class PipeStrategy(Protocol):
 
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
+    def setup_timeout(self) -> float: ...
+
 log = logging.getLogger("lightning_pipe")
 _pipeline_ids = itertools.count()
 
@@ -81,11 +85,17 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     if isinstance(body, PipelinedSequential):
         return _adopt(strategy, module, body)
     strategy.check_model(module)
+    recording = deferred_recording(module)  # built on the meta device: each process materialises its own
     if strategy.deferred_batch_norm:
-        DeferredBatchNorm.convert(body)
+        with recording.resume() if recording is not None else contextlib.nullcontext():
+            DeferredBatchNorm.convert(body)
+    if strategy.balance is None and recording is not None:
+        raise ValueError(
+            f"{type(module).__name__}.{strategy.module_name} was built on the meta device (in configure_model, "
+            "under trainer.init_module() or lightning_pipe.deferred_init()), where no layer can be timed or "
+            f"measured to infer a balance: pass balance=[...] with {strategy.stages} entries summing to {len(body)}")
     balance = strategy.balance if strategy.balance is not None else _infer_balance(strategy, module, body)
     check_balance(body, balance)
-    _broadcast_state(strategy, module)  # every replica starts from replica 0's weights
     topology, rank = strategy.topology, strategy.rank
     replica = topology.replica_of(rank)
     key = f"r{replica}p{next(_pipeline_ids)}"
@@ -105,12 +115,21 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
             f"{type(module).__name__}.{strategy.module_name} has parameters shared by layers of different stages "
             f"({', '.join(tied[0].names)}), which an interleaved schedule (virtual_stages={n // p}) cannot split: "
             "use one stage per process (virtual_stages=1), or keep the layers that share them in one stage")
+    programs = {s: recording.program(named_tensors(parts[s])) for s in range(n) if s % p} if recording else {}
+    setup_timeout = timeout + (strategy.setup_timeout() if strategy.world_size > 1 or recording else 0)
     futures = [host.configure_async(worker_name(ranks[r]), key, {s: (parts[s], offsets[s]) for s in range(r, n, p)},
                                     str(devices[ranks[r] % strategy.num_processes] if devices else "cpu"),
-                                    peers, layout, timeout, prefix, strategy.timeline is not None, tied)
+                                    peers, layout, timeout, prefix, strategy.timeline is not None,
+                                    {s: programs[s] for s in range(r, n, p) if s in programs}, setup_timeout, tied)
                for r in range(1, p)]
-    # This process's copies of the tied parameters join their owners' groups while the others set up theirs.
+    # This process's copies of the tied parameters join their owners' group while the others set up theirs.
     local_tied = TiedCopies(key, tied, rank) if tied else None
+    remote = {name for s in range(n) if s % p for name, _ in parts[s].named_children()}
+    if recording is not None:
+        retie = keep_ties(body, remote)  # materialising replaces the local parameters: remote layers follow
+        _materialize_local(module, strategy.module_name, remote, recording)
+        retie()
+    _broadcast_state(strategy, module, strategy.module_name, remote)  # every replica starts from replica 0's
     local_params = {prefix + name: param for s in range(0, n, p) for name, param in parts[s].named_parameters()}
     for r, future in enumerate(futures, start=1):
         try:
@@ -118,6 +137,8 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
         except Exception as exc:
             exc.add_note(f"while setting up stages {list(range(r, n, p))} in process '{worker_name(ranks[r])}'")
             raise
+    if recording is not None:
+        recording.release()  # every stage is materialised: the recording has served
     stages = [Stage(s, parts[s], strategy.root_device, offset=offsets[s], exports=layout.exports[s].keys(),
                     imports=layout.imports[s].keys()) for s in range(0, n, p)]
     pipeline = RemotePipeline(StageRunner(key, stages, peers, layout, timeout), processes=p)
@@ -187,11 +208,46 @@ def _infer_balance(strategy: PipeStrategy, module: pl.LightningModule, body: nn.
     return strategy.broadcast(balance)
 
 
-def _broadcast_state(strategy: PipeStrategy, module: nn.Module) -> None:
+def deferred_recording(module: nn.Module) -> Recording | None:
+    """The recording of a LightningModule built on the meta device (``configure_model``,
+    ``trainer.init_module()``, ``lightning_pipe.deferred_init()``), or None if it was built for real (a body
+    pipelined already holds its remote layers on meta: those are left out). A module with meta tensors that no
+    live recording made cannot be materialised: refused, saying how to build it."""
+    pipelined = [m for m in module.modules() if isinstance(m, PipelinedSequential)]
+    placed = {id(t) for body in pipelined for t in named_tensors(body).values()}
+    meta = [(name, t) for name, t in named_tensors(module).items() if t.is_meta and id(t) not in placed]
+    if not meta:
+        return None
+    recordings = {id(r): r for r in (recording_of(t) for _, t in meta) if r is not None}
+    strays = [name for name, t in meta if recording_of(t) is None]
+    if strays or len(recordings) != 1:
+        raise ValueError(
+            f"{type(module).__name__} holds tensors on the meta device that {'no' if strays else 'more than one'} "
+            f"deferred build recorded ({', '.join(strays[:3] or [n for n, _ in meta[:3]])}...): their values "
+            "cannot be made. Build the whole model in configure_model, under trainer.init_module(), or under one "
+            "lightning_pipe.deferred_init() block, or build it for real")
+    return next(iter(recordings.values()))
+
+
+def _local_tensors(module: nn.Module, module_name: str, remote: set[str]) -> dict[str, Tensor]:
+    """``module``'s tensors by name, without those of the body's layers ``remote`` (held by other processes)."""
+    skip = tuple(f"{module_name}.{name}." for name in remote)
+    return {name: t for name, t in named_tensors(module).items() if not name.startswith(skip)}
+
+
+def _materialize_local(module: nn.Module, module_name: str, remote: set[str], recording: Recording) -> None:
+    """Materialise what this process holds: everything but the remote layers, as the recorded build made it."""
+    local = {name: t for name, t in _local_tensors(module, module_name, remote).items() if t.is_meta}
+    materialize(module, recording.program(local).run())
+
+
+def _broadcast_state(strategy: PipeStrategy, module: nn.Module, module_name: str, remote: set[str]) -> None:
+    """Replica 0's driver's weights and buffers to every driver (the remote stages take theirs from replica 0's
+    same stage as they are configured)."""
     if strategy.world_size == 1:
         return
     with torch.no_grad():
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
+        for tensor in _local_tensors(module, module_name, remote).values():
             buffer = tensor.detach().to(strategy.root_device)
             dist.broadcast(buffer, src=0)
             tensor.copy_(buffer)

@@ -1,32 +1,49 @@
-"""Checkpoints of a pipelined LightningModule: one file, in Lightning's format, that loads into the plain model.
+"""Checkpoints of a pipelined LightningModule, in Lightning's format, under the plain model's names.
 
-The main process writes it: the body's ``state_dict`` fetches every remote stage's entries under the plain
-model's names, and the optimizers' states are merged into the plain model's optimizer's
-(:class:`~lightning_pipe.lightning.optimizers.StageOptimizers`). It is written atomically (a temporary file
-beside the target, renamed over it): a crash mid-write leaves the previous checkpoint intact. Loading hands
-each stage its own entries. :func:`gathered` puts the whole unpipelined body back in the LightningModule for
-code that needs it in one piece (``rpc_save_model``, export).
+``state_dict_type="full"`` (the default): one file that loads into the plain model
+(``Model.load_from_checkpoint``). The main process writes it stage by stage (:mod:`lightning_pipe.lightning.
+streamed`): remote stages' tensors are placeholders in the checkpoint Lightning assembles, and each stage's
+are fetched when their turn to be written comes, so the main process never holds more than its own stage and
+one other. Optimizer states are those of the plain model's optimizer (merged by parameter name). With a
+``CheckpointIO`` of your own, or a remote path, the whole checkpoint is gathered first and handed to it.
+
+``state_dict_type="sharded"``: a directory, each process writing its own file (:mod:`lightning_pipe.lightning.
+sharded`); any later balance loads it, and ``consolidate_checkpoint`` turns it into the full file.
+
+Both are written atomically (a temporary beside the target, renamed into place): a crash mid-write leaves the
+previous checkpoint intact. Loading hands each stage its own entries (from a sharded checkpoint, each stage
+reads its own). :func:`gathered` puts the whole unpipelined body back in the LightningModule for code that
+needs it in one piece (``rpc_save_model``, export).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytorch_lightning as pl
-from torch import nn
+import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from torch import Tensor, nn
+from typing_extensions import override
 
+from lightning_pipe.lightning import checks, sharded
 from lightning_pipe.lightning.body import PipelinedSequential
+from lightning_pipe.lightning.optimizers import StageOptimizers, raw
+from lightning_pipe.lightning.processes import PipelineProcesses
+from lightning_pipe.lightning.streamed import Source, save_streamed
 
 __all__: list[str] = []
 
 
 def module_state_dict(module: pl.LightningModule, body: nn.Module, writes: bool) -> dict[str, Any]:
-    """``module``'s ``state_dict``; with ``writes`` False (a process that does not write the checkpoint), the
-    remote layers' entries are left as placeholders instead of being fetched from their stages."""
+    """``module``'s ``state_dict``; with ``writes`` False, the remote layers' entries are left as placeholders
+    (meta tensors) instead of being fetched from their stages."""
     if writes or not isinstance(body, PipelinedSequential):
         return module.state_dict()
     body.local_only = True
@@ -69,3 +86,197 @@ def gathered(module: pl.LightningModule, module_name: str) -> Iterator[pl.Lightn
         yield module
     finally:
         setattr(module, module_name, body)
+
+
+class _Placeholders:
+    """The remote stages' tensors of a checkpoint as placeholders: where each is (its container and key) and
+    where its data comes from (its process, and the key ``StageState.checkpoint_tensors`` takes)."""
+
+    def __init__(self, hosts: Any) -> None:
+        self.hosts = hosts
+        self.lazy: dict[int, Source] = {}
+        self.places: dict[int, tuple[dict[Any, Any], Any]] = {}
+
+    def add(self, placeholder: Tensor, process: int, key: tuple[Any, ...], container: dict[Any, Any],
+            entry: Any) -> None:
+        container[entry] = placeholder
+        self.lazy[id(placeholder)] = (process, key)
+        self.places[id(placeholder)] = (container, entry)
+
+    def fetch(self, process: Any, keys: Any) -> dict[Any, Tensor]:
+        """The tensors ``keys`` of pipeline process ``process`` (one process's, on CPU)."""
+        return self.hosts.call_stage(process, "checkpoint_tensors", list(keys))
+
+    def fill(self) -> None:
+        """Put every stage's tensors in place of the placeholders (the whole model in this process)."""
+        by_process: dict[Any, list[int]] = {}
+        for identity, (process, _) in self.lazy.items():
+            by_process.setdefault(process, []).append(identity)
+        for process, identities in by_process.items():
+            fetched = self.fetch(process, [self.lazy[i][1] for i in identities])
+            for i in identities:
+                container, entry = self.places[i]
+                container[entry] = fetched[self.lazy[i][1]]
+
+
+def placeholders(checkpoint: dict[str, Any], body: PipelinedSequential,
+                 optimizers: list[torch.optim.Optimizer]) -> _Placeholders:
+    """Register the remote stages' entries of ``checkpoint`` (assembled by Lightning with this process's
+    tensors, the remote layers' as meta tensors) and put placeholders of their optimizer states in the plain
+    model's optimizer's format (per parameter index)."""
+    table = _Placeholders(body.hosts)
+    state = checkpoint["state_dict"]
+    for name, t in list(state.items()):
+        if isinstance(t, Tensor) and t.is_meta:
+            table.add(t, body.stage_of(name), ("state", name), state, name)
+    for k, (optimizer, saved) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", []))):
+        if not hasattr(optimizer, "_lp_index"):
+            continue
+        remote: dict[str, tuple[int, dict[str, Any]]] = {}
+        for j, future in enumerate(body.hosts.start("optimizer_state_shapes", optimizer._lp_index), start=1):
+            remote.update({name: (j, shapes) for name, shapes in future.result().items()})
+        merged: dict[str, Any] = {"state": {}, "param_groups": saved["param_groups"]}
+        for i, name in enumerate(optimizer._lp_names):  # type: ignore[attr-defined]
+            if name in remote:
+                j, shapes = remote[name]
+                entry: dict[str, Any] = {}
+                for key, value in shapes.items():
+                    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
+                        table.add(torch.empty(value[0], dtype=value[1], device="meta"), j,
+                                  ("optimizer", optimizer._lp_index, name, key), entry, key)
+                    else:
+                        entry[key] = value
+                merged["state"][i] = entry
+            elif i in saved["state"]:
+                merged["state"][i] = saved["state"][i]
+        checkpoint["optimizer_states"][k] = merged
+    return table
+
+
+class PipelineCheckpoints(PipelineProcesses):
+    """Lightning's checkpoint hooks for a pipelined LightningModule (``PipeStrategy``'s base): what is saved is
+    the plain model's, and what is loaded reaches every stage (see the module's docstring)."""
+
+    module_name: str
+    state_dict_type: str
+    _body: PipelinedSequential | None
+    _stage_optimizers: StageOptimizers | None
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the weights of remote stages are loaded into their processes, which setup configures
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The remote layers' entries stay placeholders here: save_checkpoint fetches them as it writes.
+        module = self.lightning_module
+        return module_state_dict(module, checks.body_of(module, self.module_name), False)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return raw(optimizer).state_dict()  # this process's part: save_checkpoint adds the others'
+
+    def _remote(self) -> PipelinedSequential | None:
+        """The body, if it has remote stages."""
+        body = self._body
+        return body if body is not None and body.hosts is not None else None
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self.is_global_zero:
+            return
+        body, optimizers = self._remote(), [raw(o) for o in self.optimizers]
+        path = str(filepath)
+        if self.state_dict_type == "sharded":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            sharded.save(checkpoint, path, body.hosts if body is not None else None, optimizers)
+            return
+        if body is None:
+            save_atomically(lambda p: self.checkpoint_io.save_checkpoint(checkpoint, p, storage_options), path)
+            return
+        table = placeholders(checkpoint, body, optimizers)
+        if type(self.checkpoint_io) is TorchCheckpointIO and "://" not in path and storage_options is None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            save_atomically(lambda p: save_streamed(checkpoint, p, table.lazy, table.fetch), path)
+        else:  # a CheckpointIO of the user's (or a remote path) takes the whole checkpoint in hand
+            table.fill()
+            save_atomically(lambda p: self.checkpoint_io.save_checkpoint(checkpoint, p, storage_options), path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if sharded.is_sharded(checkpoint_path):
+            return sharded.read_meta(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and sharded.is_sharded(filepath):
+            shutil.rmtree(filepath, ignore_errors=True)
+            return
+        super().remove_checkpoint(filepath)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        info = checkpoint.get("lightning_pipe")
+        if info is None:
+            # The body's load_state_dict hands the remote layers' entries to their stages.
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+            return
+        # Sharded: each process reads its own entries from the files that hold them, whatever split saved them.
+        module, body = self.lightning_module, self._remote()
+        names = list(module_state_dict(module, checks.body_of(module, self.module_name), False))
+        sharded.check_names(info, names, strict)
+        remote = {layer for layer, process in body.owner.items() if process} if body is not None else set()
+        prefixes = tuple(f"{self.module_name}.{layer}." for layer in remote)
+        futures = body.hosts.start("load_shards", info["path"], info["index"], strict, timeout=0) if body else []
+        module.load_state_dict(sharded.local_tensors(info, [n for n in names if not n.startswith(prefixes)]),
+                               strict=False)
+        for future in futures:
+            future.result()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self._stage_optimizers is not None
+        info = checkpoint.get("lightning_pipe")
+        for k, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            optimizer = raw(optimizer)
+            if info is None:
+                self._stage_optimizers.load(optimizer, state)
+            else:
+                body = self._remote()
+                futures = body.hosts.start("load_optimizer_shards", info["path"], optimizer._lp_index,
+                                           info["optimizer_index"][k], timeout=0) if body else []
+                optimizer.load_state_dict(sharded.local_optimizer_state(info, k, state, optimizer))
+                for future in futures:
+                    future.result()
+            _optimizers_to_device([optimizer], self.root_device)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[pl.LightningModule]:
+        """On the main process, the LightningModule holding the whole unpipelined body, every stage's
+        current weights included (remote layers are rebuilt on CPU); the pipeline is back afterwards.
+
+        ::
+
+            with trainer.strategy.gathered() as model:
+                torch.save(model, "whole.pt")      # or export, push, inspect ...
+        """
+        if not self.is_global_zero:
+            raise RuntimeError("PipeStrategy.gathered() gathers the model on the main process only (global "
+                               f"rank 0); this is replica {self.global_rank}: guard it with trainer.is_global_zero")
+        with gathered(self.lightning_module, self.module_name) as module:
+            yield module
+
+    def rpc_save_model(self, trainer: pl.Trainer, save_model_fn: Callable[[pl.Trainer, str], Any],
+                       filepath: str) -> None:
+        """Have the main process gather every stage and call ``save_model_fn(trainer, filepath)`` with the
+        whole unpipelined model in ``trainer.lightning_module``; then every process of the job meets
+        (:meth:`barrier`), so that the file is complete wherever the script goes on.
+
+        ``trainer.save_checkpoint`` needs no such help: it writes the whole model's checkpoint already.
+        """
+        if self.is_global_zero:
+            with self.gathered():
+                save_model_fn(trainer, filepath)
+        self.barrier("rpc_save_model")

@@ -21,6 +21,12 @@ __all__: list[str] = []
 BALANCE_MODES = ("balance_by_size", "balance_by_time")
 
 
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Reject ``value`` for argument ``name`` unless it is one of ``choices``, naming them."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))} (got: {value!r})")
+
+
 def check_arguments(balance: Any, microbatches: Any, checkpoint: Any, balance_mode: Any, rpc_timeout_sec: Any,
                     module_name: Any, schedule: Any, virtual_stages: Any, kwargs: dict[str, Any]) -> list[int] | None:
     """Reject ``PipeStrategy`` arguments that cannot work; return ``balance`` as a list (or None)."""

@@ -18,7 +18,7 @@ index, and the default process group of a driver holds exactly the drivers (tran
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -32,20 +32,21 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe.lightning import checkpoints, checks, observe
+from lightning_pipe.engine.deferred import deferred_init
+from lightning_pipe.lightning import checks, observe
 from lightning_pipe.lightning.body import PipelinedSequential
-from lightning_pipe.lightning.build import build
+from lightning_pipe.lightning.build import build, deferred_recording
+from lightning_pipe.lightning.checkpoints import PipelineCheckpoints
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, mix_in, raw
 from lightning_pipe.lightning.precision import PipePrecision, loss_gradient, sum_tied
-from lightning_pipe.lightning.processes import PipelineProcesses
 from lightning_pipe.lightning.replicas import Replicas
 from lightning_pipe.transport.session import SESSION, abort_world
 
 __all__ = ["PipeStrategy"]
 
 
-class PipeStrategy(PipelineProcesses):
+class PipeStrategy(PipelineCheckpoints):
     """Pipeline parallelism for a LightningModule whose layers live in an ``nn.Sequential`` body.
 
     ::
@@ -82,6 +83,10 @@ class PipeStrategy(PipelineProcesses):
             (:func:`lightning_pipe.loss_on_last_stage` in ``training_step``).
         virtual_stages: stages per process (``'interleaved-1f1b'``): ``balance`` has processes x virtual_stages
             entries, and stage ``s`` runs in the pipeline's process ``s % processes``.
+        state_dict_type: ``'full'``: checkpoints are one file that loads into the plain model, written by the
+            main process stage by stage; ``'sharded'``: a directory where each process writes its own stage
+            (:func:`lightning_pipe.consolidate_checkpoint` makes the full file of it), as Lightning's
+            ``FSDPStrategy`` names them.
         **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``cluster_environment``, ...). Models are not wrapped in DDP: each stage averages its
             own gradients.
@@ -93,12 +98,13 @@ class PipeStrategy(PipelineProcesses):
                  balance_mode: str = "balance_by_size", pipelined_backward: bool = True,
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
                  deferred_batch_norm: bool = False, timeline: str | None = None, schedule: str = "gpipe",
-                 virtual_stages: int = 1, accelerator: Any = None,
+                 virtual_stages: int = 1, state_dict_type: str = "full", accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         balance = checks.check_arguments(balance, microbatches, checkpoint, balance_mode, rpc_timeout_sec,
                                          module_name, schedule, virtual_stages, kwargs)
+        checks.check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -114,6 +120,7 @@ class PipeStrategy(PipelineProcesses):
         self.timeline = timeline
         self.schedule = schedule
         self.virtual_stages = virtual_stages
+        self.state_dict_type = state_dict_type
         self._body: PipelinedSequential | None = None  # the body this strategy runs, once set up
         self._stage_optimizers: StageOptimizers | None = None
         self._replicas = Replicas(1)
@@ -140,7 +147,9 @@ class PipeStrategy(PipelineProcesses):
             # (which would shuffle even a loader built with shuffle=False). With replicas, DDP's sampling stays.
             trainer._accelerator_connector.use_distributed_sampler = False
         self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
+        recording = deferred_recording(self.lightning_module)  # a body built on meta: record the conversion too
+        with recording.resume() if recording is not None else contextlib.nullcontext():
+            self.precision_plugin.convert_module(self.model)
         self._attach(build(self, self.lightning_module))
         mix_in(self.precision_plugin, PipePrecision)
         self.model_to_device()
@@ -149,6 +158,21 @@ class PipeStrategy(PipelineProcesses):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Modules made inside (``configure_model``, ``trainer.init_module()``) are built on the meta device
+        and recorded (:func:`lightning_pipe.deferred_init`): at setup each process materialises its own stage
+        alone, with the values a plain build gives under the same seed. ``empty_init=True`` skips
+        ``torch.nn.init``'s initialisers (for weights loaded afterwards), as Lightning's strategies do."""
+        with deferred_init(skip_initialisers=bool(empty_init)), self.precision_plugin.tensor_init_context():
+            yield
+
+    def setup_timeout(self) -> float:
+        """How long setting a stage up may take, in seconds: the process group's timeout (materialising a
+        large stage, meeting the other replicas)."""
+        return self._timeout.total_seconds() if self._timeout is not None else default_pg_timeout.total_seconds()
 
     def _attach(self, body: PipelinedSequential) -> None:
         """Run ``body`` with this strategy: layers in step with the driver's, a pending remote step first."""
@@ -238,73 +262,6 @@ class PipeStrategy(PipelineProcesses):
         for future in self._body.hosts.start("barrier", timeout=0) if self._body and self._body.hosts else []:
             future.result()
         super().barrier(name)
-
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the weights of remote stages are loaded into their processes, which setup configures
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # The body's state_dict fetches the remote stages' entries: only the process that writes needs them.
-        module = self.lightning_module
-        return checkpoints.module_state_dict(module, checks.body_of(module, self.module_name), self.is_global_zero)
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        optimizer = raw(optimizer)
-        if self._stage_optimizers is None or not self.is_global_zero:
-            return optimizer.state_dict()
-        return self._stage_optimizers.state(optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.is_global_zero:
-            checkpoints.save_atomically(
-                lambda path: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options),
-                str(filepath))
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        # The body's load_state_dict hands the remote layers' entries to their stages.
-        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self._stage_optimizers is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self._stage_optimizers.load(raw(optimizer), state)
-            _optimizers_to_device([raw(optimizer)], self.root_device)
-
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[pl.LightningModule]:
-        """On the main process, the LightningModule holding the whole unpipelined body, every stage's
-        current weights included (remote layers are rebuilt on CPU); the pipeline is back afterwards.
-
-        ::
-
-            with trainer.strategy.gathered() as model:
-                torch.save(model, "whole.pt")      # or export, push, inspect ...
-        """
-        if not self.is_global_zero:
-            raise RuntimeError("PipeStrategy.gathered() gathers the model on the main process only (global "
-                               f"rank 0); this is replica {self.global_rank}: guard it with trainer.is_global_zero")
-        with checkpoints.gathered(self.lightning_module, self.module_name) as module:
-            yield module
-
-    def rpc_save_model(self, trainer: pl.Trainer, save_model_fn: Callable[[pl.Trainer, str], Any],
-                       filepath: str) -> None:
-        """Have the main process gather every stage and call ``save_model_fn(trainer, filepath)`` with the
-        whole unpipelined model in ``trainer.lightning_module``; then every process of the job meets
-        (:meth:`barrier`), so that the file is complete wherever the script goes on.
-
-        ``trainer.save_checkpoint`` needs no such help: its checkpoints are consolidated already.
-        """
-        if self.is_global_zero:
-            with self.gathered():
-                save_model_fn(trainer, filepath)
-        self.barrier("rpc_save_model")
 
     # ------------------------------------------------------------------ seeing the pipeline
     def record_timeline(self, on: bool = True) -> None:

@@ -12,7 +12,7 @@ holds one tensor under each of the plain model's names for it, which loads into 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -35,6 +35,27 @@ def find_tied(parts: Sequence[nn.Sequential], processes: int, ranks: Sequence[in
                 owners.setdefault(id(p), {}).setdefault(s % processes, f"{prefix}{name}.{pname}")
     return [TiedParameter(tuple(named.values()), tuple(ranks[j] for j in named), tuple(named))
             for named in owners.values() if len(named) > 1]
+
+
+def keep_ties(body: nn.Sequential, remote: set[str]) -> Callable[[], None]:
+    """Note which parameter slots of the ``remote`` layers of ``body`` (by child name) hold a parameter of a
+    local layer; the function returned puts the local layers' parameters back in those slots, once something
+    (materialising a body built on the meta device) has replaced them in the local layers alone."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    for name, layer in body.named_children():
+        if name not in remote:
+            for m in layer.modules():
+                for pname, p in m._parameters.items():
+                    if p is not None:
+                        first.setdefault(id(p), (m, pname))
+    slots = [(m, pname, first[id(p)]) for name, layer in body.named_children() if name in remote
+             for m in layer.modules() for pname, p in m._parameters.items() if p is not None and id(p) in first]
+
+    def retie() -> None:
+        for m, pname, (holder, held) in slots:
+            m._parameters[pname] = holder._parameters[held]
+
+    return retie
 
 
 def add_twins(specs: list[optim.OptimizerSpec | None], optimizer: Any, names: Mapping[int, str],

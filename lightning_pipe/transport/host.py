@@ -9,9 +9,9 @@ checkpoints).
 
 from __future__ import annotations
 
-import copy
 import math
 import os
+import pickle
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
+from lightning_pipe.engine.deferred import Program, materialize, named_tensors
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
@@ -30,6 +31,7 @@ from lightning_pipe.transport.dataparallel import average_gradients
 from lightning_pipe.transport.messages import MAILBOX, to_concurrent, where
 from lightning_pipe.transport.runner import StageRunner, register, unregister
 from lightning_pipe.transport.session import SESSION
+from lightning_pipe.transport.stagestate import StageState
 from lightning_pipe.transport.tied import TiedCopies, TiedParameter
 
 __all__: list[str] = []
@@ -49,7 +51,7 @@ def layer_modes(layers: Sequence[nn.Module]) -> bytes:
                  for layer in layers for m in layer.modules())
 
 
-class StageHost:
+class StageHost(StageState):
     """This process's stages of pipeline ``key`` (``parts``: stage index -> (partition, index of its first
     layer in the body); several under an interleaved schedule), with what training them needs.
 
@@ -59,12 +61,15 @@ class StageHost:
 
     def __init__(self, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: torch.device,
                  peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
-                 tied: Sequence[TiedParameter] = ()) -> None:
+                 programs: Mapping[int, Program] | None = None, tied: Sequence[TiedParameter] = ()) -> None:
         self.key = key
         self.prefix = prefix
+        for s, program in (programs or {}).items():  # layers built on the meta device: materialised here alone
+            materialize(parts[s][0], program.run())
         self.stages = [Stage(s, part.to(device), device, offset=offset, exports=layout.exports[s].keys(),
                              imports=layout.imports[s].keys()) for s, (part, offset) in sorted(parts.items())]
         self.stage = self.stages[0]
+        self.process = self.stage.index  # its first stage names this process's file in a sharded checkpoint
         # Every layer of this process, by its name in the body, in order: what optimizers, state and modes see.
         self.partition = nn.Sequential(OrderedDict(
             (name, layer) for stage in self.stages for name, layer in stage.partition.named_children()))
@@ -75,6 +80,8 @@ class StageHost:
         self.tied = TiedCopies(key, tied, SESSION.rank)  # parameters shared with layers of other processes
         self.optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
         self.counts = {"steps": 0, "barriers": 0}  # what this process did, for :meth:`stats`
+        self.materialized = sorted(self.prefix + name for s in (programs or {})
+                                   for name in named_tensors(parts[s][0]))
         register(self.runner)
 
     # ------------------------------------------------------------------ optimizers
@@ -160,43 +167,10 @@ class StageHost:
             dist.barrier()
         self.counts["barriers"] += 1
 
-    def stats(self) -> dict[str, int]:
-        """How many optimizer steps this stage took and barriers it passed."""
-        return dict(self.counts)
-
-    def optimizer_state(self, k: int) -> dict[str, dict[str, Any]]:
-        """Per-parameter state of optimizer ``k``, by name."""
-        if k not in self.optimizers:
-            return {}
-        optimizer, names = self.optimizers[k]
-        return optim.state_by_name(optimizer, names)
-
-    def load_optimizer_state(self, k: int, states: Mapping[str, Mapping[str, Any]]) -> None:
-        """Load per-parameter state (by name) into optimizer ``k``."""
-        if k in self.optimizers:
-            optimizer, names = self.optimizers[k]
-            optim.load_state_by_name(optimizer, names, states)
-
-    # ------------------------------------------------------------------ module state
-    def state_dict(self) -> dict[str, Tensor]:
-        """The partition's state, by the LightningModule's names, on CPU."""
-        return {self.prefix + n: t.detach().cpu() for n, t in self.partition.state_dict().items()}
-
-    def layers(self) -> dict[str, nn.Module]:
-        """Copies of the partition's layers on CPU, by child name, for the whole model in one place: every
-        parameter and buffer (non-persistent ones included) as it is now, gradients left behind."""
-        memo: dict[int, Any] = {}
-        for p in self.partition.parameters():
-            memo[id(p)] = nn.Parameter(p.detach().cpu(), requires_grad=p.requires_grad)
-        for b in self.partition.buffers():
-            memo[id(b)] = b.detach().cpu()
-        return {name: copy.deepcopy(layer, memo) for name, layer in self.partition.named_children()}
-
-    def load_state_dict(self, state: Mapping[str, Tensor], strict: bool = True) -> None:
-        """Load the partition's state from entries named as in the LightningModule (``strict``: as in
-        ``nn.Module.load_state_dict``)."""
-        own = {n[len(self.prefix):]: t for n, t in state.items() if n.startswith(self.prefix)}
-        self.partition.load_state_dict(own, strict=strict)
+    def stats(self) -> dict[str, Any]:
+        """How many optimizer steps this stage took and barriers it passed, and which tensors it materialised
+        from the driver's recording of a deferred build (by the LightningModule's names)."""
+        return {**self.counts, "materialized": self.materialized}
 
     def memory(self) -> dict[str, int]:
         """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""
@@ -258,26 +232,36 @@ class StageHost:
 
 
 def process_memory(runner: StageRunner) -> dict[str, int]:
-    """Resident memory of this process (bytes) and the pipeline's bookkeeping for ``runner``'s stages:
+    """Resident memory of this process (bytes: ``rss`` now, ``peak`` the most it has held, Linux's ``VmHWM``)
+    and the pipeline's bookkeeping for ``runner``'s stages:
     saved micro-batches, undelivered messages, outputs held for the driver, per-step seeds and gradients set
     aside for a step's commit (all 0 between steps), and how many remote stages this process hosts (of every
     pipeline still in use)."""
-    rss = 0
+    rss = peak = 0
     try:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: the bookkeeping alone
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):  # not Linux: the bookkeeping alone
         pass
     stages = runner.stages.values()
-    return {"rss": rss, "saved": sum(len(st._saved) for st in stages), "mailbox": MAILBOX.pending() + len(runner._held),
-            "seeds": len(runner._seeds), "aside": sum(st.aside.pending() for st in stages), "stages": len(_HOSTS)}
+    return {"rss": rss, "peak": peak, "saved": sum(len(st._saved) for st in stages),
+            "mailbox": MAILBOX.pending() + len(runner._held), "seeds": len(runner._seeds),
+            "aside": sum(st.aside.pending() for st in stages), "stages": len(_HOSTS)}
 
 
-def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str, peers: Sequence[str],
+def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, device: str, peers: Sequence[str],
               layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
               tied: Sequence[TiedParameter] = ()) -> None:
     """Host stages ``parts`` (stage -> (partition, offset)) of pipeline ``key`` here (an RPC entry point,
-    called by the driver); ``tied``: the parameters its layers share with other processes' layers."""
+    called by the driver). Partitions built on the meta device arrive pickled with their programs, ``(parts,
+    programs)`` (RPC carries no meta tensor), and are materialised here (:mod:`lightning_pipe.engine.deferred`).
+    Every replica's stage then takes replica 0's weights. ``tied``: the parameters its layers share with other
+    processes' layers (:mod:`lightning_pipe.transport.tied`)."""
+    programs: Mapping[int, Program] | None = None
+    if isinstance(parts, bytes):
+        parts, programs = pickle.loads(parts)
     from lightning_pipe.engine.partition import normalize_device
 
     if torch.device(device).type == "cuda":
@@ -286,15 +270,20 @@ def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: 
     old = _HOSTS.pop(key, None)
     if old is not None:
         old.close()
-    _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, tied)
+    _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, programs, tied)
+    _HOSTS[key].broadcast_state()
 
 
 def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str,
                     peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str,
-                    record: bool = False, tied: Sequence[TiedParameter] = ()) -> torch.futures.Future:
-    """Have process ``peer`` host stages ``parts`` of pipeline ``key`` (see :func:`configure`)."""
-    return rpc.rpc_async(peer, configure, timeout=timeout,
-                         args=(key, parts, device, peers, layout, timeout, prefix, record, tied))
+                    record: bool = False, programs: Mapping[int, Program] | None = None,
+                    setup_timeout: float | None = None, tied: Sequence[TiedParameter] = ()) -> torch.futures.Future:
+    """Have process ``peer`` host stages ``parts`` of pipeline ``key`` (see :func:`configure`); ``programs``:
+    how to materialise partitions built on the meta device. ``setup_timeout``: how long the call may take
+    (default ``timeout``), for materialising the stage and meeting the other replicas."""
+    sent: Any = pickle.dumps((dict(parts), dict(programs))) if programs else parts
+    return rpc.rpc_async(peer, configure, timeout=setup_timeout or timeout,
+                         args=(key, sent, device, peers, layout, timeout, prefix, record, tied))
 
 
 def drop(key: str) -> None:

@@ -31,7 +31,8 @@ DEFAULTS: dict[str, Any] = {
     "sanity_steps": 0, "configure_model": False, "nodes": 1, "log_grad_norm": False, "lr_find": False,
     "manual_accumulate": 1, "eval_layers": [], "batchnorm": False, "freeze_bn_layers": [],
     "default_dtype_layer": False, "accelerator": "cpu", "schedule": "gpipe", "virtual_stages": 1,
-    "last_stage_loss": False, "predict": False,
+    "last_stage_loss": False, "predict": False, "build": "eager", "guard": False, "save_initial": False,
+    "init": None, "state_dict_type": "full",
 }
 
 
@@ -46,11 +47,45 @@ class Rotate(nn.Module):
         return x @ (torch.eye(self.width) * 0.9 + 0.01)
 
 
+@torch.library.custom_op("lp_test::claim_", mutates_args=("weight",))
+def claim_(weight: torch.Tensor, process: int) -> None:
+    """Scale ``weight`` by 1 (a no-op on values): materialising it runs this CPU kernel, which raises in any
+    process of a guarded job (``LP_GUARD_PROCESSES``, the processes of a pipeline) but ``process``."""
+    processes = int(os.environ.get("LP_GUARD_PROCESSES", "0"))
+    here = int(os.environ.get("LOCAL_RANK", "0")) % processes if processes else process
+    if here != process:
+        raise RuntimeError(f"a layer of pipeline process {process} was materialised in process {here}")
+    weight.mul_(1.0)
+
+
+@claim_.register_fake
+def _(weight: torch.Tensor, process: int) -> None:
+    return None
+
+
+class Guarded(nn.Linear):
+    """A linear layer that only the pipeline process ``process`` may materialise (see :func:`claim_`)."""
+
+    def __init__(self, width: int, process: int) -> None:
+        super().__init__(width, width)
+        with torch.no_grad():
+            claim_(self.weight, process)
+
+
+def owners(config: dict[str, Any]) -> list[int]:
+    """The pipeline process of each block of the body (stage s in process s % processes)."""
+    processes = len(config["balance"]) // config["virtual_stages"]
+    return [s % processes for s, size in enumerate(config["balance"]) for _ in range(size)]
+
+
 def make_body(config: dict[str, Any]) -> nn.Sequential:
     layers: list[nn.Module] = []
     width = config["width"]
     for i in range(config["layers"]):
-        block: list[nn.Module] = [nn.Linear(width, width), nn.Tanh()]
+        linear = Guarded(width, owners(config)[i]) if config["guard"] else nn.Linear(width, width)
+        if config["init"] == "trunc_normal":  # rejection sampling: draws as many numbers as its values ask
+            nn.init.trunc_normal_(linear.weight, std=0.5, a=-0.6, b=0.6)
+        block: list[nn.Module] = [linear, nn.Tanh()]
         if config["batchnorm"]:
             block.insert(1, nn.BatchNorm1d(width))
         if config["default_dtype_layer"]:
@@ -62,12 +97,15 @@ def make_body(config: dict[str, Any]) -> nn.Sequential:
 
 
 class Model(pl.LightningModule):
+    lazy = False  # the body is built in configure_model
+
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.config = {**DEFAULTS, **(config or {})}
         self.save_hyperparameters({"config": self.config})
         torch.manual_seed(self.config["seed"])
-        self.sequential_module = make_body(self.config)
+        if not self.lazy:
+            self.sequential_module = make_body(self.config)
         if self.config["last_stage_loss"]:  # the head ends the body: the loss is computed on the last stage
             self.sequential_module.append(nn.Linear(self.config["width"], 1))
             self.head = nn.Identity()
@@ -207,9 +245,7 @@ class LazyModel(Model):
     """The same model with its body built in ``configure_model`` (once the processes run), the way large
     models are built; its checkpoints load into :class:`Model`."""
 
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
-        super().__init__(config)
-        del self.sequential_module
+    lazy = True
 
     def configure_model(self) -> None:
         if not hasattr(self, "sequential_module"):
@@ -238,6 +274,18 @@ class MemoryProbe(pl.Callback):
         if trainer.is_global_zero:
             with open(self.path, "w") as f:
                 json.dump(self.seen, f)
+
+
+class SaveInitial(pl.Callback):
+    """Saves the whole model's weights as training starts (the main process; every stage's, consolidated)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        state = module.state_dict()
+        if trainer.is_global_zero:
+            torch.save(state, self.path)
 
 
 def placement(accelerator: str, devices: int) -> tuple[int, dict[str, Any]]:
@@ -294,25 +342,31 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
         strategy = PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
                                 checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],
                                 rpc_timeout_sec=60, timeline=config["timeline"], schedule=config["schedule"],
-                                virtual_stages=config["virtual_stages"], **shared)
+                                virtual_stages=config["virtual_stages"], state_dict_type=config["state_dict_type"],
+                                **shared)
     return pl.Trainer(devices=devices, num_nodes=config["nodes"], strategy=strategy, callbacks=callbacks,
                       **kwargs)
 
 
 def crash_at_save(n: int) -> None:
     """Kill this process (SIGKILL: nothing runs after) when the n-th written checkpoint is about to be
-    renamed into place: the moment a crash would leave a half-written file behind."""
+    renamed into place (a file by os.replace, a sharded checkpoint's directory by os.rename): the moment a
+    crash would leave a half-written checkpoint behind."""
     import signal
 
-    real, calls = os.replace, [0]
+    calls = [0]
 
-    def replace(src: Any, dst: Any) -> None:
-        calls[0] += 1
-        if calls[0] == n:
-            os.kill(os.getpid(), signal.SIGKILL)
-        real(src, dst)
+    def crashing(real: Any) -> Any:
+        def rename(src: Any, dst: Any) -> None:
+            if ".tmp" in str(src) or ".partial-" in str(src):  # a checkpoint put into place
+                calls[0] += 1
+                if calls[0] == n:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            real(src, dst)
+        return rename
 
-    os.replace = replace  # type: ignore[assignment]
+    os.replace = crashing(os.replace)  # type: ignore[assignment]
+    os.rename = crashing(os.rename)  # type: ignore[assignment]
 
 
 def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningModule:
@@ -320,8 +374,20 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
     if os.environ.get("LP_CRASH_AT_SAVE"):
         crash_at_save(int(os.environ["LP_CRASH_AT_SAVE"]))
     pl.seed_everything(config["seed"], workers=True)
-    model = (LazyModel if config["configure_model"] else Model)(config)
+    if config["guard"] and not plain:
+        os.environ["LP_GUARD_PROCESSES"] = str(len(config["balance"]) // config["virtual_stages"])
     trainer = trainer_for(config, out, plain)
+    model_class = LazyModel if config["configure_model"] else Model
+    if config["build"] == "init_module":  # Lightning's way for large models; real on one device
+        with trainer.init_module():
+            model = model_class(config)
+    elif config["build"] == "deferred_init" and not plain:  # the same model, built plainly as the reference
+        with lightning_pipe.deferred_init():
+            model = model_class(config)
+    else:
+        model = model_class(config)
+    if config["save_initial"]:
+        trainer.callbacks.append(SaveInitial(os.path.join(out, "initial.pt")))
     dataset = data(config)
     processes = len(config["balance"]) // config["virtual_stages"] if config["balance"] else config["devices"]
     replicas = config["devices"] * config["nodes"] // processes
