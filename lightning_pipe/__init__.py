@@ -2,7 +2,9 @@
 
 Three layers, each importing only those before it: :mod:`lightning_pipe.engine` (the pipeline in one
 process: ``Pipe``), :mod:`lightning_pipe.transport` (its stages in other processes, over RPC) and
-:mod:`lightning_pipe.lightning` (``PipeStrategy`` for Lightning's Trainer).
+:mod:`lightning_pipe.lightning` (``PipeStrategy`` for Lightning's Trainer). The optional
+:mod:`lightning_pipe.models` (``pip install 'lightning_pipe[hf]'``) makes Hugging Face models bodies; it is not
+imported here.
 """
 
 from lightning_pipe.engine import (

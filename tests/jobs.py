@@ -141,6 +141,31 @@ for _name, _extra in SCHEDULES.items():
         "epochs": 1}
 
 
+# Hugging Face models as bodies (lightning_pipe.models; tests/scripts/hf_train.py): GPT-2 under GPipe, Llama
+# (grouped-query attention) under 1F1B with the loss on the last stage, BERT, Qwen2 (sliding-window layers) over 3
+# stages; heads tied to their embedding across stages (a copy in the first and last stage, gradients summed),
+# clipped by the global norm (the tied parameter counted once): GPT-2 at 2 stages, Llama at 3 under 1F1B.
+HF_CASES = {
+    "2 processes": {
+        "hf-gpt2-gpipe-sgd": {"script": "hf", "arch": "gpt2"},
+        "hf-llama-1f1b-adamw": {"script": "hf", "arch": "llama", "schedule": "1f1b", "last_stage_loss": True,
+                                "optimizer": "adamw", "epochs": 1},
+        "hf-bert-sgd": {"script": "hf", "arch": "bert", "balance": [2, 4], "epochs": 1},
+    },
+    "3 processes": {
+        "hf-qwen2-3stages-always": {"script": "hf", "arch": "qwen2", "devices": 3, "balance": [2, 2, 2],
+                                    "checkpoint": "always", "epochs": 1},
+    },
+}
+HF_CASES["2 processes"]["hf-gpt2-tied"] = {"script": "hf", "arch": "gpt2", "tied": True, "epochs": 1,
+                                           "optimizer": "adamw", "clip": 0.5}
+HF_CASES["3 processes"]["hf-llama-tied-3stages"] = {"script": "hf", "arch": "llama", "tied": True, "devices": 3,
+                                                    "balance": [2, 2, 2], "epochs": 1, "clip": 0.5,
+                                                    "schedule": "1f1b", "last_stage_loss": True}
+for _group, _cases in HF_CASES.items():
+    GROUPS[_group].update(_cases)
+
+
 def config(case: str) -> dict[str, Any]:
     """The config of ``case``, as it trained (paths relative to its job's directory)."""
     return next(cases[case] for cases in GROUPS.values() if case in cases)

@@ -111,3 +111,53 @@ def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
         ran = [(e.kind, e.microbatch) for e in sorted((e for e in last if e.stage == j), key=lambda e: e.start)]
         assert ran == [(a.kind, a.microbatch) for a in plan.actions[j]]
     assert "1f1b theory" in out
+
+
+@pytest.mark.timeout(300)
+def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_path):
+    """A Hugging Face Llama checkpoint (trained briefly and saved here: no small pretrained decoder ships in a
+    package) is loaded by the body per the model's names, before the first step: the pipeline's validation loss
+    before fine-tuning is the checkpoint's own. 1F1B with the loss on the last stage lowers it, and the Hugging
+    Face checkpoint the example writes back scores as the pipeline did."""
+    transformers = pytest.importorskip("transformers")
+    from finetune_causal_lm import TokenCorpus, next_token_loss
+
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=False)
+    pretrained = transformers.LlamaForCausalLM(config)
+    data = TokenCorpus(context=32)
+    data.setup("fit")
+    # "Pre-training": a few steps here, so that its loss (about 3.3) is its own, far from a fresh model's (5.5).
+    optimizer = torch.optim.AdamW(pretrained.parameters(), lr=0.01)
+    for _, (x, y) in zip(range(20), data.train_dataloader()):
+        optimizer.zero_grad()
+        next_token_loss(pretrained(input_ids=x).logits, y).backward()
+        optimizer.step()
+    pretrained.eval().save_pretrained(tmp_path / "pretrained")
+
+    def score(model: torch.nn.Module) -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for x, y in data.val_dataloader():
+                total += next_token_loss(model(input_ids=x).logits, y).item() * len(x)
+                count += len(x)
+        return total / count
+
+    result = run_script("examples/finetune_causal_lm.py", "fit", "--config", "configs/finetune_causal_lm/cpu.yaml",
+                        f"--model.pretrained={tmp_path / 'pretrained'}", "--model.context=32",
+                        "--trainer.strategy.init_args.balance=[2, 2]", "--trainer.max_steps=16",
+                        "--trainer.val_check_interval=16", "--model.max_new_tokens=12", "--model.lr=0.01",
+                        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+                        timeout=240)
+    out = result.stdout
+    before = float(re.search(r"validation loss before fine-tuning: ([0-9.]+)", out)[1])
+    after = float(re.search(r"validation loss after fine-tuning: ([0-9.]+)", out)[1])
+    assert before == pytest.approx(score(pretrained), abs=2e-3) and before < 4.5  # the checkpoint's, in both stages
+    assert after < before - 0.1, (before, after)
+    for when in ("before", "after"):
+        assert len(re.findall(rf"--- sample {when} fine-tuning \d ---\nFirst Citizen:\n", out)) == 4
+    exported = tmp_path / "lightning_logs" / "version_0" / "hf_model"
+    assert f"Hugging Face checkpoint: {exported}" in out
+    assert score(transformers.AutoModelForCausalLM.from_pretrained(exported).eval()) == pytest.approx(after, abs=2e-3)

@@ -1,8 +1,10 @@
 """The package's plan, checked on its source: layers import one way, no cycles, rooms of a readable size.
 
 ``engine`` (the pipeline in one process) knows neither RPC nor Lightning; ``transport`` (stages in other
-processes) knows no Lightning; ``lightning`` (``PipeStrategy``) may use both. Read from each module's own
-import statements, those inside functions included, so that a late import cannot hide a wrong arrow.
+processes) knows no Lightning; ``lightning`` (``PipeStrategy``) may use both. ``models`` (Hugging Face models as
+bodies) is an optional layer above the engine: the only one that imports ``transformers``, imported by none.
+Read from each module's own import statements, those inside functions included, so that a late import cannot
+hide a wrong arrow.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import pytest
 
 PACKAGE = Path(__file__).parent.parent / "lightning_pipe"
 LAYERS = ["engine", "transport", "lightning"]  # each may import only those before it
+OPTIONAL = {"models": ["engine"]}  # optional layers: what each may import; no other layer imports them
 FORBIDDEN = {
     "engine": ("torch.distributed.rpc", "pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics"),
     "transport": ("pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics"),
+    "models": ("torch.distributed.rpc", "pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics"),
 }
+EXTRAS = ("transformers",)  # what only the optional layers may import
 
 
 def modules() -> dict[str, Path]:
@@ -52,7 +57,16 @@ def imports(path: Path, name: str, known: set[str]) -> set[str]:
 
 def layer(name: str) -> str | None:
     parts = name.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+    return parts[1] if len(parts) > 1 and (parts[1] in LAYERS or parts[1] in OPTIONAL) else None
+
+
+def may_import(mine: str | None, theirs: str) -> bool:
+    """Whether a module of layer ``mine`` (None: a public face) may import one of layer ``theirs``."""
+    if mine in OPTIONAL:
+        return theirs == mine or theirs in OPTIONAL[mine]
+    if theirs in OPTIONAL or mine is None:
+        return theirs not in OPTIONAL
+    return LAYERS.index(theirs) <= LAYERS.index(mine)
 
 
 def test_every_module_is_in_a_layer_or_is_a_public_face():
@@ -66,15 +80,24 @@ def test_layers_import_one_way_and_the_engine_knows_neither_rpc_nor_lightning():
     wrong = []
     for name, path in modules().items():
         mine = layer(name)
-        if mine is None:
-            continue
+        forbidden = FORBIDDEN.get(mine, ()) if mine is not None else ()
+        if mine not in OPTIONAL:
+            forbidden += EXTRAS
         for target in imports(path, name, known):
             theirs = layer(target) if target.startswith("lightning_pipe.") else None
-            if theirs is not None and LAYERS.index(theirs) > LAYERS.index(mine):
+            if theirs is not None and not may_import(mine, theirs):
                 wrong.append(f"{name} -> {target}")
-            if any(target == f or target.startswith(f + ".") for f in FORBIDDEN.get(mine, ())):
+            if any(target == f or target.startswith(f + ".") for f in forbidden):
                 wrong.append(f"{name} -> {target}")
     assert wrong == []
+
+
+def test_the_layout_check_sees_a_wrong_arrow():
+    """The rules above, on arrows that break them: none may import the optional ``models``, which may import
+    the engine alone."""
+    assert may_import("models", "engine") and may_import("lightning", "transport") and may_import(None, "lightning")
+    assert not any(may_import(mine, "models") for mine in (None, *LAYERS))
+    assert not may_import("models", "transport") and not may_import("engine", "transport")
 
 
 def test_no_import_cycle():

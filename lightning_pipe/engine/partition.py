@@ -56,8 +56,9 @@ def check_chunks(chunks: Any, what: str = "chunks") -> None:
         raise ValueError(f"{what} must be a positive integer (got: {chunks!r})")
 
 
-def check_sequential(module: Any, what: str = "module") -> None:
-    """Reject a module that is not an ``nn.Sequential`` of distinct children with unshared parameters."""
+def check_sequential(module: Any, what: str = "module", shared: bool = False) -> None:
+    """Reject a module that is not an ``nn.Sequential`` of distinct children with unshared parameters (with
+    ``shared``, parameters may be shared between layers: ``PipeStrategy`` gives each owning process a copy)."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"{what} must be nn.Sequential to be partitioned (got: {type(module).__name__})")
     if len(module._modules) == 0:
@@ -76,13 +77,14 @@ def check_sequential(module: Any, what: str = "module") -> None:
         raise ValueError(f"{what} with duplicate children is not supported (the same layer appears as: "
                          f"{where}); give each position its own layer")
     owner: dict[int, str] = {}
-    for name, child in module.named_children():
+    for name, child in module.named_children() if not shared else ():
         for pname, p in child.named_parameters():
             other = owner.setdefault(id(p), name)
             if other != name:
-                raise ValueError(f"{what} shares parameters between layers, which partitions cannot do "
-                                 f"(layers '{other}' and '{name}' share '{pname}'); untie them or keep them "
-                                 "in one layer")
+                raise ValueError(f"{what} shares parameters between layers, which Pipe's partitions cannot do "
+                                 f"(layers '{other}' and '{name}' share '{pname}'); untie them, keep them in one "
+                                 "layer, or train with PipeStrategy, which keeps a copy in each stage that uses "
+                                 "them and sums their gradients")
 
 
 def check_balance(module: nn.Sequential, balance: Sequence[int] | None) -> list[int]:

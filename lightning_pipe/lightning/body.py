@@ -48,11 +48,17 @@ class PipelinedSequential(nn.Module):
         self.name = name
         self.processes = processes or max(stage_of.values()) + 1
         owner = {child: s % self.processes for child, s in stage_of.items()}
+        # A parameter tied to one of this process's layers stays real (and one parameter) in the remote layers
+        # that share it, as in the plain model; their own copies are in their processes (lightning/tied.py).
+        local = {id(p) for child, layer in body.named_children() if owner[child] == 0 for p in layer.parameters()}
+        made: dict[int, Any] = {}
         for child, layer in body.named_children():
             if owner[child] != 0:
-                layer = layer.to("meta")
-                wrap_placeholders(layer, f"{name}.{child}.", stage_of[child], owner[child])
+                _to_meta(layer, keep=local)
+                wrap_placeholders(layer, f"{name}.{child}.", stage_of[child], owner[child], made)
             self.add_module(child, layer)
+        self.tied: list[Any] = []  # the parameters tied across processes (TiedParameter), set by the build
+        self.tied_sync: Any = None  # sums their copies' gradients (lightning/tied.py), where there are any
         self.stage_of_layer = dict(stage_of)
         self.owner = owner
         self.pipeline = pipeline
@@ -88,15 +94,17 @@ class PipelinedSequential(nn.Module):
         ``loading`` holds the names loaded and the counters just before: those loaded, or changed by the load
         itself, are taken afresh; the others keep theirs, so a change made before still shows. Parameters put
         in by ``load_state_dict(assign=True)`` become placeholders again."""
+        made: dict[int, Any] = {}
         for child, layer in self.named_children():
             if self.owner[child] != 0:
                 wrap_placeholders(layer, f"{self.name}.{child}.", self.stage_of_layer[child],
-                                  self.owner[child])
+                                  self.owner[child], made)
         recorded = dict(zip((name for name, _ in self._placeholders), self._versions))
         loaded, before_load = loading if loading is not None else (set(), {})
         self._placeholders = [(f"{child}.{name}", t) for child, layer in self.named_children()
                               if self.owner[child] != 0
-                              for name, t in [*layer.named_parameters(), *layer.named_buffers()]]
+                              for name, t in [*layer.named_parameters(), *layer.named_buffers()]
+                              if t.is_meta]  # not a parameter tied to a local layer
         self._versions = []
         for name, t in self._placeholders:
             now = version(t)
@@ -177,8 +185,8 @@ class PipelinedSequential(nn.Module):
         tied = next((t for t in (out if isinstance(out, tuple) else (out,))
                      if isinstance(t, Tensor) and t.requires_grad), None)
         if tied is not None and self.on_backward is not None:
-            check = self.on_backward
-            tied.register_hook(lambda grad: (check(), grad)[1])
+            check, sync = self.on_backward, self.tied_sync
+            tied.register_hook(lambda grad: (check(), sync is not None and sync.pending(), grad)[-1])
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Run ``input`` through every stage of the pipeline."""
@@ -209,10 +217,21 @@ class PipelinedSequential(nn.Module):
                 f"checkpoint={self.checkpoint!r}, schedule={self.schedule!r}")
 
 
+def _to_meta(layer: nn.Module, keep: set[int]) -> None:
+    """Move ``layer`` to the meta device in place, but for the parameters in ``keep`` (by id), left as they are."""
+    kept = [(m, n, p) for m in layer.modules() for n, p in m._parameters.items() if p is not None and id(p) in keep]
+    for m, n, _ in kept:
+        m._parameters[n] = None
+    layer.to("meta")
+    for m, n, p in kept:
+        m._parameters[n] = p
+
+
 def _remote_state(module: PipelinedSequential, state: dict[str, Any], prefix: str, metadata: Any) -> None:
     """``state_dict`` hook: the remote layers' entries as their stages hold them now (on CPU), not their
     placeholders, so that ``model.state_dict()`` on the driver is the whole model's (never without a change
-    made here in place, which the stages do not have)."""
+    made here in place, which the stages do not have). A parameter tied across processes is one tensor under
+    each of its names, as in the plain model's ``state_dict``: its first owner's."""
     module.check_placeholders()
     if module.hosts is None or module.local_only:
         return
@@ -222,6 +241,11 @@ def _remote_state(module: PipelinedSequential, state: dict[str, Any], prefix: st
             key = prefix + name[cut:]
             if key in state:
                 state[key] = value
+    for tied in module.tied:
+        first = prefix + tied.names[0][cut:]
+        for name in tied.names[1:]:
+            if first in state and prefix + name[cut:] in state:
+                state[prefix + name[cut:]] = state[first]
 
 
 def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefix: str, metadata: Any,
@@ -231,6 +255,8 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
     shapes checked and count as loaded."""
     parts: dict[int, dict[str, Any]] = {}
     empty: list[str] = []
+    real = {f"{child}.{name}" for child, layer in module.named_children() if module.owner[child] != 0
+            for name, t in layer.named_parameters(remove_duplicate=False) if not t.is_meta}  # tied to a local one
     for key, value in list(state.items()):
         local = key[len(prefix):] if key.startswith(prefix) else None
         j = module.owner.get(local.split(".", 1)[0], 0) if local is not None else 0
@@ -238,8 +264,8 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
             empty.append(key)
         elif j != 0:
             parts.setdefault(j, {})[f"{module.name}.{local}"] = value
-            if isinstance(value, Tensor) and module.hosts is not None:
-                state[key] = value.to("meta")
+            if isinstance(value, Tensor) and module.hosts is not None and local not in real:
+                state[key] = value.to("meta")  # (a parameter tied to a local layer loads here too)
     module._loading = ({name[len(module.name) + 1:] for part in parts.values() for name in part},
                        {name: version(t) for name, t in module._placeholders})
     if empty:

@@ -29,10 +29,12 @@ from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
+from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
 from lightning_pipe.transport import host
 from lightning_pipe.transport.driver import RemotePipeline
 from lightning_pipe.transport.runner import StageRunner
 from lightning_pipe.transport.session import worker_name
+from lightning_pipe.transport.tied import TiedCopies
 
 __all__: list[str] = []
 
@@ -107,17 +109,28 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     prefix = strategy.module_name + "."
     timeout = strategy.rpc_timeout_sec
     devices = strategy.parallel_devices
+    tied = find_tied(parts, p, ranks, prefix)
+    if tied and p != n:
+        raise ValueError(
+            f"{type(module).__name__}.{strategy.module_name} has parameters shared by layers of different stages "
+            f"({', '.join(tied[0].names)}), which an interleaved schedule (virtual_stages={n // p}) cannot split: "
+            "use one stage per process (virtual_stages=1), or keep the layers that share them in one stage")
     programs = {s: recording.program(named_tensors(parts[s])) for s in range(n) if s % p} if recording else {}
     setup_timeout = timeout + (strategy.setup_timeout() if strategy.world_size > 1 or recording else 0)
     futures = [host.configure_async(worker_name(ranks[r]), key, {s: (parts[s], offsets[s]) for s in range(r, n, p)},
                                     str(devices[ranks[r] % strategy.num_processes] if devices else "cpu"),
                                     peers, layout, timeout, prefix, strategy.timeline is not None,
-                                    {s: programs[s] for s in range(r, n, p) if s in programs}, setup_timeout)
+                                    {s: programs[s] for s in range(r, n, p) if s in programs}, setup_timeout, tied)
                for r in range(1, p)]
+    # This process's copies of the tied parameters join their owners' group while the others set up theirs.
+    local_tied = TiedCopies(key, tied, rank) if tied else None
     remote = {name for s in range(n) if s % p for name, _ in parts[s].named_children()}
     if recording is not None:
+        retie = keep_ties(body, remote)  # materialising replaces the local parameters: remote layers follow
         _materialize_local(module, strategy.module_name, remote, recording)
+        retie()
     _broadcast_state(strategy, module, strategy.module_name, remote)  # every replica starts from replica 0's
+    local_params = {prefix + name: param for s in range(0, n, p) for name, param in parts[s].named_parameters()}
     for r, future in enumerate(futures, start=1):
         try:
             future.wait()
@@ -136,6 +149,8 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
                                     name=strategy.module_name, processes=p, schedule=strategy.schedule)
     pipeline.pipelined = strategy.pipelined_backward
     pipeline.runner.modes_from_driver = True  # stage 0's layers are the body's: their modes are set
+    pipelined.tied = tied
+    pipelined.tied_sync = TiedSync(hosts, local_tied, local_params, tied) if local_tied is not None else None
     setattr(module, strategy.module_name, pipelined)
     # When the model is freed (a script training one model after another), so is what its stages hold.
     weakref.finalize(pipelined, _release, pipeline, hosts).atexit = False

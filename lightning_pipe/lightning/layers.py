@@ -65,7 +65,8 @@ class LayerSync:
             return
         for j in range(1, self.processes):
             if flags[j] != self._requires_grad[j]:
-                named = {f"{body.name}.{n}": p.requires_grad for n, p in body.named_parameters()
+                named = {f"{body.name}.{n}": p.requires_grad  # a tied parameter under each layer's name
+                         for n, p in body.named_parameters(remove_duplicate=False)
                          if body.owner[n.split(".", 1)[0]] == j}
                 body.hosts.call_stage(j, "set_requires_grad", named)
         self._requires_grad = flags

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.lightning.tied import TiedSync, add_twins, twin_states
 from lightning_pipe.transport import optim
 from lightning_pipe.transport.host import HostGroup
 
@@ -115,10 +116,12 @@ class StageOptimizers:
     ``stage_of(name)`` gives the stage holding LightningModule parameter ``name``.
     """
 
-    def __init__(self, hosts: HostGroup, stage_of: Callable[[str], int], processes: int) -> None:
+    def __init__(self, hosts: HostGroup, stage_of: Callable[[str], int], processes: int, tied: TiedSync | None = None
+                 ) -> None:
         self.hosts = hosts
         self.stage_of = stage_of
         self.processes = processes
+        self.tied = tied  # the parameters tied across processes: every copy in its process's part
 
     def mirror(self, optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str],
                amp_scaler: Any = None, precision: str = "") -> None:
@@ -133,11 +136,15 @@ class StageOptimizers:
                                  f"(precision={precision!r}) across pipeline stages: build it with fused=False "
                                  "(the default), or use precision='bf16-mixed'")
             optimizer._lp_names = optim.flat_names(optimizer, names)  # type: ignore[attr-defined]
-            for j, spec in enumerate(optim.specs_for_stages(optimizer, names, self.stage_of, self.processes)):
+            specs = optim.specs_for_stages(optimizer, names, self.stage_of, self.processes)
+            if self.tied is not None:
+                add_twins(specs, optimizer, names, self.tied.tied)
+            for j, spec in enumerate(specs):
                 per_stage[j].append(spec)
             optim.drop_placeholder_state(optimizer)
             optimizer._lp_hosts = self.hosts  # type: ignore[attr-defined]
             optimizer._lp_index = k  # type: ignore[attr-defined]
+            optimizer._lp_tied = self.tied  # type: ignore[attr-defined] - summed before clipping
             _mirror(optimizer)
         for j, future in enumerate(self.hosts.start_each("build_optimizers", per_stage[1:]), start=1):
             try:
@@ -172,6 +179,10 @@ class StageOptimizers:
     def load(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
         """Load a consolidated ``state`` (see :meth:`state`): the driver's part here, each stage's there."""
         own, remote = optim.split(state, optimizer._lp_names, self.stage_of)  # type: ignore[attr-defined]
+        if self.tied is not None:  # a tied parameter's state, held once, for each of its copies
+            named = {optimizer._lp_names[int(i)]: s for i, s in state["state"].items()}  # type: ignore[attr-defined]
+            for j, states in twin_states(named, self.tied.tied).items():
+                remote.setdefault(j, {}).update(states)
         optimizer.load_state_dict(own)
         # Every stage loads, also one the checkpoint has no state for (saved before any step, as the
         # learning-rate finder's is): what it built since must go, as it does from the driver's.

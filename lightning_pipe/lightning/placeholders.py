@@ -117,19 +117,22 @@ def _zero_remote(p: Placeholder, frame: Any) -> None:
                 body.hosts.call_stage(j, "zero_named", stage_names, set_to_none)
 
 
-def wrap_placeholders(layer: nn.Module, prefix: str, stage: int, process: int) -> None:
+def wrap_placeholders(layer: nn.Module, prefix: str, stage: int, process: int,
+                      made: dict[int, tuple[Tensor, Placeholder]] | None = None) -> None:
     """Make the (meta) parameters of ``layer`` :class:`Placeholder` s named ``prefix`` + their name, keeping
-    those that are already and any sharing between its modules."""
-    made: dict[int, Placeholder] = {}
+    those that are already and any sharing between its modules (and with the layers wrapped before with the
+    same ``made``: a parameter tied across layers stays one placeholder, named and placed by its first)."""
+    made = {} if made is None else made
     for module_name, module in layer.named_modules(remove_duplicate=False):
         for name, p in list(module._parameters.items()):
             if p is None or isinstance(p, Placeholder) or not p.is_meta or p.is_inference():
                 continue
-            if id(p) not in made:
-                made[id(p)] = Placeholder(p.data, p.requires_grad)
-                made[id(p)].param_name = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
-                made[id(p)].stage, made[id(p)].process = stage, process
-            module._parameters[name] = made[id(p)]
+            if id(p) not in made:  # (the original kept alive with it: its id is not reused while ``made`` lives)
+                placeholder = Placeholder(p.data, p.requires_grad)
+                placeholder.param_name = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
+                placeholder.stage, placeholder.process = stage, process
+                made[id(p)] = (p, placeholder)
+            module._parameters[name] = made[id(p)][1]
 
 
 def listed(names: list[str], limit: int = 6) -> str:

@@ -48,6 +48,7 @@ class PipePrecision:
         hosts = getattr(optimizer, "_lp_hosts", None)
         if hosts is None:
             return super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
+        sum_tied(optimizer)  # (manual optimization clips before its step)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         norms = [float(torch.linalg.vector_norm(g.detach(), 2.0)) for g in grads]
         norms += hosts.call("grad_norm", optimizer._lp_index, 2.0)  # type: ignore[attr-defined]
@@ -63,10 +64,18 @@ class PipePrecision:
         hosts = getattr(optimizer, "_lp_hosts", None)
         if hosts is None:
             return super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
+        sum_tied(optimizer)
         params = [p for p in self.main_params(optimizer) if not is_placeholder(p)]  # type: ignore[attr-defined]
         torch.nn.utils.clip_grad_value_(params, clip_val)
         hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
         return None
+
+
+def sum_tied(optimizer: torch.optim.Optimizer) -> None:
+    """The gradients of parameters tied across processes summed over their copies, if not yet this step."""
+    tied = getattr(optimizer, "_lp_tied", None)
+    if tied is not None:
+        tied()
 
 
 def loss_gradient(module: pl.LightningModule, plugin: Any) -> float:

@@ -39,7 +39,7 @@ from lightning_pipe.lightning.build import build, deferred_recording
 from lightning_pipe.lightning.checkpoints import PipelineCheckpoints
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, mix_in, raw
-from lightning_pipe.lightning.precision import PipePrecision, loss_gradient
+from lightning_pipe.lightning.precision import PipePrecision, loss_gradient, sum_tied
 from lightning_pipe.lightning.replicas import Replicas
 from lightning_pipe.transport.session import SESSION, abort_world
 
@@ -192,7 +192,7 @@ class PipeStrategy(PipelineCheckpoints):
         body.on_backward = on_backward
         body.loss_scale = lambda: loss_gradient(self.lightning_module, self.precision_plugin)
         self._replicas.hosts, self._replicas.count = body.hosts, self.world_size
-        self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes)  # type: ignore
+        self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes, body.tied_sync)
         self.record_timeline(self.timeline is not None)
 
     _pipeline = property(lambda self: self._body.pipeline if self._body is not None else None)
@@ -236,13 +236,13 @@ class PipeStrategy(PipelineCheckpoints):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self.lightning_module.automatic_optimization:
-            inner = closure
+        inner, automatic = closure, self.lightning_module.automatic_optimization
 
-            def closure(*args: Any, **kwargs: Any) -> Any:
-                result = inner(*args, **kwargs)
-                self._replicas.before_step(raw(optimizer))  # before clipping and the step
-                return result
+        def closure(*args: Any, **kwargs: Any) -> Any:  # before clipping and the step: the replicas' average, then
+            result = inner(*args, **kwargs)  # the sum of the gradients of parameters tied across stages
+            self._replicas.before_step(raw(optimizer)) if automatic else None
+            sum_tied(raw(optimizer))
+            return result
 
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.post_optimizer_step(raw(optimizer))

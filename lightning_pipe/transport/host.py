@@ -30,7 +30,9 @@ from lightning_pipe.transport import optim
 from lightning_pipe.transport.dataparallel import average_gradients
 from lightning_pipe.transport.messages import MAILBOX, to_concurrent, where
 from lightning_pipe.transport.runner import StageRunner, register, unregister
+from lightning_pipe.transport.session import SESSION
 from lightning_pipe.transport.stagestate import StageState
+from lightning_pipe.transport.tied import TiedCopies, TiedParameter
 
 __all__: list[str] = []
 
@@ -59,7 +61,7 @@ class StageHost(StageState):
 
     def __init__(self, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: torch.device,
                  peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
-                 programs: Mapping[int, Program] | None = None) -> None:
+                 programs: Mapping[int, Program] | None = None, tied: Sequence[TiedParameter] = ()) -> None:
         self.key = key
         self.prefix = prefix
         for s, program in (programs or {}).items():  # layers built on the meta device: materialised here alone
@@ -75,6 +77,7 @@ class StageHost(StageState):
             stage.recorder = Recorder() if record else None
         self.runner = StageRunner(key, self.stages, peers, layout, timeout)
         self.params = {prefix + n: p for n, p in self.partition.named_parameters()}
+        self.tied = TiedCopies(key, tied, SESSION.rank)  # parameters shared with layers of other processes
         self.optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
         self.counts = {"steps": 0, "barriers": 0}  # what this process did, for :meth:`stats`
         self.materialized = sorted(self.prefix + name for s in (programs or {})
@@ -105,14 +108,22 @@ class StageHost(StageState):
         elif k in self.optimizers:
             self.optimizers[k][0].zero_grad(set_to_none=set_to_none)
 
-    def _grads(self, k: int) -> list[Tensor]:
+    def _grads(self, k: int, counted_only: bool = False) -> list[Tensor]:
         if k not in self.optimizers:
             return []
-        return [p.grad for g in self.optimizers[k][0].param_groups for p in g["params"] if p.grad is not None]
+        optimizer, names = self.optimizers[k]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return [p.grad for p, name in zip(params, names)
+                if p.grad is not None and (not counted_only or self.tied.counted(name))]
+
+    def sum_tied_gradients(self) -> None:
+        """Add the other owners' gradients of the parameters tied across processes to this process's copies."""
+        self.tied.sum_gradients(self.params)
 
     def grad_norm(self, k: int, norm_type: float) -> float:
-        """The ``norm_type`` norm of optimizer ``k``'s gradients here (for the global norm)."""
-        grads = self._grads(k)
+        """The ``norm_type`` norm of optimizer ``k``'s gradients here (for the global norm; a tied parameter
+        counted by its first owner only)."""
+        grads = self._grads(k, counted_only=True)
         if not grads:
             return 0.0
         norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads])
@@ -121,7 +132,8 @@ class StageHost(StageState):
     def grad_norms(self, norm_type: float) -> dict[str, Tensor]:
         """The ``norm_type`` norm of each parameter's gradient here, by name, on CPU (parameters without a
         gradient left out), computed as Lightning's ``grad_norm`` computes it."""
-        return {n: p.grad.detach().norm(norm_type).cpu() for n, p in self.params.items() if p.grad is not None}
+        return {n: p.grad.detach().norm(norm_type).cpu() for n, p in self.params.items()
+                if p.grad is not None and self.tied.counted(n)}
 
     def scale_grads(self, k: int, coefficient: float) -> None:
         """Multiply optimizer ``k``'s gradients by ``coefficient`` (global-norm clipping)."""
@@ -179,7 +191,8 @@ class StageHost(StageState):
     def set_requires_grad(self, flags: Mapping[str, bool]) -> None:
         """Follow the driver's ``requires_grad`` of this stage's parameters (frozen layers)."""
         for name, flag in flags.items():
-            self.params[name].requires_grad_(flag)
+            if name in self.params:  # (a parameter tied between two of its layers: under the first's name)
+                self.params[name].requires_grad_(flag)
 
     def set_modes(self, training: bool, modes: bytes) -> None:
         """Set every module of the partition to the mode of the driver's copy (see :func:`layer_modes`);
@@ -239,11 +252,13 @@ def process_memory(runner: StageRunner) -> dict[str, int]:
 
 
 def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, device: str, peers: Sequence[str],
-              layout: SkipLayout, timeout: float, prefix: str, record: bool = False) -> None:
+              layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
+              tied: Sequence[TiedParameter] = ()) -> None:
     """Host stages ``parts`` (stage -> (partition, offset)) of pipeline ``key`` here (an RPC entry point,
     called by the driver). Partitions built on the meta device arrive pickled with their programs, ``(parts,
     programs)`` (RPC carries no meta tensor), and are materialised here (:mod:`lightning_pipe.engine.deferred`).
-    Every replica's stage then takes replica 0's weights."""
+    Every replica's stage then takes replica 0's weights. ``tied``: the parameters its layers share with other
+    processes' layers (:mod:`lightning_pipe.transport.tied`)."""
     programs: Mapping[int, Program] | None = None
     if isinstance(parts, bytes):
         parts, programs = pickle.loads(parts)
@@ -255,20 +270,20 @@ def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, 
     old = _HOSTS.pop(key, None)
     if old is not None:
         old.close()
-    _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, programs)
+    _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, programs, tied)
     _HOSTS[key].broadcast_state()
 
 
 def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str,
                     peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str,
                     record: bool = False, programs: Mapping[int, Program] | None = None,
-                    setup_timeout: float | None = None) -> torch.futures.Future:
+                    setup_timeout: float | None = None, tied: Sequence[TiedParameter] = ()) -> torch.futures.Future:
     """Have process ``peer`` host stages ``parts`` of pipeline ``key`` (see :func:`configure`); ``programs``:
     how to materialise partitions built on the meta device. ``setup_timeout``: how long the call may take
     (default ``timeout``), for materialising the stage and meeting the other replicas."""
     sent: Any = pickle.dumps((dict(parts), dict(programs))) if programs else parts
     return rpc.rpc_async(peer, configure, timeout=setup_timeout or timeout,
-                         args=(key, sent, device, peers, layout, timeout, prefix, record))
+                         args=(key, sent, device, peers, layout, timeout, prefix, record, tied))
 
 
 def drop(key: str) -> None:

@@ -43,6 +43,9 @@ class _Session:
     rank: int = -1
     failed = False
     rpc_down = False
+    store: Any = None  # the world store: process groups beyond the stage groups rendezvous through it
+    backend = "gloo"
+    pg_timeout = timedelta(minutes=30)
 
 
 SESSION = _Session()
@@ -93,7 +96,8 @@ def start_session(topology: Topology, rank: int, main_address: str, main_port: i
             if peer != rank and device is not None and device.type == "cuda":
                 options.set_device_map(worker_name(peer), {mine: device})
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=topology.world, rpc_backend_options=options)
-    SESSION.topology, SESSION.rank = topology, rank
+    SESSION.topology, SESSION.rank, SESSION.store, SESSION.backend = topology, rank, store, backend
+    SESSION.pg_timeout = pg_timeout
     _start_orphan_watchdog()
     if topology.is_driver(rank):
         previous = sys.excepthook

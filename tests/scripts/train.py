@@ -430,7 +430,8 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
 def run_cases(cases: dict[str, dict[str, Any]], out: str) -> None:
     """Train several configs one after another in the same processes, ``OUT/<name>/`` each: one launch (each
     process imports Lightning once) for cases that need the same processes. ``resume`` may name a checkpoint
-    relative to ``out`` (written by an earlier case). A case ``{"script": "phases"}`` runs phases.py's job."""
+    relative to ``out`` (written by an earlier case). A case ``{"script": "phases"}`` runs phases.py's job,
+    ``{"script": "hf", ...}`` trains a Hugging Face model's body (hf_train.py)."""
     for name, config in cases.items():
         print(f"[case {name}]", flush=True)
         os.makedirs(os.path.join(out, name), exist_ok=True)
@@ -438,6 +439,11 @@ def run_cases(cases: dict[str, dict[str, Any]], out: str) -> None:
             import phases
 
             phases.main(os.path.join(out, name))
+            continue
+        if config.get("script") == "hf":  # a Hugging Face model's body (hf_train.py)
+            import hf_train
+
+            hf_train.main(config, os.path.join(out, name))
             continue
         if config.get("resume") and not os.path.isabs(config["resume"]):
             config = {**config, "resume": os.path.join(out, config["resume"])}

@@ -1,0 +1,230 @@
+"""Fine-tune a Hugging Face causal language model through PipeStrategy, offline, with 1F1B and the loss on the
+last stage, then write it back as a Hugging Face checkpoint.
+
+    python examples/finetune_causal_lm.py fit --config configs/finetune_causal_lm/cpu.yaml
+
+The model is a Hugging Face ``*ForCausalLM`` made a pipeline body by ``lightning_pipe.models.to_sequential``
+(embeddings, one layer per decoder block, final norm and head). ``--model.pretrained DIR`` fine-tunes a Hugging
+Face checkpoint directory (``config.json``, ``model.safetensors``, and ``tokenizer.json`` if it has its own
+vocabulary; any architecture ``to_sequential`` takes); it is built on the ``meta`` device and receives the
+file's weights by the model's names. Without it, a Llama-style decoder (RMSNorm, rotary positions, grouped-query
+attention) is built from a config of the sizes given, over bytes (no pretrained decoder ships in a PyPI
+package). The text is ``--data.corpus`` (the opening of *Coriolanus* shipped here), in windows of ``context``
+tokens: bytes, or the checkpoint's tokens. The validation loss and a sample continuing ``--data.prompt`` are
+shown before and after; the fine-tuned model is written to ``<log dir>/hf_model`` in Hugging Face's format,
+which ``--model.pretrained`` (or ``AutoModelForCausalLM.from_pretrained``) reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from pytorch_lightning import LightningDataModule, LightningModule
+from pytorch_lightning.cli import LightningCLI
+from torch import nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import CORPUS, Windows  # noqa: E402
+
+import lightning_pipe  # noqa: E402 - registers strategy="pipe"
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of the next token at every position (module-level: it runs on the last stage)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Tokens:
+    """Text ↔ token ids: the checkpoint's ``tokenizer.json`` where ``directory`` has one, else UTF-8 bytes."""
+
+    def __init__(self, directory: str | None) -> None:
+        path = Path(directory) / "tokenizer.json" if directory else None
+        self.tokenizer = None
+        if path is not None and path.is_file():
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``."""
+        return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``."""
+        return self.tokenizer.decode(ids) if self.tokenizer else bytes(ids).decode("utf-8", errors="replace")
+
+
+def decoder_config(layers: int, width: int, heads: int, kv_heads: int, context: int) -> Any:
+    """A Llama-style decoder over bytes: ``layers`` blocks of ``width``, ``heads`` query and ``kv_heads`` key/value
+    heads (grouped-query attention), the head untied from the embedding."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=width * 8 // 3, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=context,
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def causal_lm_body(pretrained: str | None, config: Any) -> nn.Sequential:
+    """The body of ``pretrained``'s model, its weights loaded by the model's names, or of a fresh model of
+    ``config`` (initialised as Hugging Face initialises it)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_pipe.models import init_buffers, load_hf_state_dict, to_sequential
+
+    if pretrained is None:
+        return to_sequential(AutoModelForCausalLM.from_config(config))
+    from safetensors.torch import load_file
+
+    with torch.device("meta"):  # nothing allocated before the checkpoint's weights
+        body = to_sequential(AutoModelForCausalLM.from_config(config))
+    body.to_empty(device="cpu")
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(pretrained).glob("*.safetensors")):  # one file, or the shards of one
+        weights.update(load_file(str(file)))
+    if not weights:
+        raise FileNotFoundError(f"no *.safetensors in {pretrained}: --model.pretrained takes a Hugging Face "
+                                "checkpoint directory (config.json, model.safetensors)")
+    load_hf_state_dict(body, weights)
+    init_buffers(body)
+    return body
+
+
+class CausalLM(LightningModule):
+    """A Hugging Face causal LM whose whole network is the pipelined body ``sequential_module``."""
+
+    def __init__(self, pretrained: str | None = None, layers: int = 4, width: int = 128, heads: int = 4,
+                 kv_heads: int = 2, context: int = 64, lr: float = 3e-3, weight_decay: float = 0.05,
+                 max_new_tokens: int = 120, temperature: float = 0.8, export: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        from transformers import AutoConfig
+
+        if pretrained is None:
+            torch.manual_seed(0)  # the same fresh model in every process and every run
+            self.hf_config = decoder_config(layers, width, heads, kv_heads, context)
+        else:
+            self.hf_config = AutoConfig.from_pretrained(pretrained)
+        self.sequential_module = causal_lm_body(pretrained, self.hf_config)
+        self.example_input_array = torch.zeros(4, context, dtype=torch.long)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.sequential_module(ids)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch  # next_token_loss(self(x), y) on one device; under PipeStrategy on the last stage
+        return lightning_pipe.loss_on_last_stage(self.sequential_module, x, y, next_token_loss)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> list[list[int]]:
+        """Continue each prompt of ``batch`` (token ids, one row per sample) by ``max_new_tokens`` tokens."""
+        generator = torch.Generator().manual_seed(1234 + batch_idx)
+        ids = batch
+        for _ in range(self.hparams.max_new_tokens):
+            logits = self(ids[:, -self.hparams.context:])[:, -1].float().cpu()
+            probs = torch.softmax(logits / self.hparams.temperature, dim=-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator).to(ids.device)], dim=1)
+        return ids.tolist()
+
+    def configure_optimizers(self) -> dict:
+        decay = [p for n, p in self.named_parameters() if p.dim() == 2 and "embed" not in n]
+        rest = [p for n, p in self.named_parameters() if not (p.dim() == 2 and "embed" not in n)]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
+                                       {"params": rest, "weight_decay": 0.0}], lr=self.hparams.lr, betas=(0.9, 0.99))
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.hparams.lr, pct_start=0.1,
+                                                       total_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def export(self, directory: str | Path) -> None:
+        """Write the model in Hugging Face's format (``save_pretrained``): every stage's weights, by the model's
+        names, loaded strictly into the Hugging Face model first."""
+        from transformers import AutoModelForCausalLM
+
+        from lightning_pipe.models import hf_state_dict
+
+        model = AutoModelForCausalLM.from_config(self.hf_config)
+        missing, unexpected = model.load_state_dict(hf_state_dict(self.sequential_module), strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"the body's state is not the model's (missing: {missing}, unexpected: {unexpected})")
+        model.save_pretrained(str(directory))
+        tokenizer = Path(self.hparams.pretrained or "") / "tokenizer.json"
+        if self.hparams.pretrained and tokenizer.is_file():
+            shutil.copy(tokenizer, directory)
+
+
+class TokenCorpus(LightningDataModule):
+    """A UTF-8 text as tokens (see :class:`Tokens`): the first 90% for training (a window at every token), the
+    rest for validation; ``samples`` copies of ``prompt`` to continue in ``predict``."""
+
+    def __init__(self, corpus: str = str(CORPUS), pretrained: str | None = None, context: int = 64,
+                 batch_size: int = 32, val_fraction: float = 0.1, prompt: str = "First Citizen:\n",
+                 samples: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tokens = Tokens(pretrained)
+
+    def setup(self, stage: str) -> None:
+        path = Path(self.hparams.corpus)
+        if not path.is_file():
+            raise FileNotFoundError(f"no corpus at {path}: --data.corpus takes the path of a UTF-8 text file")
+        data = torch.tensor(self.tokens.encode(path.read_text(encoding="utf-8")), dtype=torch.long)
+        split = int(len(data) * (1 - self.hparams.val_fraction))
+        context = self.hparams.context
+        self.train_set = Windows(data[:split], context, stride=1)
+        self.val_set = Windows(data[split:], context, stride=context)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+    def predict_dataloader(self) -> DataLoader:
+        prompt = torch.tensor(self.tokens.encode(self.hparams.prompt), dtype=torch.long)
+        return DataLoader([prompt] * self.hparams.samples, batch_size=self.hparams.samples)
+
+
+class FineTuneCLI(LightningCLI):
+    """Shows the validation loss and a sample before and after fine-tuning; writes the Hugging Face checkpoint."""
+
+    def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - LightningArgumentParser
+        parser.link_arguments("model.context", "data.context")
+        parser.link_arguments("model.pretrained", "data.pretrained")
+
+    def _show(self, when: str) -> None:
+        metrics = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        samples = self.trainer.predict(self.model, datamodule=self.datamodule)
+        if self.trainer.is_global_zero:
+            print(f"validation loss {when} fine-tuning: {metrics[0]['val_loss']:.3f}", flush=True)
+            for k, ids in enumerate(samples[0] if samples else []):
+                print(f"--- sample {when} fine-tuning {k + 1} ---\n{self.datamodule.tokens.decode(ids)}", flush=True)
+
+    def before_fit(self) -> None:
+        self._show("before")
+
+    def after_fit(self) -> None:
+        self._show("after")
+        if self.model.hparams.export and self.trainer.is_global_zero:
+            directory = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model"
+            self.model.export(directory)
+            print(f"Hugging Face checkpoint: {directory}", flush=True)
+
+
+def main() -> None:
+    FineTuneCLI(CausalLM, TokenCorpus, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

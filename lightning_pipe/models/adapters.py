@@ -1,0 +1,106 @@
+"""``to_sequential``: a Hugging Face model as a pipeline body, through the adapter of its architecture.
+
+An adapter is a function from the model to its layers, in order (:class:`~lightning_pipe.models.layers.HFLayer`
+s holding the model's own modules); :func:`register_adapter` ties it to the model classes it takes. The
+adapters shipped: GPT-2 (:mod:`~lightning_pipe.models.gpt2`), the Llama family
+(:mod:`~lightning_pipe.models.llama`) and BERT (:mod:`~lightning_pipe.models.bert`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from lightning_pipe.models.bert import bert_layers
+from lightning_pipe.models.gpt2 import gpt2_layers
+from lightning_pipe.models.layers import HFLayer
+from lightning_pipe.models.llama import decoder_layers
+
+__all__ = ["register_adapter", "supported_models", "to_sequential"]
+
+#: An adapter: the model → its layers, in order.
+Adapter = Callable[[nn.Module], list[nn.Module]]
+
+_ADAPTERS: dict[str, tuple[str, Adapter]] = {}
+
+
+def register_adapter(class_name: str, adapter: Adapter, family: str | None = None) -> None:
+    """Have :func:`to_sequential` turn models of class ``class_name`` (or of a subclass) into a body with
+    ``adapter``: a function from the model to its layers, each an
+    :class:`~lightning_pipe.models.layers.HFLayer` holding the model's own modules as children; the first takes
+    ``input_ids`` or ``(input_ids, attention_mask)``, the last returns the model's main output. ``family``
+    names the architecture in messages (default: ``class_name``). See docs/models.md, "Adding an architecture".
+    """
+    if not callable(adapter):
+        raise TypeError(f"adapter must be a function from the model to its layers (got: {type(adapter).__name__})")
+    _ADAPTERS[class_name] = (family or class_name, adapter)
+
+
+for _family, _adapter, _names in (
+        ("GPT-2", gpt2_layers, ("GPT2LMHeadModel", "GPT2Model")),
+        ("Llama", decoder_layers, ("LlamaForCausalLM", "LlamaModel")),
+        ("Mistral", decoder_layers, ("MistralForCausalLM", "MistralModel")),
+        ("Qwen2", decoder_layers, ("Qwen2ForCausalLM", "Qwen2Model")),
+        ("BERT", bert_layers, ("BertModel",))):
+    for _name in _names:
+        register_adapter(_name, _adapter, _family)
+
+
+def supported_models() -> dict[str, str]:
+    """The model classes :func:`to_sequential` takes, each with its architecture's name."""
+    return {name: family for name, (family, _) in _ADAPTERS.items()}
+
+
+def _adapter_for(model: nn.Module) -> Adapter:
+    for cls in type(model).__mro__:
+        if cls.__name__ in _ADAPTERS:
+            return _ADAPTERS[cls.__name__][1]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    supported = ", ".join(f"{name} ({family})" for name, family in supported_models().items())
+    raise TypeError(
+        f"to_sequential has no adapter for {type(model).__name__} (model_type: {model_type!r}); it takes: "
+        f"{supported}. Another architecture needs a small adapter, a function from the model to its layers, "
+        "registered with lightning_pipe.models.register_adapter (docs/models.md, 'Adding an architecture')")
+
+
+def to_sequential(model: nn.Module) -> nn.Sequential:
+    """The Hugging Face ``model`` as a pipeline body: embeddings → one layer per transformer block → final
+    norm / head, an ``nn.Sequential`` that ``Pipe`` and ``PipeStrategy`` split by ``balance``.
+
+    The body takes ``input_ids`` (batch, time) or ``(input_ids, attention_mask)`` (1 = keep, 0 = padding) and
+    returns the model's main output: the logits of a ``*ForCausalLM`` / ``GPT2LMHeadModel``, the
+    ``last_hidden_state`` of a ``BertModel`` or of a decoder's base model. Between layers flows
+    ``(hidden_states, attention_mask)``; each block builds its attention mask and rotary tables per
+    micro-batch, as the model does per batch, so ``body(x)`` equals the model's output.
+
+    The body holds the model's own modules (no copy): training one trains the other, and an embedding tied to
+    the head stays one ``Parameter``. Nothing is allocated, so a model built on the ``meta`` device gives a body
+    on ``meta`` (materialize it with ``to_empty``, :func:`~lightning_pipe.models.load_hf_state_dict` and
+    :func:`~lightning_pipe.models.init_buffers`). Keep the body, not the model, in the LightningModule: a
+    module registered twice would be trained twice. :func:`~lightning_pipe.models.hf_state_dict` names the
+    body's state as the model's.
+    """
+    adapter = _adapter_for(model)
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} has Hugging Face's activation checkpointing on, which the pipeline "
+                         "replaces: call model.activation_checkpointing_disable() (gradient_checkpointing_disable() "
+                         "in older transformers) and pass checkpoint='always' (or "
+                         "'except_last') to PipeStrategy or Pipe")
+    layers = adapter(model)
+    names: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), name)  # a module reachable by several names: its first
+    for k, layer in enumerate(layers):
+        if not isinstance(layer, HFLayer):
+            raise TypeError(f"the adapter of {type(model).__name__} returned a {type(layer).__name__} at layer {k}: "
+                            "every layer must be an HFLayer holding the model's modules")
+        # A module of the adapter's own (a copy of a buffer-only module) must hold no entries: they would have no
+        # name in the model's state_dict.
+        foreign = [c for c, m in layer.named_children() if id(m) not in names and m.state_dict()]
+        if foreign:
+            raise ValueError(f"layer {k} ({type(layer).__name__}) of {type(model).__name__}'s adapter holds modules "
+                             f"with weights that are not the model's (children: {foreign}): an adapter reuses the "
+                             "model's own modules")
+        layer.hf_names = {child: names[id(m)] for child, m in layer.named_children() if id(m) in names}
+    return nn.Sequential(*layers)

@@ -1,0 +1,76 @@
+"""Parameters tied across stages, in a process that owns a copy: the owners' group and the sum of their gradients.
+
+A parameter shared by layers of different pipeline processes (an embedding and the head tied to it) has one copy
+in each process that holds one of those layers, its *owners*; the copies start equal. After each step's
+backward, every owner adds its gradient to the others' (:meth:`TiedCopies.sum_gradients`, an all-reduce over a
+process group of the owners, made once at setup), so every copy takes the same optimizer step and stays equal.
+The first owner (the lowest stage) alone counts the parameter in the global gradient norm (:meth:`counted`)::
+
+    process 0: wte ─┐                        stage 0's copy and the last stage's copy: each has the gradient of
+                    ├─ all_reduce(SUM) ─►    its own uses; after the sum, both have the gradient of every use,
+    process 2: lm_head ─┘                    as the single parameter of the unpipelined model does
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_pipe.transport.session import SESSION
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter tied across processes of a pipeline: its name in each owning process (the LightningModule's
+    names, ``names[0]`` the first owner's), the global ranks of those processes and their indices in the
+    pipeline, in the same order."""
+
+    names: tuple[str, ...]
+    ranks: tuple[int, ...]
+    processes: tuple[int, ...]
+
+
+class TiedCopies:
+    """This process's copies of the parameters in ``tied`` (those it owns), and a process group per set of owners.
+
+    ``key`` (the pipeline's) keeps the groups of different pipelines apart in the world store. Every owner
+    builds its groups at setup, concurrently with the others (a group's creation waits for all its members).
+    """
+
+    def __init__(self, key: str, tied: Sequence[TiedParameter], rank: int) -> None:
+        self.mine = [(t, t.names[t.ranks.index(rank)]) for t in tied if rank in t.ranks]
+        self.twins = {name for t, name in self.mine if name != t.names[0]}  # copies not counted in the norm
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for ranks in sorted({t.ranks for t, _ in self.mine}):
+            if SESSION.store is None:
+                raise RuntimeError("parameters tied across processes need the pipeline job's session (its world "
+                                   "store), which this process has not joined")
+            store = dist.PrefixStore(f"lightning_pipe/tied/{key}/{'-'.join(map(str, ranks))}", SESSION.store)
+            self.groups[ranks] = dist.ProcessGroupGloo(store, ranks.index(rank), len(ranks), SESSION.pg_timeout)
+
+    def counted(self, name: str) -> bool:
+        """Whether parameter ``name``'s gradient counts in a global norm here (not a second owner's copy)."""
+        return name not in self.twins
+
+    @torch.no_grad()
+    def sum_gradients(self, params: Mapping[str, Tensor]) -> None:
+        """Add every owner's gradient of each tied parameter to every other's (``params``: this process's, by
+        name). A copy without a gradient counts as zeros; one whose parameter is frozen is left alone (a tied
+        parameter is frozen on every owner at once). On a GPU the sum goes through host memory (gloo)."""
+        for tied, name in self.mine:
+            p = params[name]
+            if not p.requires_grad:
+                continue
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            flat = grad.detach().to("cpu", copy=grad.device.type != "cpu")
+            self.groups[tied.ranks].allreduce([flat], dist.AllreduceOptions()).wait()
+            if p.grad is None:
+                p.grad = flat.to(p.device)
+            elif flat.data_ptr() != p.grad.data_ptr():
+                p.grad.copy_(flat)

@@ -1,0 +1,189 @@
+"""Tiny Hugging Face models (built from configs, offline) as pipeline bodies, for the tests of lightning_pipe.models.
+
+:func:`tiny` builds each architecture small and seeded (dropout off: the pipeline draws its own random numbers),
+:func:`batches` makes padded token batches with targets, and :func:`main` trains one through PipeStrategy
+(a case of tests/jobs.py: ``{"script": "hf", "arch": ..., ...}``), writing OUT/final.ckpt and OUT/result.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, TIME, WIDTH, BLOCKS = 48, 12, 32, 4
+ARCHS = ("gpt2", "llama", "mistral", "qwen2", "bert")
+
+DEFAULTS: dict[str, Any] = {"arch": "gpt2", "tied": False, "attn": "sdpa", "devices": 2, "balance": [3, 3],
+                            "microbatches": 4, "schedule": "gpipe", "last_stage_loss": False, "optimizer": "sgd",
+                            "samples": 32, "batch_size": 8, "epochs": 2, "seed": 7, "checkpoint": "except_last",
+                            "clip": None}
+
+
+def tiny(arch: str, tied: bool = False, attn: str = "sdpa", seed: int = 0) -> nn.Module:
+    """A small ``arch`` model with ``BLOCKS`` blocks, seeded; ``tied``: the head's weight is the embedding's.
+    Mistral attends within a sliding window of 4 tokens, Qwen2's last two layers too (``layer_types``)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    decoder = dict(hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=tied,
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "gpt2":
+        config: Any = tf.GPT2Config(n_embd=WIDTH, n_layer=BLOCKS, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                    tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                    bos_token_id=1, eos_token_id=2)
+        cls: Any = tf.GPT2LMHeadModel
+    elif arch == "llama":
+        config, cls = tf.LlamaConfig(**decoder), tf.LlamaForCausalLM
+    elif arch == "mistral":
+        config, cls = tf.MistralConfig(**decoder, sliding_window=4), tf.MistralForCausalLM
+    elif arch == "qwen2":
+        config = tf.Qwen2Config(**decoder, use_sliding_window=True, sliding_window=4, max_window_layers=2)
+        cls = tf.Qwen2ForCausalLM
+    elif arch == "bert":
+        if tied:
+            raise ValueError("BertModel has no head to tie")
+        config = tf.BertConfig(hidden_size=WIDTH, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                               intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cls = tf.BertModel
+    else:
+        raise ValueError(f"unknown arch {arch!r} (known: {ARCHS})")
+    config._attn_implementation = attn
+    return cls(config).train()
+
+
+def output(model: nn.Module, ids: Tensor, mask: Tensor | None = None) -> Tensor:
+    """The Hugging Face model's main output: logits, or the last hidden state of an encoder."""
+    out = model(input_ids=ids, attention_mask=mask)
+    logits = getattr(out, "logits", None)
+    return out.last_hidden_state if logits is None else logits
+
+
+def batches(arch: str, samples: int, seed: int = 123) -> TensorDataset:
+    """``(input_ids, attention_mask, target)`` samples: every third padded on the right, every third on the
+    left; targets are next tokens (decoders) or random vectors (BERT)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (samples, TIME), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(samples):
+        cut = 1 + i % (TIME // 2)
+        if i % 3 == 1:
+            mask[i, TIME - cut:] = 0
+        elif i % 3 == 2:
+            mask[i, :cut] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    if arch == "bert":
+        target = torch.randn(samples, TIME, WIDTH, generator=g)
+    else:
+        target = torch.randint(3, VOCAB, (samples, TIME), generator=g)
+    return TensorDataset(ids, mask, target)
+
+
+def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+    """Cross-entropy of the logits against token targets, or the squared error of hidden states: a mean over
+    samples of equal size, so the mean of the micro-batches' losses is the batch's."""
+    if target.is_floating_point():
+        return nn.functional.mse_loss(out, target)
+    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def optimizer(config: dict[str, Any], params: Any) -> torch.optim.Optimizer:
+    """SGD with momentum, or AdamW: the same in the pipeline and in plain training."""
+    if config["optimizer"] == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)  # larger: float rounding shows (1e-5)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def train_plain(config: dict[str, Any]) -> nn.Module:
+    """The Hugging Face model itself trained on one device, as the pipeline trains its body."""
+    config = {**DEFAULTS, **config}
+    model = tiny(config["arch"], config["tied"], config["attn"], config["seed"])
+    opt = optimizer(config, model.parameters())
+    for _ in range(config["epochs"]):
+        for ids, mask, target in DataLoader(batches(config["arch"], config["samples"]), config["batch_size"]):
+            opt.zero_grad()
+            loss_fn(output(model, ids, mask), target).backward()
+            if config["clip"] is not None:  # a tied parameter counted once, as model.parameters() lists it
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config["clip"])
+            opt.step()
+    return model
+
+
+class HFBody(pl.LightningModule):
+    """A tiny Hugging Face model's body (``to_sequential``) trained on its batches."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        from lightning_pipe.models import to_sequential
+
+        self.config = {**DEFAULTS, **config}
+        c = self.config
+        self.sequential_module = to_sequential(tiny(c["arch"], c["tied"], c["attn"], c["seed"]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        import lightning_pipe
+
+        ids, mask, target = batch
+        if self.config["last_stage_loss"]:
+            return lightning_pipe.loss_on_last_stage(self.sequential_module, (ids, mask), target, loss_fn)
+        return loss_fn(self.sequential_module((ids, mask)), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return optimizer(self.config, self.parameters())
+
+
+def main(config: dict[str, Any], out: str) -> None:
+    """Train :class:`HFBody` through PipeStrategy; write OUT/final.ckpt and, from the main process,
+    OUT/result.json."""
+    from lightning_pipe import PipeStrategy
+
+    c = {**DEFAULTS, **config}
+    pl.seed_everything(c["seed"])
+    model = HFBody(c)
+    strategy = PipeStrategy(balance=c["balance"], microbatches=c["microbatches"], checkpoint=c["checkpoint"],
+                            schedule=c["schedule"], rpc_timeout_sec=60)
+    trainer = pl.Trainer(accelerator="cpu", devices=c["devices"], strategy=strategy, max_epochs=c["epochs"],
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         enable_model_summary=False, default_root_dir=out, gradient_clip_val=c["clip"])
+    trainer.fit(model, DataLoader(batches(c["arch"], c["samples"]), batch_size=c["batch_size"]))
+    trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    result: dict[str, Any] = {"global_step": trainer.global_step}
+    if c["tied"]:
+        result.update(tied_copies(model.sequential_module, os.path.join(out, "final.ckpt")))
+    if trainer.is_global_zero:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+def tied_copies(body: Any, checkpoint: str) -> dict[str, Any]:
+    """How far each remote copy of a tied parameter is from the driver's, after training and after loading the
+    checkpoint with that parameter changed (it must reach every copy); the number of tensors the file holds for
+    it."""
+    state = torch.load(checkpoint, weights_only=True)["state_dict"]
+    (tied,) = body.tied
+    names = [n.removeprefix(body.name + ".") for n in tied.names]
+
+    def gaps() -> list[float]:
+        remote = {k: v for part in body.hosts.call("state_dict") for k, v in part.items()}
+        mine = dict(body.named_parameters(remove_duplicate=False))[names[0]].detach()
+        return [float((remote[n] - mine).abs().max()) for n in tied.names[1:]]
+
+    trained = gaps()
+    keys = [f"sequential_module.{n}" for n in names]
+    stored = len({state[k].untyped_storage().data_ptr() for k in keys})
+    changed = state[keys[0]] + 1.0
+    for k in keys:
+        state[k] = changed  # one tensor under every name, as the file holds it
+    body.load_state_dict({k.removeprefix("sequential_module."): v for k, v in state.items()})
+    loaded = gaps()
+    remote = {k: v for part in body.hosts.call("state_dict") for k, v in part.items()}
+    reached = [float((remote[n] - changed).abs().max()) for n in tied.names[1:]]
+    return {"tied_gap_trained": trained, "tied_gap_loaded": loaded, "tied_loaded_error": reached,
+            "tied_storages": stored}
