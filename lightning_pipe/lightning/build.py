@@ -175,7 +175,7 @@ def _infer_balance(strategy: PipeStrategy, module: pl.LightningModule, body: nn.
 
 
 def _broadcast_state(strategy: PipeStrategy, module: nn.Module) -> None:
-    if strategy.world_size == 1:
+    if strategy.world_size == 1 or not getattr(strategy, "init_sync", True):
         return
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):

@@ -26,7 +26,6 @@ from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
 from lightning_pipe.transport import optim
-from lightning_pipe.transport.dataparallel import average_gradients
 from lightning_pipe.transport.messages import MAILBOX, to_concurrent, where
 from lightning_pipe.transport.runner import StageRunner, register, unregister
 
@@ -133,11 +132,11 @@ class StageHost:
         for g in self._grads(k):
             g.detach().clamp_(-value, value)
 
-    def average_gradients(self, k: int) -> None:
-        """Average optimizer ``k``'s gradients here with the same stage of every other replica."""
-        if dist.is_initialized() and k in self.optimizers:
-            # The default group of a stage worker is its stage's data-parallel group.
-            average_gradients([p for g in self.optimizers[k][0].param_groups for p in g["params"]])
+    def replicate(self, configure: Any) -> None:
+        """Average this process's stages with the same stages of every other replica through the
+        ``DistributedDataParallel`` that ``configure(module, device_ids, process_group, stage)`` builds over
+        each stage's partition (None: stop); see :mod:`lightning_pipe.transport.dataparallel`."""
+        self.runner.averages.replicate(configure)
 
     def barrier(self) -> None:
         """Meet the same stage of every other replica (its default process group), once the actions queued on
@@ -295,6 +294,7 @@ def call(key: str, method: str, *args: Any) -> Any:
     host = _HOSTS.get(key)
     if host is None:
         raise RuntimeError(f"this process hosts no stage of pipeline '{key}'")
+    host.runner.averages.settle()  # what reads or changes gradients waits for this stage's reduction
     return getattr(host, method)(*args)
 
 
