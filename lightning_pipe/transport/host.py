@@ -256,8 +256,8 @@ def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, 
     """Host stages ``parts`` (stage -> (partition, offset)) of pipeline ``key`` here (an RPC entry point,
     called by the driver). Partitions built on the meta device arrive pickled with their programs, ``(parts,
     programs)`` (RPC carries no meta tensor), and are materialised here (:mod:`lightning_pipe.engine.deferred`).
-    Every replica's stage then takes replica 0's weights (unless ``init_sync`` is False). ``tied``: the parameters its layers share with other
-    processes' layers (:mod:`lightning_pipe.transport.tied`)."""
+    Every replica's stage then takes replica 0's weights (unless ``init_sync`` is False). ``tied``: the
+    parameters its layers share with other processes' layers (:mod:`lightning_pipe.transport.tied`)."""
     programs: Mapping[int, Program] | None = None
     if isinstance(parts, bytes):
         parts, programs = pickle.loads(parts)
