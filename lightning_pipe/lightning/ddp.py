@@ -52,10 +52,35 @@ def ddp_parameters() -> list[str]:
     return [n for n in names if n not in ("self", "module") and n not in REFUSED]
 
 
+def _default(name: str) -> Any:
+    """``DistributedDataParallel``'s default for ``name`` (None for DDPStrategy's own keywords but
+    ``start_method``, and for what has none)."""
+    if name == "start_method":
+        return "popen"
+    parameter = inspect.signature(DistributedDataParallel.__init__).parameters.get(name)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+def given(kwargs: dict[str, Any]) -> list[str]:
+    """The DDP arguments in ``kwargs`` set to something else than their default (LightningCLI passes every
+    keyword ``DDPStrategy`` reaches, each at its default, when a config names none)."""
+    return [name for name, value in kwargs.items() if not _same(value, _default(name))]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are different
+        return False
+
+
 def check_arguments(kwargs: dict[str, Any], known: list[str]) -> None:
     """Refuse ``PipeStrategy``'s ``**kwargs`` that would not do what their names promise: unknown names (with
     the closest of ``known``, PipeStrategy's own, and DDP's), DDP arguments a stage cannot use, values of the
-    wrong kind, and a comm hook's parts that could not reach the stages' processes."""
+    wrong kind, and a comm hook's parts that could not reach the stages' processes. A refused argument at its
+    default (as LightningCLI passes each) asks for nothing: it is dropped."""
+    for name in [n for n in kwargs if n in REFUSED and _same(kwargs[n], _default(n))]:
+        del kwargs[name]
     accepted = ddp_parameters()
     for name in kwargs:
         if name in REFUSED:

@@ -111,7 +111,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
                                          module_name, schedule, virtual_stages, kwargs)
         checks.check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         ddp.check_arguments(kwargs, [n for n in inspect.signature(PipeStrategy).parameters if n != "kwargs"])
-        self._ddp_explicit = [k for k in kwargs if k != "start_method"]
+        self._ddp_explicit = ddp.given(kwargs)
         ddp.defaults(kwargs)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
