@@ -284,7 +284,7 @@ def test_bad_inputs_and_models_are_refused_saying_what_to_pass():
 
 
 STRATEGY_CASES = ["hf-gpt2-gpipe-sgd", "hf-llama-1f1b-adamw", "hf-bert-sgd", "hf-qwen2-3stages-always"]
-TIED_CASES = ["hf-gpt2-tied", "hf-llama-tied-3stages"]
+TIED_CASES = ["hf-gpt2-tied", "hf-llama-tied-3stages", "hf-gpt2-tied-pretrained"]
 
 
 @pytest.mark.timeout(900)
@@ -314,7 +314,7 @@ def test_pipestrategy_trains_the_models_weights_and_its_checkpoint_loads_into_th
     expected = reference.state_dict()
     for key, value in state.items():
         torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-5, msg=key)
-    initial = tiny(config["arch"], config["tied"], seed=config["seed"]).state_dict()
+    initial = tiny(config["arch"], config["tied"], seed=config["seed"] + 100 * config["pretrained"]).state_dict()
     unchanged = [k for k in state if torch.allclose(state[k], initial[k])]
     assert all(k.endswith("key.bias") for k in unchanged), unchanged  # it trained (softmax ignores a key's bias)
     model = tiny(config["arch"], config["tied"], seed=5).eval()
