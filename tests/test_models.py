@@ -284,7 +284,7 @@ def test_bad_inputs_and_models_are_refused_saying_what_to_pass():
 
 
 STRATEGY_CASES = ["hf-gpt2-gpipe-sgd", "hf-llama-1f1b-adamw", "hf-bert-sgd", "hf-qwen2-3stages-always"]
-TIED_CASES = ["hf-gpt2-tied", "hf-llama-tied-3stages", "hf-gpt2-tied-pretrained"]
+TIED_CASES = ["hf-gpt2-tied", "hf-gpt2-tied-3stages", "hf-llama-tied-3stages", "hf-gpt2-tied-pretrained"]
 
 
 @pytest.mark.timeout(900)
