@@ -284,7 +284,8 @@ def test_bad_inputs_and_models_are_refused_saying_what_to_pass():
 
 
 STRATEGY_CASES = ["hf-gpt2-gpipe-sgd", "hf-llama-1f1b-adamw", "hf-bert-sgd", "hf-qwen2-3stages-always"]
-TIED_CASES = ["hf-gpt2-tied", "hf-gpt2-tied-3stages", "hf-llama-tied-3stages", "hf-gpt2-tied-pretrained"]
+TIED_CASES = ["hf-gpt2-tied", "hf-gpt2-tied-3stages", "hf-llama-tied-3stages", "hf-gpt2-tied-pretrained",
+              "hf-gpt2-tied-2replicas"]
 
 
 @pytest.mark.timeout(900)
@@ -302,7 +303,8 @@ def test_pipestrategy_trains_the_models_weights_and_its_checkpoint_loads_into_th
     config = {**DEFAULTS, **case_config(name)}
     out = jobs.directory(name)
     reference = train_plain(config)
-    steps = config["epochs"] * config["samples"] // config["batch_size"]
+    replicas = config["devices"] // len(config["balance"])
+    steps = config["epochs"] * config["samples"] // (config["batch_size"] * replicas)
     result = jobs.result(name)
     assert result["global_step"] == steps
     if config["tied"]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 VOCAB, TIME, WIDTH, BLOCKS = 48, 12, 32, 4
 ARCHS = ("gpt2", "llama", "mistral", "qwen2", "bert")
@@ -107,8 +107,16 @@ def train_plain(config: dict[str, Any]) -> nn.Module:
     config = {**DEFAULTS, **config}
     model = tiny(config["arch"], config["tied"], config["attn"], config["seed"] + 100 * config["pretrained"])
     opt = optimizer(config, model.parameters())
-    for _ in range(config["epochs"]):
-        for ids, mask, target in DataLoader(batches(config["arch"], config["samples"]), config["batch_size"]):
+    data = batches(config["arch"], config["samples"])
+    replicas = config["devices"] // len(config["balance"])
+    # With replicas, each draws its share of a permutation seeded as Lightning seeds its DistributedSampler: one
+    # device sees their union, in batches as large as all of theirs together.
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=config["seed"]) \
+        if replicas > 1 else None
+    for epoch in range(config["epochs"]):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for ids, mask, target in DataLoader(data, config["batch_size"] * replicas, sampler=sampler):
             opt.zero_grad()
             loss_fn(output(model, ids, mask), target).backward()
             if config["clip"] is not None:  # a tied parameter counted once, as model.parameters() lists it
