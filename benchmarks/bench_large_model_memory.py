@@ -6,10 +6,11 @@ weights; with AdamW's two states and the gradients, ~4.3 GB of training state) i
 each stage materialised in its own process), trained for 2 steps, and saved with ``trainer.save_checkpoint``, as
 one file (``state_dict_type="full"``, streamed stage by stage) and as a sharded directory. Every run is its own
 job; at its end each of its processes reports its peak resident memory (``VmHWM``). Printed: each process's
-peak, the main process's beside one stage's share of the plain process (``plain / p``) and beside the plain
-process, and the largest stage's; all above the base every process has (torch and Lightning imported).
+peak; the main process's and the largest other stage's beside one stage's share of the training state
+(weights + gradients + AdamW's two states, ``/ p``), and beside the plain process; all above the base every
+process has (torch and Lightning imported).
 
-    python benchmarks/bench_large_model_memory.py [--layers 16] [--width 4096] [--stages 2 4]
+    python benchmarks/bench_large_model_memory.py [--layers 16] [--width 4096] [--stages 2 4] [--no-plain]
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--no-plain", action="store_true",
+                        help="skip the plain process (it needs the whole training state at once)")
     parser.add_argument("--job", nargs=3, metavar=("STAGES", "FORMAT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
@@ -91,7 +94,7 @@ def main() -> None:
         return
     size = args.layers * (args.width * args.width + args.width) * 4
     print(f"body: {args.layers} x Linear({args.width}) = {size / GiB:.2f} GiB float32 weights, AdamW")
-    jobs = [(1, "full")] + [(p, kind) for p in args.stages for kind in ("full", "sharded")]
+    jobs = ([] if args.no_plain else [(1, "full")]) + [(p, kind) for p in args.stages for kind in ("full", "sharded")]
     results = {}
     for stages, kind in jobs:
         out = tempfile.mkdtemp(prefix="lp-bench-memory-")
@@ -117,18 +120,25 @@ def main() -> None:
         peaks = results[stages, kind]["peaks"]
         print(f"p={stages} {kind:7s} ({time.perf_counter() - start:5.1f} s): peak per process (GiB) "
               + " ".join(f"{b / GiB:.2f}" for b in peaks), flush=True)
-    base = results[1, "full"]["base"]
-    plain = results[1, "full"]["peaks"][0] - base
-    print(f"\nabove each process's base ({base / GiB:.2f} GiB: torch and Lightning imported), the plain process "
-          f"peaks at {plain / GiB:.2f} GiB")
+    state = 4 * size  # weights, gradients and AdamW's two states
+    print(f"\ntraining state: {state / GiB:.2f} GiB (weights, gradients, AdamW's two states); above each process's "
+          f"base (torch and Lightning imported, {results[jobs[0]]['base'] / GiB:.2f} GiB)")
+    plain = results[1, "full"]["peaks"][0] - results[1, "full"]["base"] if (1, "full") in results else None
+    if plain is not None:
+        print(f"plain process: {plain / GiB:.2f} GiB = {plain / state:.2f} x the training state")
     for (stages, kind), result in results.items():
         if stages == 1:
             continue
         peaks = [p - result["base"] for p in result["peaks"]]
-        share = plain / stages
-        print(f"RESULT p={stages} {kind}: main/(plain/p)={peaks[0] / share:.2f} main/plain={peaks[0] / plain:.2f} "
-              f"largest stage/(plain/p)={max(peaks) / share:.2f}")
-
+        share = state / stages
+        line = (f"RESULT p={stages} {kind}: main/(state/p)={peaks[0] / share:.2f} "
+                f"largest stage/(state/p)={max(peaks[1:]) / share:.2f} "
+                f"main/largest stage={peaks[0] / max(peaks[1:]):.2f} "
+                f"overhead over state/p: main {(peaks[0] - share) / GiB:+.2f} GiB, stages "
+                f"{(max(peaks[1:]) - share) / GiB:+.2f} GiB")
+        if plain is not None:
+            line += f" main/plain={peaks[0] / plain:.2f} largest stage/plain={max(peaks[1:]) / plain:.2f}"
+        print(line)
 
 if __name__ == "__main__":
     main()

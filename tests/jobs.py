@@ -170,6 +170,28 @@ HF_CASES["3 processes"]["hf-llama-tied-3stages"] = {"script": "hf", "arch": "lla
                                                     "schedule": "1f1b", "last_stage_loss": True}
 for _group, _cases in HF_CASES.items():
     GROUPS[_group].update(_cases)
+# DistributedDataParallel's arguments and comm hooks, 2 replicas x 2 stages: each case trains 4 steps (global batch
+# 8 over 32 samples). Every checkpoint mode under GPipe (the loss on the driver, whose head has a DDP of its own)
+# and 1F1B (the loss on the last stage), with no hook and with a hook that records its calls and all-reduces;
+# bf16 compression; a hook on stage 1 alone (configure_ddp overridden); parameters unused on some replicas or on
+# all; BatchNorm buffers with and without broadcast_buffers (one micro-batch, as DDP normalises whole batches).
+_DDP = {"devices": 4, "batch_size": 4, "samples": 32, "epochs": 1}
+_ONE_F_ONE_B = {"schedule": "1f1b", "last_stage_loss": True, "balance": [2, 3]}
+GROUPS["4 processes DDP"] = {
+    f"ddp-{schedule}-{mode}-{hook or 'no-hook'}": {
+        **_DDP, **(_ONE_F_ONE_B if schedule == "1f1b" else {}), "checkpoint": mode, "hook": hook,
+        **({"accumulate": 2, "samples": 64} if mode == "never" else {})}
+    for schedule in ("gpipe", "1f1b") for mode in ("always", "except_last", "never") for hook in (None, "record")}
+GROUPS["4 processes DDP"].update({
+    "ddp-gpipe-bf16": {**_DDP, "hook": "bf16"},
+    "ddp-1f1b-bf16": {**_DDP, **_ONE_F_ONE_B, "hook": "bf16"},
+    "ddp-stage-1-hook-small-buckets": {**_DDP, "hook": "stage-1", "ddp": {"bucket_cap_mb": 0.001,
+                                                                           "gradient_as_bucket_view": True}},
+    "ddp-unused-parameters": {**_DDP, "rare_gate": True, "optimizer": "adamw", "samples": 64},
+    "ddp-batchnorm-broadcast": {**_DDP, "batchnorm": True, "microbatches": 1, "dump_replica_state": True},
+    "ddp-batchnorm-no-broadcast": {**_DDP, "batchnorm": True, "microbatches": 1, "dump_replica_state": True,
+                                   "ddp": {"broadcast_buffers": False}},
+})
 
 
 def config(case: str) -> dict[str, Any]:

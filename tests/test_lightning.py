@@ -122,42 +122,28 @@ def test_a_freed_model_frees_its_stages(tmp_path):
     assert stages == {"both": 2, "left": 1}
 
 
-@pytest.mark.timeout(420)
-def test_slurm_launch_on_two_nodes_trains_the_same_weights_as_one_device(tmp_path):
-    """Four processes started as `srun` starts them (SLURM's variables, no launcher: 2 nodes x 2 tasks, here
-    on one machine) train 2 replicas x 2 stages to the weights of one device with the global batch: the
-    global ranks come from SLURM's node and local ids, and Lightning sees the two replicas' drivers only."""
-    import json
+def run_together(commands: list[tuple[list[str], dict[str, str]]], out, timeout: float = 200) -> None:
+    """Start every ``(argv, environment)`` at once, as the nodes of a cluster would, each in a session of its
+    own with its output in ``out/launch<i>.log``; wait for all (a hang fails within ``timeout``), then end
+    every session started here, whatever happened."""
     import os
     import signal
     import subprocess
-    import sys
     import time
 
-    from dist_utils import free_port
-    from strategy_utils import REPO, SCRIPTS, assert_same_weights
+    from strategy_utils import REPO
 
-    config = {"balance": [2, 2], "epochs": 1, "batch_size": 4}  # per replica
-    out = tmp_path / "slurm"
-    out.mkdir()
-    port = str(free_port())
     procs = []
     try:
-        for rank in range(4):
-            env = {**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
-                   "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 2), "SLURM_NODEID": str(rank // 2),
-                   "SLURM_JOB_NAME": "pipe", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            argv = [sys.executable, str(SCRIPTS / "train.py"), json.dumps({**config, "devices": 2, "nodes": 2}),
-                    str(out)]
-            with open(out / f"rank{rank}.log", "w") as log:  # files, not pipes: no process blocks on output
-                procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-        deadline = time.monotonic() + 200
-        for rank, p in enumerate(procs):
+        for i, (argv, env) in enumerate(commands):
+            with open(out / f"launch{i}.log", "w") as log:  # files, not pipes: no process blocks on output
+                procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore", **env},
+                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for i, p in enumerate(procs):
             p.wait(timeout=max(1.0, deadline - time.monotonic()))  # a hang fails here, and the finally ends it
-            log = (out / f"rank{rank}.log").read_text()
-            assert p.returncode == 0, f"rank {rank} failed with status {p.returncode}:\n{log[-4000:]}"
+            log = (out / f"launch{i}.log").read_text()
+            assert p.returncode == 0, f"{commands[i][0][:3]} failed with status {p.returncode}:\n{log[-4000:]}"
     finally:
         for p in procs:  # only the sessions started here
             try:
@@ -165,9 +151,55 @@ def test_slurm_launch_on_two_nodes_trains_the_same_weights_as_one_device(tmp_pat
             except ProcessLookupError:
                 pass
             p.wait(timeout=30)
-    assert json.loads((out / "result.json").read_text())["world_size"] == 2  # Lightning sees the 2 drivers
+
+
+def assert_two_nodes_train_one_devices_weights(config: dict, out, plain_out) -> None:
+    """2 nodes x 2 processes trained 2 replicas x 2 stages (Lightning saw the replicas' drivers alone) to the
+    weights of one device with the global batch, drawn in the replicas' sampler's order."""
+    assert json.loads((out / "result.json").read_text())["world_size"] == 2
     pipelined = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu").state_dict()
-    # The global batch, drawn in the replicas' sampler's order (replicas: devices x nodes / stages).
-    one_device = script.main({**config, "batch_size": 8, "devices": 2, "nodes": 2}, str(tmp_path / "plain"),
-                             plain=True).state_dict()
+    one_device = script.main({**config, "batch_size": 8}, str(plain_out), plain=True).state_dict()
     assert_same_weights(pipelined, one_device)
+
+
+@pytest.mark.timeout(420)
+def test_slurm_launch_on_two_nodes_trains_the_same_weights_as_one_device(tmp_path):
+    """Four processes started as `srun` starts them (SLURM's variables, no launcher: 2 nodes x 2 tasks, here
+    on one machine) train 2 replicas x 2 stages to the weights of one device with the global batch: the
+    global ranks come from SLURM's node and local ids, and Lightning sees the two replicas' drivers only."""
+    import sys
+
+    from dist_utils import free_port
+    from strategy_utils import SCRIPTS
+
+    config = {"balance": [2, 2], "epochs": 1, "batch_size": 4, "devices": 2, "nodes": 2}  # batch per replica
+    out = tmp_path / "slurm"
+    out.mkdir()
+    port = str(free_port())
+    argv = [sys.executable, str(SCRIPTS / "train.py"), json.dumps(config), str(out)]
+    run_together([(argv, {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
+                          "SLURM_LOCALID": str(rank % 2), "SLURM_NODEID": str(rank // 2), "SLURM_JOB_NAME": "pipe",
+                          "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1", "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": port}) for rank in range(4)], out)
+    assert_two_nodes_train_one_devices_weights(config, out, tmp_path / "plain")
+
+
+@pytest.mark.timeout(420)
+def test_torchrun_on_two_nodes_trains_the_same_weights_as_one_device(tmp_path):
+    """`torchrun --nnodes=2 --node_rank=0|1 --nproc_per_node=2`, both nodes on this machine (loopback): each
+    node holds one pipeline (its 2 stages), the replicas' DDPs average each stage across the nodes."""
+    import os
+    import sys
+
+    from dist_utils import free_port
+    from strategy_utils import SCRIPTS
+
+    config = {"balance": [2, 2], "epochs": 1, "batch_size": 4, "devices": 2, "nodes": 2}  # batch per replica
+    out = tmp_path / "torchrun"
+    out.mkdir()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    port = free_port()
+    run_together([([torchrun, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                    f"--master_port={port}", str(SCRIPTS / "train.py"), json.dumps(config), str(out)], {})
+                  for node in (0, 1)], out)
+    assert_two_nodes_train_one_devices_weights(config, out, tmp_path / "plain")

@@ -52,17 +52,22 @@ class GradientsAside:
     def commit(self, run: Hashable, scale: float) -> None:
         """Add ``scale`` times what ``run``'s backwards made into ``.grad``, once; a parameter frozen since
         (``requires_grad`` now False) gets none, as from a backward that ran now."""
-        with self._lock:
-            made = self._made.pop(run, [])
-        for p, grad in made:
-            if grad is None or not p.requires_grad:
-                continue
-            if scale != 1.0:
-                grad.mul_(scale)
+        for p, grad in self.take(run, scale).items():
             if p.grad is None:
                 p.grad = grad
             else:
                 p.grad.add_(grad)
+
+    def take(self, run: Hashable, scale: float) -> dict[nn.Parameter, Tensor]:
+        """What :meth:`commit` would add into each parameter's ``.grad``, taken out (for a caller that adds it
+        itself), once."""
+        with self._lock:
+            made = self._made.pop(run, [])
+        taken = {}
+        for p, grad in made:
+            if grad is not None and p.requires_grad:
+                taken[p] = grad.mul_(scale) if scale != 1.0 else grad
+        return taken
 
     def release(self, run: Hashable) -> None:
         """Forget ``run``: what it made is dropped uncommitted; after a failure midway, the gradients from

@@ -31,7 +31,7 @@ from lightning_pipe.engine.partition import Partition
 __all__ = ["pure_backward_layer"]
 
 
-def _nothing(compute: bool = True) -> None:
+def _nothing(compute: bool = True, finisher: Any = None) -> None:
     pass
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, Union
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_pipe.engine.rng import no_random_layer
 
@@ -114,6 +114,52 @@ class LayerWatch(Protocol):
 
 
 _watch = threading.local()
+
+
+def versions(tensors: Sequence[Tensor]) -> tuple[int, ...]:
+    """The version counters of ``tensors`` (bumped by every in-place operation on their storage)."""
+    return tuple(-1 if t.is_inference() else t._version for t in tensors)
+
+
+class StageWatch:
+    """What a stage (``stage``: its ``index`` and ``_where``) watches around each layer of its partition (a
+    :class:`LayerWatch`, which :class:`Partition` calls): where an error came from, and the version counters
+    of the inputs a checkpointed forward must leave unchanged."""
+
+    def __init__(self, stage: Any, microbatch: int, watch: Sequence[Tensor]) -> None:
+        self.stage = stage
+        self.microbatch = microbatch
+        self.watch = watch
+        self.checking = bool(watch)
+        self.versions = versions(watch)
+
+    @staticmethod
+    def located(exc: BaseException, note: str) -> None:
+        """Add ``note`` to ``exc`` unless an inner layer or stage already said where it was raised."""
+        if not getattr(exc, "_lightning_pipe_located", False):
+            exc.add_note(note)
+            if "leaf Variable that requires grad" in str(exc):
+                exc.add_note("the partition's inputs are leaves of its autograd graph, which may not be modified "
+                             "in place: make that operation out of place (x = x + y rather than x += y), or copy "
+                             "the input first (x.clone())")
+            exc._lightning_pipe_located = True  # type: ignore[attr-defined]
+
+    def failed(self, exc: BaseException, k: int, name: str, layer: nn.Module) -> None:
+        """Note which layer raised ``exc``."""
+        self.located(exc, f"raised in partition {self.stage.index}, {self.stage._where(k, name, layer)}")
+
+    def passed(self, k: int, name: str, layer: nn.Module) -> None:
+        """Raise if layer ``k`` (-1: the partition as a whole) modified a watched input in place."""
+        if self.checking and versions(self.watch) != self.versions:
+            where = self.stage._where(k, name, layer) if k >= 0 else f"partition {self.stage.index} or a hook on it"
+            exc = RuntimeError(
+                f"partition {self.stage.index} modified its input in place in a checkpointed forward "
+                f"(micro-batch {self.microbatch}, {where}); recomputation in backward would start from the "
+                "modified input and give wrong gradients. Make that operation out of place (x = x + y rather "
+                "than x += y, inplace=False) or copy the input first (x.clone())"
+            )
+            exc._lightning_pipe_located = True  # type: ignore[attr-defined]
+            raise exc
 
 
 class watching_layers:  # noqa: N801 - used as a function: ``with watching_layers(partition, watch):``

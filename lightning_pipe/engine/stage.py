@@ -41,7 +41,7 @@ from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.checkpoint import checkpointing, recomputing
 from lightning_pipe.engine.loss import LossFn, MicroLoss, compute, detach, to_device
 from lightning_pipe.engine.microbatch import Batch
-from lightning_pipe.engine.partition import watching_layers
+from lightning_pipe.engine.partition import StageWatch, versions, watching_layers
 from lightning_pipe.engine.rng import StageRandom, draws_no_random, mix_seed
 from lightning_pipe.engine.skip.namespace import SkipKey
 from lightning_pipe.engine.skip.tracker import SkipTracker, use_skip_tracker
@@ -52,6 +52,12 @@ __all__: list[str] = []
 
 #: Gradients that flow backward: one per tensor, None where the tensor got none.
 Grads = tuple[Tensor | None, ...]
+
+#: Runs one autograd call of a stage for whoever reduces its parameters' gradients as they come (the stage's last
+#: backward of a step, under data parallelism): ``finisher(call, outputs, upstream, after)`` runs ``call()`` (a
+#: backward from ``outputs``), returns as soon as the leaves ``upstream`` (whose gradients go to the previous
+#: stage) have their gradients, or ``call`` is over, and runs ``after()`` once ``call`` is over, on any thread.
+Finisher = Callable[[Callable[[], None], Sequence[Tensor], Sequence[Tensor], Callable[[], None]], None]
 
 
 @dataclass
@@ -86,54 +92,9 @@ def _has_inplace(partition: nn.Module) -> bool:
     return any(getattr(m, "inplace", False) is True for m in partition.modules())
 
 
-def _versions(tensors: Sequence[Tensor]) -> tuple[int, ...]:
-    """The version counters of ``tensors`` (bumped by every in-place operation on their storage)."""
-    return tuple(-1 if t.is_inference() else t._version for t in tensors)
-
-
 def _handoff(t: Tensor) -> Tensor:
     """What a stage hands on: detached, carrying only whether it requires grad."""
     return t.detach().requires_grad_(t.requires_grad)
-
-
-class _Layers:
-    """What a stage watches around each layer of its partition (:class:`Partition` calls it): where an error
-    came from, and the version counters of the inputs a checkpointed forward must leave unchanged."""
-
-    def __init__(self, stage: Stage, microbatch: int, watch: Sequence[Tensor]) -> None:
-        self.stage = stage
-        self.microbatch = microbatch
-        self.watch = watch
-        self.checking = bool(watch)
-        self.versions = _versions(watch)
-
-    @staticmethod
-    def located(exc: BaseException, note: str) -> None:
-        """Add ``note`` to ``exc`` unless an inner layer or stage already said where it was raised."""
-        if not getattr(exc, "_lightning_pipe_located", False):
-            exc.add_note(note)
-            if "leaf Variable that requires grad" in str(exc):
-                exc.add_note("the partition's inputs are leaves of its autograd graph, which may not be modified "
-                             "in place: make that operation out of place (x = x + y rather than x += y), or copy "
-                             "the input first (x.clone())")
-            exc._lightning_pipe_located = True  # type: ignore[attr-defined]
-
-    def failed(self, exc: BaseException, k: int, name: str, layer: nn.Module) -> None:
-        """Note which layer raised ``exc``."""
-        self.located(exc, f"raised in partition {self.stage.index}, {self.stage._where(k, name, layer)}")
-
-    def passed(self, k: int, name: str, layer: nn.Module) -> None:
-        """Raise if layer ``k`` (-1: the partition as a whole) modified a watched input in place."""
-        if self.checking and _versions(self.watch) != self.versions:
-            where = self.stage._where(k, name, layer) if k >= 0 else f"partition {self.stage.index} or a hook on it"
-            exc = RuntimeError(
-                f"partition {self.stage.index} modified its input in place in a checkpointed forward "
-                f"(micro-batch {self.microbatch}, {where}); recomputation in backward would start from the "
-                "modified input and give wrong gradients. Make that operation out of place (x = x + y rather "
-                "than x += y, inplace=False) or copy the input first (x.clone())"
-            )
-            exc._lightning_pipe_located = True  # type: ignore[attr-defined]
-            raise exc
 
 
 class Stage:
@@ -157,6 +118,7 @@ class Stage:
         self.recorder: Recorder | None = None  # set to record when each micro-batch ran (a timeline)
         self.inplace = _has_inplace(partition)  # whether its layers get copies of inputs backward needs
         self.aside = GradientsAside(partition)  # a step's gradients made before its caller's backward
+        self.produced = 0  # autograd calls that accumulated into the parameters' gradients (B, or a W computed)
 
     # ------------------------------------------------------------------ running the layers
     def _given(self, leaves: tuple[Tensor, ...], imports: Mapping[SkipKey, Tensor], keep: bool
@@ -175,7 +137,7 @@ class Stage:
              microbatch: int, watch: Sequence[Tensor] = ()) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
         """Call the partition on ``value``; raise as soon as a layer modifies a tensor of ``watch`` in place."""
         tracker = SkipTracker(imports, self.exports)
-        layers = _Layers(self, microbatch, watch)
+        layers = StageWatch(self, microbatch, watch)
         # Asked at every forward: a hook registered since the last one may draw random numbers.
         random = nullcontext() if draws_no_random(self.partition) else \
             StageRandom(lambda: mix_seed(seed(), self.index, microbatch))
@@ -221,7 +183,7 @@ class Stage:
             kept = None if checkpoint else outputs.tensors
             with self._lock:
                 self._saved[(run, microbatch)] = _Saved(leaves, got, inputs.atomic, seed, capture_context(), kept,
-                                                        None if checkpoint else exports, _versions(watch), empty,
+                                                        None if checkpoint else exports, versions(watch), empty,
                                                         loss, target)
         if save and self.recorder is not None:
             self.recorder.record(self.index, "F", [microbatch], run, start)  # type: ignore[arg-type]
@@ -247,7 +209,7 @@ class Stage:
                 {k: None if t is None else mark(t) for k, t in exports.items()})
 
     def _recompute(self, saved: _Saved, microbatch: int) -> tuple[tuple[Tensor, ...], dict[SkipKey, Tensor | None]]:
-        if _versions((*saved.inputs, *saved.imports.values())) != saved.versions:
+        if versions((*saved.inputs, *saved.imports.values())) != saved.versions:
             raise RuntimeError(
                 f"the inputs that partition {self.index} saved to recompute micro-batch {microbatch} were "
                 "modified in place after its forward (by code that changed the pipe's input or output, or a "
@@ -262,16 +224,18 @@ class Stage:
                 return (compute(saved.loss, outputs.value, saved.target)[0],), {}
         return outputs.tensors, exports
 
-    def backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]]
-                 ) -> list[tuple[Grads, dict[SkipKey, Tensor | None]]]:
-        """Backward of micro-batches ``(microbatch, output grads, export grads)`` in one autograd call.
+    def backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]],
+                 finisher: Finisher | None = None) -> list[tuple[Grads, dict[SkipKey, Tensor | None]]]:
+        """Backward of micro-batches ``(microbatch, output grads, export grads)`` in one autograd call (through
+        ``finisher``, if given: see :data:`Finisher`).
 
         Returns, per item, the gradients of its inputs and of its imported skips.
         """
-        results, _ = self._backward_recorded(run, items, inputs_first=False)
+        results, _ = self._backward_recorded(run, items, inputs_first=False, finisher=finisher)
         return results
 
-    def backward_inputs_first(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]]
+    def backward_inputs_first(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]],
+                              finisher: Finisher | None = None
                               ) -> tuple[list[tuple[Grads, dict[SkipKey, Tensor | None]]], Callable[..., None]]:
         """Like :meth:`backward`, but only the gradients that go upstream (of the inputs and imported skips)
         are computed now; the returned function computes the parameters' gradients, to be called once, later
@@ -288,14 +252,17 @@ class Stage:
         queued on the stage's stream before the last hand-off of the step is copied from it, would delay
         that copy by as long (there, zero-bubble runs each ``I`` as a whole backward and its ``W`` does nothing).
         Elsewhere this is :meth:`backward`, with nothing left to do later.
+
+        ``finisher`` runs the autograd call that accumulates the parameters' gradients if it is this one (a whole
+        backward); otherwise the returned function takes it: ``finish(True, finisher)``.
         """
         if self.device.type != "cpu" or not twice_safe(self.partition):
-            return self.backward(run, items), _nothing
-        results, finish = self._backward_recorded(run, items, inputs_first=True)
+            return self.backward(run, items, finisher), _nothing
+        results, finish = self._backward_recorded(run, items, inputs_first=True, finisher=finisher)
         return results, finish
 
     def _backward_recorded(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]],
-                           inputs_first: bool
+                           inputs_first: bool, finisher: Finisher | None = None
                            ) -> tuple[list[tuple[Grads, dict[SkipKey, Tensor | None]]], Callable[..., None]]:
         # Recomputation must leave no trace in module state (BatchNorm running statistics): buffers are
         # restored once autograd is done with them (restoring earlier would trip its version checks).
@@ -311,12 +278,24 @@ class Stage:
                     for b, old in zip(self.partition.buffers(), buffers):
                         b.copy_(old)
 
+        handed = [False]  # whether a finisher runs ``restore`` once its autograd call is over
+
+        def through(call: Callable[[], None], outputs: Sequence[Tensor], upstream: Sequence[Tensor],
+                    finisher: Finisher | None) -> None:
+            self.produced += 1
+            if finisher is None:
+                call()
+            else:
+                handed[0] = True
+                finisher(call, outputs, upstream, restore)
+
         try:
-            results, weights = self._backward(run, items, inputs_first)
+            results, weights = self._backward(run, items, inputs_first, finisher, through)
         except BaseException:
-            restore()
+            if not handed[0]:
+                restore()
             raise
-        if weights is None:
+        if weights is None and not handed[0]:
             restore()
         if self.recorder is not None:
             self.recorder.record(self.index, "B", microbatches, run, start)  # type: ignore[arg-type]
@@ -324,16 +303,17 @@ class Stage:
             return results, _nothing
         pending = [weights]
 
-        def finish(compute: bool = True) -> None:
+        def finish(compute: bool = True, finisher: Finisher | None = None) -> None:
             if not pending:
                 return
             started = time.time()
             try:
-                weights = pending.pop()
+                outputs, weights = pending.pop()
                 if compute:
-                    weights()
+                    through(weights, outputs, (), finisher)
             finally:
-                restore()
+                if not handed[0]:
+                    restore()
             if not compute:
                 return
             if self.recorder is not None:
@@ -342,8 +322,10 @@ class Stage:
         return results, finish
 
     def _backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]],
-                  inputs_first: bool = False
-                  ) -> tuple[list[tuple[Grads, dict[SkipKey, Tensor | None]]], Callable[[], None] | None]:
+                  inputs_first: bool, finisher: Finisher | None,
+                  through: Callable[[Callable[[], None], Sequence[Tensor], Sequence[Tensor], Finisher | None], None]
+                  ) -> tuple[list[tuple[Grads, dict[SkipKey, Tensor | None]]],
+                             tuple[Sequence[Tensor], Callable[[], None]] | None]:
         tensors: list[Tensor] = []
         grads: list[Tensor] = []
         saved_items = []
@@ -372,11 +354,12 @@ class Stage:
         upstream = [t for s in saved_items for t in (*s.inputs, *s.imports.values()) if t.requires_grad]
         if tensors and inputs_first and upstream:
             # The gradients that go upstream now; every other leaf's (the parameters') when ``weights`` is called.
-            found, weights = input_gradients_first(tensors, grads, upstream)
+            found, later = input_gradients_first(tensors, grads, upstream)
             for t, g in zip(upstream, found):
                 t.grad = g
+            weights = None if later is None else (tensors, later)
         elif tensors:
-            torch.autograd.backward(tensors, grads)
+            through(lambda: torch.autograd.backward(tensors, grads), tensors, upstream, finisher)
         return [
             (tuple(t.grad if t.requires_grad else None for t in s.inputs),
              {**{k: t.grad if t.requires_grad else None for k, t in s.imports.items()}, **dict.fromkeys(s.empty)})

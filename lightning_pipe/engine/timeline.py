@@ -27,7 +27,8 @@ __all__ = ["Event", "Recorder", "bubble_fraction", "read_chrome_trace", "read_tr
 class Event:
     """Stage ``stage`` ran ``kind`` of micro-batch ``microbatch`` of step ``run`` from ``start`` to ``end``
     (seconds since the epoch, so that processes on one machine share a clock). Kinds: ``"F"`` forward,
-    ``"B"`` backward, ``"W"`` the parameters' gradients of a backward whose input gradients went first."""
+    ``"B"`` backward, ``"W"`` the parameters' gradients of a backward whose input gradients went first, ``"R"``
+    the averaging of the stage's gradients over replicas left after its last backward (``microbatch`` -1)."""
 
     stage: int
     kind: str
@@ -72,7 +73,8 @@ def write_chrome_trace(events: Sequence[Event], path: str, ranks: Sequence[int] 
         trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage,
                       "args": {"name": f"stage {stage} (rank {rank})"}})
     for e in events:
-        trace.append({"name": f"{e.kind}{e.microbatch}", "cat": "forward" if e.kind == "F" else "backward",
+        category = {"F": "forward", "R": "reduction"}.get(e.kind, "backward")
+        trace.append({"name": f"{e.kind}{e.microbatch}" if e.kind != "R" else "all-reduce", "cat": category,
                       "ph": "X", "pid": 0, "tid": e.stage, "ts": (e.start - origin) * 1e6,
                       "dur": (e.end - e.start) * 1e6, "args": asdict(e)})
     with open(path, "w") as f:
@@ -104,6 +106,7 @@ def bubble_fraction(events: Sequence[Event], schedule: str = "gpipe", processes:
     """
     from lightning_pipe.engine.schedule import theory
 
+    events = [e for e in events if e.kind != "R"]  # communication, not a stage's computation
     runs = sorted({e.run for e in events})
     stages = len({e.stage for e in events})
     processes = processes or stages
@@ -124,7 +127,8 @@ def bubble_fraction(events: Sequence[Event], schedule: str = "gpipe", processes:
 def render(events: Sequence[Event], path: str, title: str = "", schedule: str = "gpipe",
            processes: int | None = None) -> None:
     """Draw ``events`` as stages × time (forward blue, backward orange, parameters' gradients computed after
-    the input gradients red, bubbles blank) into a PNG."""
+    the input gradients red, the averaging over replicas left after a stage's last backward green under its
+    row, bubbles blank) into a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,11 +137,12 @@ def render(events: Sequence[Event], path: str, title: str = "", schedule: str = 
     origin = min(e.start for e in events)
     stages = sorted({e.stage for e in events})
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(stages) + 1.5))
-    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52"}
+    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "R": "#55A868"}
     for e in events:
         color = colors.get(e.kind, "#DD8452")
-        ax.barh(e.stage, (e.end - e.start) * 1e3, left=(e.start - origin) * 1e3, color=color,
-                edgecolor="white", linewidth=0.5)
+        reduction = e.kind == "R"  # a thin bar under the stage's row: its averaging over replicas
+        ax.barh(e.stage + (0.45 if reduction else 0.0), (e.end - e.start) * 1e3, left=(e.start - origin) * 1e3,
+                height=0.2 if reduction else 0.8, color=color, edgecolor="white", linewidth=0.5)
     ax.set_yticks(stages, [f"stage {s}" for s in stages])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
@@ -148,6 +153,8 @@ def render(events: Sequence[Event], path: str, title: str = "", schedule: str = 
     handles = [Patch(color=colors["F"], label="forward"), Patch(color=colors["B"], label="backward")]
     if any(e.kind == "W" for e in events):
         handles.append(Patch(color=colors["W"], label="parameters' gradients, after the input gradients"))
+    if any(e.kind == "R" for e in events):
+        handles.append(Patch(color=colors["R"], label="averaging over replicas, after the last backward"))
     ax.legend(handles=handles, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -120,7 +120,8 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     futures = [host.configure_async(worker_name(ranks[r]), key, {s: (parts[s], offsets[s]) for s in range(r, n, p)},
                                     str(devices[ranks[r] % strategy.num_processes] if devices else "cpu"),
                                     peers, layout, timeout, prefix, strategy.timeline is not None,
-                                    {s: programs[s] for s in range(r, n, p) if s in programs}, setup_timeout, tied)
+                                    {s: programs[s] for s in range(r, n, p) if s in programs}, setup_timeout, tied,
+                                    getattr(strategy, "init_sync", True))
                for r in range(1, p)]
     # This process's copies of the tied parameters join their owners' group while the others set up theirs.
     local_tied = TiedCopies(key, tied, rank) if tied else None
@@ -244,7 +245,7 @@ def _materialize_local(module: nn.Module, module_name: str, remote: set[str], re
 def _broadcast_state(strategy: PipeStrategy, module: nn.Module, module_name: str, remote: set[str]) -> None:
     """Replica 0's driver's weights and buffers to every driver (the remote stages take theirs from replica 0's
     same stage as they are configured)."""
-    if strategy.world_size == 1:
+    if strategy.world_size == 1 or not getattr(strategy, "init_sync", True):
         return
     with torch.no_grad():
         for tensor in _local_tensors(module, module_name, remote).values():

@@ -66,9 +66,12 @@ def check_settings(trainer: pl.Trainer | None, sync_batchnorm: bool) -> None:
     """Reject Trainer settings and callbacks that cannot work across stages in other processes."""
     if sync_batchnorm:
         raise ValueError(
-            "Trainer(sync_batchnorm=True) is not supported by PipeStrategy: BatchNorm layers of a stage would "
-            "synchronise every micro-batch, not the batch. Use PipeStrategy(deferred_batch_norm=True), which "
-            "gives each replica the statistics of its whole batch, and leave sync_batchnorm off")
+            "Trainer(sync_batchnorm=True) is not supported by PipeStrategy: torch's SyncBatchNorm runs on GPUs only, "
+            "and in a pipeline it would normalise each micro-batch with the statistics of the same micro-batch of "
+            "every replica (a collective per micro-batch and per recomputation), which no run on several GPUs has "
+            "checked yet. Use PipeStrategy(deferred_batch_norm=True), which gives each replica the running "
+            "statistics of its whole batch (with broadcast_buffers, the default, every replica's buffers follow "
+            "replica 0's at each step), and leave sync_batchnorm off")
     from pytorch_lightning import callbacks as pl_callbacks
     from pytorch_lightning.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
 

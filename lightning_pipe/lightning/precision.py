@@ -13,7 +13,6 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from torch import Tensor
 
 from lightning_pipe.lightning.placeholders import is_placeholder
 
@@ -22,13 +21,6 @@ __all__: list[str] = []
 
 class PipePrecision:
     """Mixin for the Trainer's precision plugin (see :func:`~lightning_pipe.lightning.optimizers.mix_in`)."""
-
-    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
-        # Right after backward, before the on_after_backward hooks: DDP has the gradients averaged by then.
-        after = getattr(module.trainer.strategy, "after_backward", None)
-        if after is not None:
-            after()
-        return super().post_backward(tensor, module)  # type: ignore[misc]
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
         # Called after backward and the driver's unscaling, before clipping and scaler.step: remote stages

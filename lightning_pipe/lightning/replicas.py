@@ -1,21 +1,31 @@
-"""Replicas of the pipeline: every stage's gradients averaged over the same stage of every replica, as DDP does.
+"""Replicas of the pipeline: each stage averaged with the same stage of every replica by torch's DDP, as DDP does.
 
-Each backward through Lightning ends with the average, before ``on_after_backward`` (hooks, clipping and steps,
-manual ones included, see averaged gradients, as under DDP). While Lightning accumulates gradients it blocks the
-sync (``no_sync``): those backwards keep their gradients per replica, and the first backward outside averages
-everything accumulated. The drivers average in their default group (the drivers of every replica); each
-remote stage in its own (that stage of every replica), at the same time.
+While fitting with more than one replica, every stage's process wraps its partition in the
+``DistributedDataParallel`` that ``PipeStrategy.configure_ddp`` builds, over a group of that stage's replicas
+(:mod:`lightning_pipe.transport.dataparallel` drives it: buckets are all-reduced during the stage's last
+backward of each step, overlapping the backward of the stages before it). The driver's own layers outside the
+body (a head, a loss module with weights) are wrapped as Lightning's ``DDPStrategy`` wraps a model: a DDP over
+the LightningModule that leaves the body out, which Lightning's forward redirection, ``no_sync`` and manual
+backward drive as usual. While Lightning accumulates gradients it blocks the sync (``no_sync``) everywhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import contextlib
+import itertools
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-import torch
+import torch.distributed as dist
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
-from lightning_pipe.lightning.optimizers import raw
-from lightning_pipe.transport.dataparallel import average_gradients
+from lightning_pipe.lightning import ddp
+from lightning_pipe.lightning.body import PipelinedSequential
+from lightning_pipe.lightning.processes import PipelineProcesses
 from lightning_pipe.transport.host import HostGroup
 
 __all__: list[str] = []
@@ -28,12 +38,13 @@ class Replicas:
         self.count = count
         self.hosts: HostGroup | None = None
         self.blocked = 0  # inside block_backward_sync: gradients stay per replica (accumulation)
-        self.unaveraged = False  # a backward ran since the gradients were last averaged
         self.in_backward = 0  # inside Lightning's backward (pre_backward to post_backward)
+        self.active = False  # the stages' DDPs are built (while fitting)
 
     def check_backward_path(self) -> None:
         """The pipeline's backward starts: refuse one outside Lightning's backward when there are replicas (a
-        bare ``loss.backward()`` in manual optimization), whose gradients nothing would average."""
+        bare ``loss.backward()`` in manual optimization): Lightning's DDP would not average the driver's own
+        layers then (it prepares their reduction in ``manual_backward``), and the replicas would drift apart."""
         if not self.in_backward and self.count > 1:
             raise RuntimeError(
                 "the pipeline's backward ran outside Lightning's backward (loss.backward() instead of "
@@ -42,37 +53,106 @@ class Replicas:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside keep their gradients per replica."""
+        """Backwards inside keep their gradients per replica (DDP's ``no_sync``)."""
         self.blocked += 1
         try:
             yield
         finally:
             self.blocked -= 1
 
-    def after_backward(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Average every optimizer's gradients, unless sync is blocked. Averaging again after a further
-        backward averages only the new part: the mean of equal values is that value."""
-        self.unaveraged = True
-        if self.blocked:
-            return
-        for optimizer in optimizers:
-            self.average(raw(optimizer))
-        self.unaveraged = False
+    def reducing(self) -> bool:
+        """Whether the pipeline's step starting now averages its gradients over the replicas."""
+        return self.active and self.count > 1 and not self.blocked
 
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before clipping and the step: average what backwards that ran with sync blocked accumulated (the
-        closure's own backward averaged everything, unless it was skipped)."""
-        if self.unaveraged:
-            self.average(optimizer)
-            self.unaveraged = False
-
-    def average(self, optimizer: torch.optim.Optimizer) -> None:
-        """Average ``optimizer``'s gradients on every stage of this pipeline with the other replicas'."""
-        if self.count == 1 or self.hosts is None:
+    def start(self, strategy: Any, body: PipelinedSequential) -> None:
+        """As fitting starts: every stage of this pipeline (here and in its processes) and the driver's layers
+        outside the body get their DDP, built by ``strategy.configure_ddp``; every replica does the same at once
+        (DDP's constructor is a collective of each stage's replicas)."""
+        if self.count == 1:
+            given = strategy._ddp_explicit
+            if given:
+                rank_zero_warn(f"PipeStrategy: {', '.join(given)} have no effect with one replica: nothing is "
+                               "averaged, and no DistributedDataParallel wraps the stages")
             return
-        # No RPC timeout: each stage waits in a collective for the same stage of the other replicas, which
-        # may be a slow callback away; the process group's timeout bounds that wait.
-        futures = self.hosts.start("average_gradients", getattr(optimizer, "_lp_index", 0), timeout=0)
-        average_gradients([p for g in optimizer.param_groups for p in g["params"] if not p.is_meta])
+        assert body.hosts is not None
+        # No RPC timeout: DDP's constructor waits for the same stage of the other replicas, which may be a slow
+        # setup away; the process group's timeout bounds that wait.
+        futures = body.hosts.start("replicate", ddp.stage_copy(strategy).configure_ddp, timeout=0)
+        body.pipeline.runner.averages.replicate(strategy.configure_ddp)
+        for j, future in enumerate(futures, start=1):
+            try:
+                future.result()
+            except Exception as exc:
+                exc.add_note(f"while building the DistributedDataParallel of stage {j}'s process")
+                raise
+        self._wrap_outside(strategy, body)
+        body.pipeline.reduce = self.reducing
+        self.active = True
+
+    def _wrap_outside(self, strategy: Any, body: PipelinedSequential) -> None:
+        """The driver's layers outside the body, in a DDP over the LightningModule that leaves the body to its
+        stages' (as Lightning's DDPStrategy wraps a model), if any of them trains."""
+        module = strategy.lightning_module
+        prefix = strategy.module_name + "."
+        inner = {prefix + n for n, _ in itertools.chain(body.named_parameters(), body.named_buffers())}
+        if not any(p.requires_grad for n, p in module.named_parameters() if n not in inner):
+            return
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(inner))
+        device_ids = strategy.determine_ddp_device_ids()
+        strategy.model = strategy.configure_ddp(module, device_ids, None, None)
+
+    def stop(self, strategy: Any, body: PipelinedSequential | None) -> None:
+        """As fitting ends: the stages' DDPs go (Lightning's teardown unwraps the driver's)."""
+        if not self.active or body is None or body.hosts is None:
+            return
+        self.active = False
+        body.pipeline.reduce = lambda: False
+        futures = body.hosts.start("replicate", None)
+        body.pipeline.runner.averages.replicate(None)
         for future in futures:
             future.result()
+
+
+
+class ReplicatedStages(PipelineProcesses):
+    """The processes of pipelines whose replicas are averaged stage by stage by torch's DDP (:class:`Replicas`):
+    what ``PipeStrategy`` does of ``DDPStrategy``'s ``configure_ddp`` and ``block_backward_sync``."""
+
+    _replicas: Replicas
+    _fitting: bool
+
+    @property
+    def init_sync(self) -> bool:
+        """Whether every replica starts from replica 0's weights (DDP's ``init_sync``: while fitting, False leaves
+        that to the script, as under DDPStrategy)."""
+        return not self._fitting or self._ddp_kwargs.get("init_sync", True)
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Backwards inside keep their gradients per replica (DDP's ``no_sync``, while Lightning accumulates)."""
+        with self._replicas.no_sync(), super().block_backward_sync():
+            yield None
+
+    @override
+    def configure_ddp(self, module: nn.Module, device_ids: list[int] | None,  # type: ignore[override]
+                      process_group: dist.ProcessGroup | None, stage: int | None) -> DistributedDataParallel:
+        """Wrap ``module`` in the ``DistributedDataParallel`` that averages it over ``process_group``: stage
+        ``stage``'s partition (an ``nn.Sequential`` of its layers, named by their index in the body) over that
+        stage's replicas, called in the stage's process; or, with ``stage=None``, the LightningModule's layers
+        outside the body (the body left to its stages) over the drivers. Override it to change one stage's
+        DDP (a comm hook, buckets); it must wrap ``module`` itself::
+
+            class MyStrategy(PipeStrategy):
+                def configure_ddp(self, module, device_ids, process_group, stage):
+                    ddp = super().configure_ddp(module, device_ids, process_group, stage)
+                    if stage == 1:
+                        ddp.register_comm_hook(process_group, my_hook)   # instead of ddp_comm_hook
+                    return ddp
+
+        In a stage's process it runs on a copy of this strategy holding its arguments and a subclass's own
+        attributes (not the Trainer's accelerator, cluster environment, model or optimizers). The default
+        passes every DDP argument and registers ``ddp_comm_hook`` (through ``ddp_comm_wrapper``), with its own
+        copy of ``ddp_comm_state``."""
+        return ddp.wrap(self, module, device_ids, process_group)
+

@@ -5,8 +5,9 @@ Follow one training batch on the driver (stage 0 of a replica), in Lightning's h
     training_step ─► self.sequential_module(x)      a PipelinedSequential (lightning/body.py): the pipeline's
                         ├─ stage 0 here             forward, stages 1.. in their processes (transport/)
     backward      ─► pre_backward                   the pipeline's backward may start (Lightning's backward)
-                  ─► loss.backward()                every stage's .grad filled by its local autograd
-                  ─► after_backward                 averaged over replicas before on_after_backward (replicas.py)
+                  ─► loss.backward()                every stage's .grad filled by its local autograd; with
+                                                    replicas, each stage's DDP averages its buckets during its
+                                                    last backward (replicas.py, transport/dataparallel.py)
     optimizer_step ─► clip by the global norm       every stage's gradients (precision.py)
                    ─► the driver's optimizer.step   records the step and its hyper-parameters (optimizers.py)
                    ─► post_optimizer_step           every remote stage steps with them
@@ -18,6 +19,7 @@ index, and the default process group of a driver holds exactly the drivers (tran
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -33,20 +35,20 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_pipe.engine.deferred import deferred_init
-from lightning_pipe.lightning import checks, observe
+from lightning_pipe.lightning import checks, ddp, observe
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build, deferred_recording
 from lightning_pipe.lightning.checkpoints import PipelineCheckpoints
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, mix_in, raw
 from lightning_pipe.lightning.precision import PipePrecision, loss_gradient, sum_tied
-from lightning_pipe.lightning.replicas import Replicas
+from lightning_pipe.lightning.replicas import Replicas, ReplicatedStages
 from lightning_pipe.transport.session import SESSION, abort_world
 
 __all__ = ["PipeStrategy"]
 
 
-class PipeStrategy(PipelineCheckpoints):
+class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
     """Pipeline parallelism for a LightningModule whose layers live in an ``nn.Sequential`` body.
 
     ::
@@ -88,8 +90,11 @@ class PipeStrategy(PipelineCheckpoints):
             (:func:`lightning_pipe.consolidate_checkpoint` makes the full file of it), as Lightning's
             ``FSDPStrategy`` names them.
         **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
-            ``timeout``, ``cluster_environment``, ...). Models are not wrapped in DDP: each stage averages its
-            own gradients.
+            ``timeout``, ``cluster_environment``, ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``) and
+            on to the ``DistributedDataParallel`` of every stage (``find_unused_parameters``, ``bucket_cap_mb``,
+            ``static_graph``, ``gradient_as_bucket_view``, ``broadcast_buffers``, ...): with replicas, each stage
+            is averaged with the same stage of every other replica by torch's DDP, built by
+            :meth:`configure_ddp`. Unknown names are refused. ``find_unused_parameters`` defaults to True.
     """
 
     strategy_name = "pipe"
@@ -105,6 +110,9 @@ class PipeStrategy(PipelineCheckpoints):
         balance = checks.check_arguments(balance, microbatches, checkpoint, balance_mode, rpc_timeout_sec,
                                          module_name, schedule, virtual_stages, kwargs)
         checks.check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
+        ddp.check_arguments(kwargs, [n for n in inspect.signature(PipeStrategy).parameters if n != "kwargs"])
+        self._ddp_explicit = [k for k in kwargs if k != "start_method"]
+        ddp.defaults(kwargs)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -154,6 +162,7 @@ class PipeStrategy(PipelineCheckpoints):
         mix_in(self.precision_plugin, PipePrecision)
         self.model_to_device()
         if fitting:
+            self._replicas.start(self, self._body)  # DDP for every stage, as DDPStrategy wraps its model
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
@@ -218,29 +227,17 @@ class PipeStrategy(PipelineCheckpoints):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        """Lightning's backward is over (:meth:`after_backward` averaged before ``on_after_backward``)."""
+        """Lightning's backward is over (with replicas, every stage's DDP reduced during it; each stage's
+        clipping and step wait for its own reduction)."""
         self._replicas.in_backward = max(0, self._replicas.in_backward - 1)
         super().post_backward(closure_loss)
 
-    def after_backward(self) -> None:
-        """Right after each backward, before ``on_after_backward``: every stage's gradients averaged over the
-        replicas, as under DDP."""
-        self._replicas.after_backward(self.optimizers)
-
-    @override
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
-        """Backwards inside keep their gradients per replica (DDP's ``no_sync``, while Lightning accumulates)."""
-        with self._replicas.no_sync():
-            yield None
-
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        inner, automatic = closure, self.lightning_module.automatic_optimization
+        inner = closure
 
-        def closure(*args: Any, **kwargs: Any) -> Any:  # before clipping and the step: the replicas' average, then
-            result = inner(*args, **kwargs)  # the sum of the gradients of parameters tied across stages
-            self._replicas.before_step(raw(optimizer)) if automatic else None
+        def closure(*args: Any, **kwargs: Any) -> Any:  # before clipping and the step (each stage's replicas
+            result = inner(*args, **kwargs)  # averaged by then): the sum of the gradients of tied parameters
             sum_tied(raw(optimizer))
             return result
 
@@ -283,11 +280,9 @@ class PipeStrategy(PipelineCheckpoints):
     def teardown(self) -> None:
         if self.timeline is not None and self._fitting:
             self.write_timeline()
-        super().teardown()
-
-    @override
-    def configure_ddp(self) -> None:
-        pass  # each stage averages its own gradients (replicas.py); nothing wraps the model
+        if self._fitting:
+            self._replicas.stop(self, self._body)
+        super().teardown()  # unwraps the driver's DDP, as DDPStrategy's
 
     @override
     def on_exception(self, exception: BaseException) -> None:

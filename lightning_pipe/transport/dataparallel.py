@@ -1,42 +1,363 @@
-"""Averaging gradients across pipeline replicas: one collective per dtype, as one device would see them."""
+"""Each stage's replicas averaged by torch's ``DistributedDataParallel``, over that stage's data-parallel group.
+
+A stage runs local autograd once per micro-batch (or per action of its schedule), never DDP's forward. So, as
+``torch.distributed.pipelining`` does, DDP's reducer is driven directly: every backward of a step but the
+stage's last one accumulates locally (the reducer is not prepared: DDP's ``no_sync``), and the reducer is
+prepared just before the last, so that each bucket is all-reduced (through the comm hook, if any) as soon as
+that backward has produced its gradients, while the earlier stages are still in their backward::
+
+    stage 1   B3 B2 B1 [B0 ─────]                       prepared: buckets go out as B0 fills them
+                         ├ bucket 1 ══════╗  all-reduce with stage 1 of every other replica
+                         └ bucket 0 ═════════╗
+    stage 0        B3 B2 B1 B0 [B0 ...]     ║ (stage 0 still computing: the reduction is hidden)
+                   ◄── the pipeline's backward ──►
+
+The last backward runs on the stage's reduction thread, which then waits for the buckets (DDP's
+``finalize_backward``); the stage hands its input gradients upstream as soon as they are computed, without
+waiting for the reduction. Everything that reads or changes the stage's gradients afterwards (clipping, the
+optimizer step, zeroing, the next step) first waits for this stage's reduction alone (:meth:`settle`).
+
+With ``static_graph``, the reducer is prepared before the step's first backward instead: DDP counts each
+parameter's gradient hooks over the whole step (one per micro-batch) and reduces a parameter at its last.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_pipe.engine.backward_split import _nothing
+from lightning_pipe.engine.schedule import Action
+from lightning_pipe.engine.stage import Stage
+from lightning_pipe.engine.worker import Worker
 
 __all__: list[str] = []
 
+#: Reduce during the last backward (True), or only once it is over (False: what a design without overlap would
+#: show; ``benchmarks/bench_ddp.py`` measures both).
+OVERLAP = True
 
-def average_gradients(parameters: Iterable[Tensor], group: dist.ProcessGroup | None = None) -> None:
-    """Average the ``.grad`` of ``parameters`` over the processes of ``group`` (default: the default group).
+_GROUPS: dict[int, dist.ProcessGroup] = {}
 
-    Every process must pass the same parameters in the same order. A parameter that got no gradient on
-    some replicas counts as zero there; one that got none anywhere keeps ``grad = None``, exactly like
-    the parameter of a single model that no sample used (optimizers then skip it).
-    """
-    params = [p for p in parameters if p.requires_grad]
-    world = dist.get_world_size(group)
-    if world == 1 or not params:
-        return
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
-                       device=params[0].device)
-    dist.all_reduce(has, group=group)
-    used = [p for p, h in zip(params, has.tolist()) if h > 0]
-    for p in used:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for p in used:
-        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)  # type: ignore[union-attr]
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+
+def stage_group(stage: int) -> dist.ProcessGroup:
+    """This process's group for averaging stage ``stage`` with the same stage of the other replicas: all the
+    processes of its default group (which are that stage's replicas), made once per process and stage. Its own
+    group, not the default one: the reductions run on a thread of their own, concurrently with what else uses
+    the default group (Lightning's collectives on the drivers, barriers)."""
+    if stage not in _GROUPS:
+        _GROUPS[stage] = dist.new_group(list(range(dist.get_world_size())))
+    return _GROUPS[stage]
+
+
+class _Into(torch.autograd.Function):
+    """Adds given gradients into parameters' ``.grad`` through their gradient accumulators, as a backward does,
+    so that DDP's hooks see them."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: Sequence[Tensor], *params: Tensor) -> Tensor:
+        ctx.grads = grads
+        return torch.empty(0, device=params[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> Any:
+        grads, ctx.grads = ctx.grads, None
+        return (None, *grads)
+
+
+class _LastBackward:
+    """The stage's last backward of a step, run through DDP's reducer (a
+    :data:`~lightning_pipe.engine.stage.Finisher`, used at most once)."""
+
+    def __init__(self, replicas: ReplicatedStage, run: int) -> None:
+        self.replicas = replicas
+        self.run = run
+        self.used = False
+
+    def __call__(self, call: Callable[[], None], outputs: Sequence[Tensor], upstream: Sequence[Tensor],
+                 after: Callable[[], None]) -> None:
+        if self.used:
+            raise RuntimeError(f"stage {self.replicas.stage.index} ran a second last backward in one step")
+        self.used = True
+        self.replicas.last_backward(call, outputs, upstream, after, self.run)
+
+
+class ReplicatedStage:
+    """``stage``'s gradients averaged with the same stage of every other replica by ``ddp`` (a
+    ``DistributedDataParallel`` over ``stage.partition``, built by ``PipeStrategy.configure_ddp``)."""
+
+    def __init__(self, stage: Stage, ddp: DistributedDataParallel) -> None:
+        if ddp.module is not stage.partition:
+            raise ValueError(f"configure_ddp must wrap the module it is given (stage {stage.index}'s partition), "
+                             f"got a DistributedDataParallel over a {type(ddp.module).__name__}")
+        self.stage = stage
+        self.ddp = ddp
+        self.reducer = ddp.reducer
+        self.static = bool(ddp.static_graph)
+        self.find_unused = bool(ddp.find_unused_parameters) and not self.static
+        self.worker = Worker(f"lightning_pipe.stage{stage.index}.reduce")
+        self.pending: Future[Any] | None = None  # the reduction (and what follows it) still running
+        self.local = False  # gradients accumulated here since the last reduction (no_sync, or one replica's own)
+        self.reductions = 0  # reductions finished (static_graph: the first flushes at its end)
+        self._prepared = False  # static_graph: prepared at the step's first backward
+
+    # ------------------------------------------------------------------ waiting for it
+    def settle(self) -> None:
+        """Wait until this stage's reduction (and what was queued after it) is over; raise its error, once."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the pending reduction is over (at once if none is)."""
+        if self.pending is None:
+            fn()
+        else:
+            self.pending = self.worker.submit(fn)
+
+    # ------------------------------------------------------------------ a step
+    def sync_buffers(self, grad: bool, reduce: bool) -> None:
+        """The stage's first forward of a step: its buffers follow replica 0's where DDP's forward would have
+        them follow (``broadcast_buffers``: after a forward that reduced), then the step counts as DDP's."""
+        if self.ddp.will_sync_module_buffers():
+            self.ddp._sync_buffers()
+        self.ddp.require_forward_param_sync = grad and reduce
+
+    def prepare_step(self) -> None:
+        """The stage's first backward of a step that reduces: with ``static_graph``, the reducer counts from here."""
+        if self.static and not self._prepared:
+            self._prepare(())
+
+    def last(self, run: int) -> _LastBackward | None:
+        """What runs the stage's last backward of reducing step ``run`` (None: reduce once it is over)."""
+        return _LastBackward(self, run) if OVERLAP else None
+
+    def _prepare(self, outputs: Sequence[Tensor]) -> None:
+        if self._prepared:
+            return
+        self.reducer._rebuild_buckets()  # a collective the first time buckets are rebuilt in gradient order
+        self.reducer.prepare_for_forward()
+        self.reducer.prepare_for_backward(list(outputs) if self.find_unused else [])
+        self._prepared = True
+
+    def _finish(self) -> None:
+        if self.static and self.reductions == 0:
+            self.reducer._delay_all_reduce()  # DDP's first static iteration: every bucket at once
+        self._prepared = False
+        self.local = False
+        self.reductions += 1
+
+    def last_backward(self, call: Callable[[], None], outputs: Sequence[Tensor], upstream: Sequence[Tensor],
+                      after: Callable[[], None], run: int = -1) -> None:
+        """Run ``call`` (the stage's last backward of the step, from ``outputs``) with the reducer prepared, on
+        the reduction thread; return once the ``upstream`` leaves have their gradients (or it is over)."""
+        ready: Future[None] = Future()
+        left = [len(upstream)]
+        lock = threading.Lock()
+
+        def arrived(_: Tensor) -> None:
+            with lock:
+                left[0] -= 1
+                done = left[0] == 0 and not ready.done()
+            if done:
+                ready.set_result(None)
+
+        handles = [t.register_post_accumulate_grad_hook(arrived) for t in upstream]
+        if not upstream:
+            ready.set_result(None)
+        computed = [0.0]  # when the backward's last parameter gradient arrived (for the timeline)
+        recorder = self.stage.recorder
+        if recorder is not None:
+            stamp = lambda _: computed.__setitem__(0, time.time())  # noqa: E731
+            handles += [p.register_post_accumulate_grad_hook(stamp) for p in self.stage.partition.parameters()
+                        if p.requires_grad]
+
+        def job() -> None:
+            try:
+                self._prepare(outputs)
+                call()
+                self._finish()
+            finally:
+                for handle in handles:
+                    handle.remove()
+                after()
+            if recorder is not None and computed[0]:
+                recorder.record(self.stage.index, "R", [-1], run, computed[0])
+
+        if torch._C._current_graph_task_id() != -1:
+            job()  # inside a backward already (a GPU's autograd thread, which the reduction thread would need)
+            return
+        self.pending = self.worker.submit(job)
+        wait([ready, self.pending], return_when=FIRST_COMPLETED)
+        if self.pending.done() and self.pending.exception() is not None:
+            self.settle()
+
+    def reduce_now(self, extra: Mapping[Tensor, Tensor] | None = None, run: int = -1) -> None:
+        """Average the gradients the stage holds now (after adding ``extra[p]`` into each ``p.grad``), on the
+        reduction thread: a backward of the parameters alone, prepared as the last one, for a step whose
+        reduction could not ride on its last backward (or, with ``OVERLAP`` off, every step)."""
+        params = [p for p in self.stage.partition.parameters() if p.requires_grad]
+        extra = extra or {}
+        grads = {p: extra[p] if p in extra else torch.zeros((), dtype=p.grad.dtype, device=p.grad.device).expand_as(p)
+                 for p in params if p in extra or p.grad is not None}
+        recorder = self.stage.recorder
+
+        def job() -> None:
+            start = time.time()
+            if not grads:
+                return  # nothing to average (as under DDP, a backward that reached no parameter)
+            with torch.enable_grad():  # queued from a backward (a commit), where grad mode is off
+                root = _Into.apply(list(grads.values()), *grads)
+                self._prepare([root])
+                root.backward(torch.empty(0, device=root.device))
+            self._finish()
+            if recorder is not None:
+                recorder.record(self.stage.index, "R", [-1], run, start)
+
+        self.settle()
+        self.pending = self.worker.submit(job)
+
+    def close(self) -> None:
+        """Stop averaging this stage: DDP's hooks leave its parameters, the reduction thread ends."""
+        try:
+            self.settle()
+        finally:
+            self.reducer._remove_autograd_hooks()
+            self.worker.stop()
+
+
+def _is_last(actions: Sequence[Action], k: int, later: Mapping[tuple[int, int], Callable[..., None]]) -> bool:
+    """Whether ``actions[k]`` (a backward of stage ``s``) may be the last of ``s`` in the step that computes
+    parameters' gradients: the last ``B`` or ``I`` of ``s`` (an ``I`` computes them if its backward is not split)
+    unless a later ``W`` of an ``I`` that was split computes them; or the last ``W`` of ``s``."""
+    s, kind, _ = actions[k]
+    rest = [a for a in actions[k + 1:] if a.stage == s]
+    if kind == "W":
+        return not any(a.kind == "W" for a in rest)
+    if any(a.kind in "BI" for a in rest):
+        return False
+    return kind == "I" or all(later.get((s, a.microbatch), _nothing) is _nothing for a in rest if a.kind == "W")
+
+
+class Averages:
+    """The averaging over replicas of one process's stages of a pipeline (``stages``: index -> stage): a
+    :class:`ReplicatedStage` for each, once :meth:`replicate` built them; nothing to do without."""
+
+    def __init__(self, stages: Mapping[int, Stage]) -> None:
+        self.stages = stages
+        self.replicas: dict[int, ReplicatedStage] = {}
+        self._at_commit: set[tuple[int, int]] = set()  # (run, stage): averaged once committed
+
+    def replicate(self, configure: Callable[..., DistributedDataParallel] | None) -> None:
+        """Average each stage holding trainable parameters through the ``DistributedDataParallel`` that
+        ``configure(module, device_ids, process_group, stage)`` builds over its partition (None: stop
+        averaging). Every replica's process of a stage calls this at once (DDP's constructor is a collective)."""
+        for replica in self.replicas.values():
+            replica.close()
+        self.replicas = {}
+        for s, stage in sorted(self.stages.items()) if configure is not None else ():
+            if any(p.requires_grad for p in stage.partition.parameters()):
+                device_ids = [stage.device.index or 0] if stage.device.type == "cuda" else None
+                self.replicas[s] = ReplicatedStage(stage, configure(stage.partition, device_ids, stage_group(s), s))
+
+    def settle(self) -> None:
+        """Wait until every stage's reduction here is over (raising its error)."""
+        for replica in self.replicas.values():
+            replica.settle()
+
+    def step(self, run: int, actions: Sequence[Action], reduce: bool, eager: bool) -> StepAverages:
+        """What averaging does in step ``run`` (this process's ``actions``; ``reduce``: the step averages, not
+        under ``no_sync``; ``eager``: its backwards run before the caller's and are committed later). A stage
+        holding gradients that are its own (accumulated under ``no_sync``) has the eager step's gradients
+        averaged with them at the commit, once their scale is known, in one reduction as under DDP."""
+        reducing = dict(self.replicas) if reduce else {}
+        for s in list(reducing) if eager else ():
+            grads = [p for p in self.stages[s].partition.parameters() if p.grad is not None]
+            if reducing[s].local and grads:
+                del reducing[s]
+                self._at_commit.add((run, s))
+            elif reducing[s].ddp.gradient_as_bucket_view:
+                for p in grads:  # set aside for the commit, they must outlive this step's reduction in the buckets
+                    p.grad = p.grad.clone() if p.grad._is_view() else p.grad  # type: ignore[union-attr]
+        return StepAverages(self, run, actions, reducing, reduce)
+
+    def commit(self, run: int, scale: float) -> None:
+        """Add what ``run``'s backwards set aside, times ``scale``, into every stage's gradients here (averaged
+        over the replicas where that waited for the commit)."""
+        self.settle()
+        for s, stage in self.stages.items():
+            if (run, s) in self._at_commit:
+                self._at_commit.discard((run, s))
+                self.replicas[s].reduce_now(stage.aside.take(run, scale), run)
+            else:
+                stage.aside.commit(run, scale)
+
+    def release(self, run: int) -> None:
+        """Forget ``run`` (never committed)."""
+        self.settle()
+        self._at_commit = {key for key in self._at_commit if key[0] != run}
+
+
+class StepAverages:
+    """What averaging over replicas does during one step of one process's stages (see :meth:`Averages.step`):
+    ``reducing`` holds the stages whose last backward of the step averages their gradients."""
+
+    def __init__(self, averages: Averages, run: int, actions: Sequence[Action],
+                 reducing: dict[int, ReplicatedStage], reduce: bool) -> None:
+        self.averages, self.run, self.actions = averages, run, actions
+        self.reducing, self.reduce = reducing, reduce
+        self.produced = {s: stage.produced for s, stage in averages.stages.items()}
+        self.unreduced: set[int] = set()  # produced gradients after (or without) their stage's reduction
+        self.started: set[tuple[str, int]] = set()
+
+    def forward(self, s: int, grad: bool) -> None:
+        """Stage ``s`` runs a forward of the step: on its first, its buffers follow replica 0's (as DDP's)."""
+        if ("F", s) not in self.started:
+            self.started.add(("F", s))
+            replica = self.averages.replicas.get(s)
+            if replica is not None:
+                replica.sync_buffers(grad, self.reduce)
+
+    @contextlib.contextmanager
+    def backward(self, k: int, later: Mapping[tuple[int, int], Callable[..., None]]) -> Iterator[_LastBackward | None]:
+        """Around backward action ``actions[k]``; gives what must run it if it is its stage's last one."""
+        s = self.actions[k].stage
+        replica = self.reducing.get(s)
+        if replica is not None and ("B", s) not in self.started:
+            replica.prepare_step()
+        self.started.add(("B", s))
+        last = replica.last(self.run) if replica is not None and _is_last(self.actions, k, later) else None
+        stage = self.averages.stages[s]
+        done = stage.produced
+        yield last
+        if stage.produced != done:
+            if last is not None and last.used:
+                self.unreduced.discard(s)
+            else:
+                self.unreduced.add(s)
+
+    def finish(self) -> None:
+        """Every action ran: a stage whose gradients its last backward did not average has them averaged now."""
+        for s in sorted(self.unreduced & self.reducing.keys()):
+            self.reducing[s].reduce_now(run=self.run)
+
+    def close(self, keep: Callable[[Stage], None] | None) -> None:
+        """The step is over here (or failed): stages that kept their gradients to themselves are marked so, and
+        ``keep(stage)`` (an eager step's gradients set aside) runs on each once its reduction is over."""
+        for s, stage in self.averages.stages.items():
+            replica = self.averages.replicas.get(s)
+            if replica is not None and stage.produced != self.produced[s] and s not in self.reducing:
+                replica.local = True
+            if keep is not None and replica is not None:
+                replica.then(lambda stage=stage: keep(stage))  # type: ignore[misc]
+            elif keep is not None:
+                keep(stage)

@@ -167,6 +167,9 @@ class RemotePipeline:
         # What a Run releases when freed: this process's runner and every remote process.
         self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, peer, self._settled) for peer in self.peers[1:]]
         self.pipelined = True  # backward micro-batch by micro-batch (False: one backward per stage)
+        # Whether the step starting now averages its gradients over replicas (PipeStrategy's, while fitting
+        # with replicas and not under no_sync): each stage's last backward then runs through its DDP.
+        self.reduce: Callable[[], bool] = lambda: False
         register(runner)
 
     @property
@@ -208,6 +211,7 @@ class RemotePipeline:
         for future in futures:
             future.result()
         self._settled.add(run.id, self.processes - 1)
+        self.runner.averages.settle()  # the gradients here are averaged before the caller goes on
 
     # ------------------------------------------------------------------ running a plan
     def execute(self, run: Run, plan: Plan, *, inputs: list[Batch] | None = None,
@@ -229,7 +233,7 @@ class RemotePipeline:
         m, n, p, key = plan.microbatches, self.n, self.processes, self.key
         spec = StepSpec(m, save, run.checkpoint_stop, run.training, run.autocast, run.anomaly, run.dtype,
                         eager=ahead(run, plan, output_grads), loss=run.loss, weights=run.weights,
-                        loss_scale=run.loss_scale)
+                        loss_scale=run.loss_scale, reduce=save and self.reduce())
         last = plan.process_of(n - 1)
         deliveries: list[tuple[Slot, Any]] = []
         if output_grads is not None:
@@ -274,6 +278,7 @@ class RemotePipeline:
             outputs = [Batch(_unpack([_move(t, device) for t in tensors], flags), atomic)
                        for tensors, flags, atomic in results]
         backwards = any(a.kind in "BI" and a.stage == 0 for a in plan.actions[0])
+        self.runner.averages.settle()  # the gradients here are averaged before the caller goes on
         return Step(outputs, losses, [grads[i] for i in range(m)] if backwards else None)
 
     def _submit(self, run: Run, plan: Plan, spec: StepSpec, local: Callable[[], Any],

@@ -27,7 +27,6 @@ from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
 from lightning_pipe.transport import optim
-from lightning_pipe.transport.dataparallel import average_gradients
 from lightning_pipe.transport.messages import MAILBOX, to_concurrent, where
 from lightning_pipe.transport.runner import StageRunner, register, unregister
 from lightning_pipe.transport.session import SESSION
@@ -153,11 +152,11 @@ class StageHost(StageState):
         for g in self._grads(k):
             g.detach().clamp_(-value, value)
 
-    def average_gradients(self, k: int) -> None:
-        """Average optimizer ``k``'s gradients here with the same stage of every other replica."""
-        if dist.is_initialized() and k in self.optimizers:
-            # The default group of a stage worker is its stage's data-parallel group.
-            average_gradients([p for g in self.optimizers[k][0].param_groups for p in g["params"]])
+    def replicate(self, configure: Any) -> None:
+        """Average this process's stages with the same stages of every other replica through the
+        ``DistributedDataParallel`` that ``configure(module, device_ids, process_group, stage)`` builds over
+        each stage's partition (None: stop); see :mod:`lightning_pipe.transport.dataparallel`."""
+        self.runner.averages.replicate(configure)
 
     def barrier(self) -> None:
         """Meet the same stage of every other replica (its default process group), once the actions queued on
@@ -253,12 +252,12 @@ def process_memory(runner: StageRunner) -> dict[str, int]:
 
 def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, device: str, peers: Sequence[str],
               layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
-              tied: Sequence[TiedParameter] = ()) -> None:
+              tied: Sequence[TiedParameter] = (), init_sync: bool = True) -> None:
     """Host stages ``parts`` (stage -> (partition, offset)) of pipeline ``key`` here (an RPC entry point,
     called by the driver). Partitions built on the meta device arrive pickled with their programs, ``(parts,
     programs)`` (RPC carries no meta tensor), and are materialised here (:mod:`lightning_pipe.engine.deferred`).
-    Every replica's stage then takes replica 0's weights. ``tied``: the parameters its layers share with other
-    processes' layers (:mod:`lightning_pipe.transport.tied`)."""
+    Every replica's stage then takes replica 0's weights (unless ``init_sync`` is False). ``tied``: the
+    parameters its layers share with other processes' layers (:mod:`lightning_pipe.transport.tied`)."""
     programs: Mapping[int, Program] | None = None
     if isinstance(parts, bytes):
         parts, programs = pickle.loads(parts)
@@ -271,19 +270,21 @@ def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, 
     if old is not None:
         old.close()
     _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, programs, tied)
-    _HOSTS[key].broadcast_state()
+    if init_sync:
+        _HOSTS[key].broadcast_state()
 
 
 def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str,
                     peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str,
                     record: bool = False, programs: Mapping[int, Program] | None = None,
-                    setup_timeout: float | None = None, tied: Sequence[TiedParameter] = ()) -> torch.futures.Future:
+                    setup_timeout: float | None = None, tied: Sequence[TiedParameter] = (), init_sync: bool = True
+                    ) -> torch.futures.Future:
     """Have process ``peer`` host stages ``parts`` of pipeline ``key`` (see :func:`configure`); ``programs``:
     how to materialise partitions built on the meta device. ``setup_timeout``: how long the call may take
     (default ``timeout``), for materialising the stage and meeting the other replicas."""
     sent: Any = pickle.dumps((dict(parts), dict(programs))) if programs else parts
     return rpc.rpc_async(peer, configure, timeout=setup_timeout or timeout,
-                         args=(key, sent, device, peers, layout, timeout, prefix, record, tied))
+                         args=(key, sent, device, peers, layout, timeout, prefix, record, tied, init_sync))
 
 
 def drop(key: str) -> None:
@@ -299,6 +300,7 @@ def call(key: str, method: str, *args: Any) -> Any:
     host = _HOSTS.get(key)
     if host is None:
         raise RuntimeError(f"this process hosts no stage of pipeline '{key}'")
+    host.runner.averages.settle()  # what reads or changes gradients waits for this stage's reduction
     return getattr(host, method)(*args)
 
 

@@ -48,6 +48,7 @@ class StepSpec:
     loss: LossFn | None = None  # computed on the last stage; then weights and loss_scale give its gradient
     weights: list[float] = field(default_factory=list)
     loss_scale: float = 1.0
+    reduce: bool = False  # the step's gradients are averaged over replicas (not under DDP's no_sync)
 
 
 def _on_cpu(value: Any) -> Any:

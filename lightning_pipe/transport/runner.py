@@ -31,8 +31,9 @@ from lightning_pipe.engine.pipeline import _Skipped
 from lightning_pipe.engine.rng import LazySeed
 from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.skip.layout import SkipLayout
-from lightning_pipe.engine.stage import Grads, Stage
+from lightning_pipe.engine.stage import Finisher, Grads, Stage
 from lightning_pipe.engine.worker import Inline, Worker, autocast_context
+from lightning_pipe.transport.dataparallel import Averages
 from lightning_pipe.transport.messages import (
     MAILBOX,
     Slot,
@@ -90,6 +91,7 @@ class StageRunner:
         # driver's copy of it is (by PipeStrategy: ``layer.eval()`` on one layer, frozen BatchNorm).
         self.modes_from_driver = False
         self._direct: dict[tuple[int, int], torch.device | None] = {}
+        self.averages = Averages(self.stages)  # with replicas: each stage averaged with the others' by DDP
 
     def direct(self, dst: int, src: int | None = None) -> torch.device | None:
         """Stage ``src``'s GPU (default: this process's first stage) if its tensors go to stage ``dst`` (``n``:
@@ -183,8 +185,8 @@ class StageRunner:
         return [sent for sent in sends if sent is not None]
 
     def backward(self, run: int, s: int, microbatches: Sequence[int], spec: StepSpec,
-                 later: dict[tuple[int, int], Callable[..., None]] | None = None, key: int = -1
-                 ) -> tuple[list[Future[Any]], dict[int, Grads]]:
+                 later: dict[tuple[int, int], Callable[..., None]] | None = None, key: int = -1,
+                 finisher: Finisher | None = None) -> tuple[list[Future[Any]], dict[int, Grads]]:
         """Stage ``s``'s backward of ``microbatches`` (several: one autograd call); sends input grads upstream
         and returns the sends in flight, and stage 0's input gradients by micro-batch (it sends none). With
         ``later``, only what goes upstream is computed now where that is safe (:meth:`Stage.backward_inputs_first`),
@@ -203,9 +205,9 @@ class StageRunner:
             skip_grads = {skip: self._take((self.key, run, "B", i, s, skip))[0] for skip in self.layout.exports[s]}
             items.append((i, grads, skip_grads))
         if later is None:
-            results = stage.backward(run, items)
+            results = stage.backward(run, items, finisher)
         else:
-            results, later[(s, key)] = stage.backward_inputs_first(run, items)
+            results, later[(s, key)] = stage.backward_inputs_first(run, items, finisher)
         if not any(st.has_saved(run) for st in self.stages.values()):
             self._seeds.pop(run, None)  # the run's last backward here: nothing will be recomputed
         if s == 0:
@@ -224,35 +226,39 @@ class StageRunner:
         """This process's share of one step, in the plan's order (``inputs``: stage 0's micro-batches, on the
         driver), with the driver's anomaly detection and default dtype (``precision="64-true"`` sets it there:
         tensors a layer creates must have it here too). Returns the sends still in flight and stage 0's input
-        gradients by micro-batch."""
+        gradients by micro-batch. With replicas, each stage's last backward runs through DDP's reducer."""
+        self.averages.settle()  # the previous step's reductions here are over
         sends: list[Future[Any]] = []
         grads: dict[int, Grads] = {}
         self._beat = time.monotonic()
         if spec.dtype is not None and torch.get_default_dtype() != spec.dtype:
             torch.set_default_dtype(spec.dtype)  # a process of its own, serving this pipeline
         later: dict[tuple[int, int], Callable[..., None]] = {}
+        averages = self.averages.step(run, actions, spec.reduce, spec.eager)
         if spec.eager:
             for stage in self.stages.values():
                 stage.aside.defer(run)
         with torch.autograd.set_detect_anomaly(spec.anomaly):
             try:
-                for s, kind, i in actions:
+                for k, (s, kind, i) in enumerate(actions):
                     if kind == "F":
+                        averages.forward(s, spec.save)
                         sends += self.forward(run, s, i, spec, inputs[i] if inputs is not None and s == 0 else None)
                     elif kind == "W":
-                        later.pop((s, i))()
+                        with averages.backward(k, later) as last:  # ``last``: the stage's last backward
+                            later.pop((s, i))(True, last)
                     else:
                         mbs = list(range(spec.microbatches)) if i < 0 else [i]
-                        sent, mine = self.backward(run, s, mbs, spec, later if kind == "I" else None, i)
+                        with averages.backward(k, later) as last:
+                            sent, mine = self.backward(run, s, mbs, spec, later if kind == "I" else None, i, last)
                         sends += sent
                         grads.update(mine)
                     self._still_working(run)
+                averages.finish()
             finally:
                 for finish in later.values():  # after a failure: what an I left for its W is dropped
                     finish(False)
-                if spec.eager:
-                    for stage in self.stages.values():
-                        stage.aside.keep(run)
+                averages.close((lambda stage: stage.aside.keep(run)) if spec.eager else None)
         return sends, grads
 
     def _still_working(self, run: int) -> None:
@@ -270,9 +276,9 @@ class StageRunner:
         return self._held.pop(run, None)
 
     def commit(self, run: int, scale: float) -> None:
-        """Add what ``run``'s backwards made aside, times ``scale``, into every stage's gradients here."""
-        for stage in self.stages.values():
-            stage.aside.commit(run, scale)
+        """Add what ``run``'s backwards made aside, times ``scale``, into every stage's gradients here (and
+        average them over the replicas, where that waited for the commit)."""
+        self.averages.commit(run, scale)
 
     def named_grads(self) -> dict[str, Tensor | None]:
         """The gradients of this process's stages' parameters, by name within their partitions."""
@@ -298,6 +304,7 @@ class StageRunner:
 
     def release(self, run: int) -> None:
         """Forget what is kept for ``run``."""
+        self.averages.release(run)
         self._seeds.pop(run, None)
         self._held.pop(run, None)
         for stage in self.stages.values():
@@ -384,7 +391,8 @@ def _release(key: str, run: int) -> None:
 
 
 def call_runner(key: str, method: str, *args: Any) -> Any:
-    """Call ``method`` of this process's runner of pipeline ``key`` (an RPC entry point)."""
+    """Call ``method`` of this process's runner of pipeline ``key`` (an RPC entry point) once it settled."""
+    _RUNNERS[key].averages.settle()
     return getattr(_RUNNERS[key], method)(*args)
 
 

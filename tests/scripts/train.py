@@ -32,7 +32,8 @@ DEFAULTS: dict[str, Any] = {
     "manual_accumulate": 1, "eval_layers": [], "batchnorm": False, "freeze_bn_layers": [],
     "default_dtype_layer": False, "accelerator": "cpu", "schedule": "gpipe", "virtual_stages": 1,
     "last_stage_loss": False, "predict": False, "build": "eager", "guard": False, "save_initial": False,
-    "init": None, "state_dict_type": "full",
+    "init": None, "state_dict_type": "full", "ddp": {}, "hook": None, "rare_gate": False,
+    "dump_replica_state": False,
 }
 
 
@@ -76,6 +77,46 @@ def owners(config: dict[str, Any]) -> list[int]:
     """The pipeline process of each block of the body (stage s in process s % processes)."""
     processes = len(config["balance"]) // config["virtual_stages"]
     return [s % processes for s, size in enumerate(config["balance"]) for _ in range(size)]
+class RareGate(nn.Module):
+    """Adds ``rare`` to the samples whose first feature exceeds 1.9 (2 of the 64 samples), touching ``rare`` only in
+    micro-batches holding one: a parameter unused on some replicas in some steps. ``never`` is never used (not zero:
+    weight decay would move it if it got a zero gradient instead of none)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.rare = nn.Parameter(torch.full((width,), 0.1))
+        self.never = nn.Parameter(torch.full((width,), 0.2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = x[:, :1] > 1.9
+        return x + self.rare * mask if bool(mask.any()) else x
+
+
+class HookLog:
+    """The state of :func:`record_hook`: the directory where each process writes a line per call, and the
+    group to average over (None: the DDP's own, which PipeStrategy puts there)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.process_group: Any = None
+
+
+def record_hook(state: HookLog, bucket):  # type: ignore[no-untyped-def] # noqa: ANN001
+    """A comm hook that records each call (process, bucket, whether it is the step's last) and all-reduces.
+    (DDP refuses a hook whose ``bucket`` annotation is not ``dist.GradBucket`` itself, as a string is here.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    with open(os.path.join(state.directory, f"{os.getpid()}.log"), "a") as f:
+        f.write(f"{bucket.index()} {int(bucket.is_last())} {bucket.buffer().numel()}\n")
+    return default_hooks.allreduce_hook(state.process_group, bucket)
+
+
+def bf16_hook(process_group: Any, bucket):  # type: ignore[no-untyped-def] # noqa: ANN001
+    """torch's bf16 compression hook, the very function ``bf16_compress_hook`` calls: torch registers that one
+    by name only on CUDA builds with NCCL."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
 
 
 def make_body(config: dict[str, Any]) -> nn.Sequential:
@@ -92,6 +133,8 @@ def make_body(config: dict[str, Any]) -> nn.Sequential:
             block.append(Rotate(width))
         if config["dropout"] and i % 2:
             block.append(nn.Dropout(config["dropout"]))
+        if config["rare_gate"] and i == 0:  # on the input itself, whose first feature is rarely above 1.9
+            block.insert(0, RareGate(width))
         layers.append(nn.Sequential(*block))
     return nn.Sequential(*layers)
 
@@ -300,6 +343,40 @@ def placement(accelerator: str, devices: int) -> tuple[int, dict[str, Any]]:
                "process_group_backend": "gloo"}
 
 
+class StageOneHook(lightning_pipe.PipeStrategy):
+    """Records the comm hook's calls on stage 1's DDP only: ``configure_ddp`` overridden for one stage."""
+
+    def __init__(self, *args: Any, log_directory: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log_directory = log_directory
+
+    def configure_ddp(self, module: nn.Module, device_ids: Any, process_group: Any, stage: Any) -> Any:
+        ddp = super().configure_ddp(module, device_ids, process_group, stage)
+        if stage == 1:
+            state = HookLog(self.log_directory)
+            state.process_group = process_group
+            ddp.register_comm_hook(state, record_hook)
+        return ddp
+
+
+def ddp_arguments(config: dict[str, Any], out: str) -> dict[str, Any]:
+    """The DDP arguments of ``config`` for PipeStrategy: ``ddp`` as given, and the comm hook ``hook`` names."""
+    kwargs = dict(config["ddp"])
+    hooks = os.path.join(out, "hooks")
+    if config["hook"] == "record":
+        os.makedirs(hooks, exist_ok=True)
+        kwargs.update(ddp_comm_hook=record_hook, ddp_comm_state=HookLog(hooks))
+    elif config["hook"] == "stage-1":
+        os.makedirs(hooks, exist_ok=True)
+        kwargs["log_directory"] = hooks
+    elif config["hook"] == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        nccl = torch.cuda.is_available() and torch.distributed.is_nccl_available()
+        kwargs["ddp_comm_hook"] = default_hooks.bf16_compress_hook if nccl else bf16_hook
+    return kwargs
+
+
 def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Trainer:
     from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -339,11 +416,16 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     strategy: Any = config["strategy"]
     devices, shared = placement(config["accelerator"], config["devices"])
     if strategy == "pipe":
-        strategy = PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
-                                checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],
-                                rpc_timeout_sec=60, timeline=config["timeline"], schedule=config["schedule"],
-                                virtual_stages=config["virtual_stages"], state_dict_type=config["state_dict_type"],
-                                **shared)
+        cls = StageOneHook if config["hook"] == "stage-1" else PipeStrategy
+        strategy = cls(balance=config["balance"], microbatches=config["microbatches"],
+                       checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],
+                       rpc_timeout_sec=60, timeline=config["timeline"], schedule=config["schedule"],
+                       virtual_stages=config["virtual_stages"], state_dict_type=config["state_dict_type"],
+                       **shared, **ddp_arguments(config, out))
+    elif strategy == "ddp":  # Lightning's DDPStrategy over the plain model: the reference for replicas
+        from pytorch_lightning.strategies import DDPStrategy
+
+        strategy = DDPStrategy(**shared, **config["ddp"])
     return pl.Trainer(devices=devices, num_nodes=config["nodes"], strategy=strategy, callbacks=callbacks,
                       **kwargs)
 
@@ -420,6 +502,8 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
             json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "lr": model.lr,
                        "route": route, "stages": stats,
                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
+    if config["dump_replica_state"] and not plain:  # every stage's weights and buffers, as each replica has them
+        torch.save(model.state_dict(), os.path.join(out, f"state_replica{trainer.global_rank}.pt"))
     if config["predict"] and not plain:  # the outputs, through the pipeline's forward in the schedule's processes
         predicted = torch.cat(trainer.predict(model, DataLoader(dataset, batch_size=config["batch_size"])))
         if trainer.is_global_zero:
