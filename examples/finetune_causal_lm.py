@@ -71,28 +71,16 @@ def decoder_config(layers: int, width: int, heads: int, kv_heads: int, context: 
 
 
 def causal_lm_body(pretrained: str | None, config: Any) -> nn.Sequential:
-    """The body of ``pretrained``'s model, its weights loaded by the model's names, or of a fresh model of
-    ``config`` (initialised as Hugging Face initialises it)."""
+    """The body of ``pretrained``'s model, built on the meta device: under PipeStrategy each stage's process
+    reads its own tensors from the checkpoint's files, and no process holds the whole model (``pretrained_body``);
+    or of a fresh model of ``config`` (initialised as Hugging Face initialises it)."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_pipe.models import init_buffers, load_hf_state_dict, to_sequential
+    from lightning_pipe.models import pretrained_body, to_sequential
 
     if pretrained is None:
         return to_sequential(AutoModelForCausalLM.from_config(config))
-    from safetensors.torch import load_file
-
-    with torch.device("meta"):  # nothing allocated before the checkpoint's weights
-        body = to_sequential(AutoModelForCausalLM.from_config(config))
-    body.to_empty(device="cpu")
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(pretrained).glob("*.safetensors")):  # one file, or the shards of one
-        weights.update(load_file(str(file)))
-    if not weights:
-        raise FileNotFoundError(f"no *.safetensors in {pretrained}: --model.pretrained takes a Hugging Face "
-                                "checkpoint directory (config.json, model.safetensors)")
-    load_hf_state_dict(body, weights)
-    init_buffers(body)
-    return body
+    return pretrained_body(pretrained)
 
 
 class CausalLM(LightningModule):

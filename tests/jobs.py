@@ -159,6 +159,12 @@ HF_CASES = {
 }
 HF_CASES["2 processes"]["hf-gpt2-tied"] = {"script": "hf", "arch": "gpt2", "tied": True, "epochs": 1,
                                            "optimizer": "adamw", "clip": 0.5}
+HF_CASES["2 processes"]["hf-gpt2-tied-pretrained"] = {"script": "hf", "arch": "gpt2", "tied": True, "epochs": 1,
+                                                      "pretrained": True, "balance": [2, 4]}
+HF_CASES["4 processes"] = {"hf-gpt2-tied-2replicas": {"script": "hf", "arch": "gpt2", "tied": True, "devices": 4,
+                                                      "clip": 0.5, "optimizer": "adamw"}}
+HF_CASES["3 processes"]["hf-gpt2-tied-3stages"] = {"script": "hf", "arch": "gpt2", "tied": True, "devices": 3,
+                                                   "balance": [2, 2, 2], "epochs": 1, "clip": 0.5}
 HF_CASES["3 processes"]["hf-llama-tied-3stages"] = {"script": "hf", "arch": "llama", "tied": True, "devices": 3,
                                                     "balance": [2, 2, 2], "epochs": 1, "clip": 0.5,
                                                     "schedule": "1f1b", "last_stage_loss": True}

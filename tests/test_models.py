@@ -4,7 +4,7 @@ Tiny models built from configs (no download; tests/scripts/hf_train.py): the bod
 (padding on either side, with and without a mask, eager and sdpa attention), alone and through ``Pipe`` at 2
 and 3 stages; a few training steps through ``Pipe`` equal training the model itself; the body's state maps to
 the model's keys and back; a body builds on the meta device. A head tied to its embedding stays one
-``Parameter``; it crosses stages once the engine shares parameters across them.
+``Parameter`` in one process, and crosses stages through PipeStrategy (a copy per stage, gradients summed).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ pytest.importorskip("transformers")
 
 from scripts.hf_train import ARCHS, BLOCKS, batches, loss_fn, output, tiny  # noqa: E402
 
-import lightning_pipe  # noqa: E402
 from lightning_pipe import Pipe, loss_on_last_stage  # noqa: E402
 from lightning_pipe.models import (  # noqa: E402
     hf_state_dict,
@@ -30,11 +29,6 @@ from lightning_pipe.models import (  # noqa: E402
     supported_models,
     to_sequential,
 )
-
-#: Whether the engine splits a body whose layers share a parameter (a head tied to its embedding).
-TIED_SUPPORTED = getattr(lightning_pipe.engine.partition, "SHARED_PARAMETERS", False)
-TIED_REASON = ("the engine does not yet share a parameter across stages "
-               "(lightning_pipe.engine.partition.SHARED_PARAMETERS)")
 
 BALANCES = {2: [3, 3], 3: [2, 2, 2]}  # embeddings + 4 blocks + head
 
@@ -137,22 +131,12 @@ def test_a_tied_head_stays_the_embeddings_parameter_and_trains_as_the_model(arch
         torch.testing.assert_close(value, reference.state_dict()[key], rtol=1e-5, atol=1e-5, msg=key)
 
 
-@pytest.mark.skipif(not TIED_SUPPORTED, reason=TIED_REASON)
-@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_a_tied_head_trains_across_stages(arch, stages):
-    reference, twin = tiny(arch, tied=True), tiny(arch, tied=True)
-    train_steps(arch, reference, lambda i, m, t: loss_fn(output(reference, i, m), t))
-    pipe = Pipe(to_sequential(twin), BALANCES[stages], chunks=4)
-    ids, mask, _ = inputs(arch)
-    with torch.no_grad():
-        assert_close(pipe.eval()((ids, mask)), output(tiny(arch, tied=True).eval(), ids, mask))
-    pipe.train()
-    train_steps(arch, pipe, lambda i, m, t: loss_fn(pipe((i, m)), t))
-    trained = hf_state_dict(nn.Sequential(*[layer for part in pipe.partitions for layer in part]))
-    for key, value in trained.items():
-        torch.testing.assert_close(value, reference.state_dict()[key], rtol=1e-5, atol=1e-5, msg=key)
-    assert torch.equal(trained["lm_head.weight"], next(v for k, v in trained.items() if "emb" in k or "wte" in k))
+def test_pipe_in_one_process_refuses_a_head_tied_across_partitions_naming_pipestrategy(arch):
+    """Partitions in one process cannot share a parameter (each may sit on its own device); PipeStrategy gives
+    each stage its copy (test_pipestrategy_trains_the_models_weights_and_its_checkpoint_loads_into_the_model)."""
+    with pytest.raises(ValueError, match=r"shares parameters between layers.*train with PipeStrategy"):
+        Pipe(to_sequential(tiny(arch, tied=True)), BALANCES[2], chunks=4)
 
 
 @pytest.mark.parametrize("arch,tied", [(a, False) for a in ARCHS] + [("gpt2", True), ("llama", True)])
@@ -284,7 +268,8 @@ def test_bad_inputs_and_models_are_refused_saying_what_to_pass():
 
 
 STRATEGY_CASES = ["hf-gpt2-gpipe-sgd", "hf-llama-1f1b-adamw", "hf-bert-sgd", "hf-qwen2-3stages-always"]
-TIED_CASES = ["hf-gpt2-tied", "hf-llama-tied-3stages"]
+TIED_CASES = ["hf-gpt2-tied", "hf-gpt2-tied-3stages", "hf-llama-tied-3stages", "hf-gpt2-tied-pretrained",
+              "hf-gpt2-tied-2replicas"]
 
 
 @pytest.mark.timeout(900)
@@ -302,7 +287,8 @@ def test_pipestrategy_trains_the_models_weights_and_its_checkpoint_loads_into_th
     config = {**DEFAULTS, **case_config(name)}
     out = jobs.directory(name)
     reference = train_plain(config)
-    steps = config["epochs"] * config["samples"] // config["batch_size"]
+    replicas = config["devices"] // len(config["balance"])
+    steps = config["epochs"] * config["samples"] // (config["batch_size"] * replicas)
     result = jobs.result(name)
     assert result["global_step"] == steps
     if config["tied"]:
@@ -314,7 +300,7 @@ def test_pipestrategy_trains_the_models_weights_and_its_checkpoint_loads_into_th
     expected = reference.state_dict()
     for key, value in state.items():
         torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-5, msg=key)
-    initial = tiny(config["arch"], config["tied"], seed=config["seed"]).state_dict()
+    initial = tiny(config["arch"], config["tied"], seed=config["seed"] + 100 * config["pretrained"]).state_dict()
     unchanged = [k for k in state if torch.allclose(state[k], initial[k])]
     assert all(k.endswith("key.bias") for k in unchanged), unchanged  # it trained (softmax ignores a key's bias)
     model = tiny(config["arch"], config["tied"], seed=5).eval()

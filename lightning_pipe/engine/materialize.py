@@ -204,7 +204,11 @@ def _attributes(m: nn.Module) -> list[tuple[str, Any]]:
 def materialize(module: nn.Module, values: Mapping[str, Tensor]) -> None:
     """Put ``values`` (by name, from :meth:`Program.run`) in place of ``module``'s meta tensors (names as
     :func:`named_tensors` gives them): a parameter stays a parameter (same ``requires_grad``); one shared
-    under several names stays shared."""
+    under several names stays shared.
+
+    Then each submodule that got a tensor here and holds no meta tensor any more, and has an
+    ``after_materialize()`` method, has it called: a layer may fill itself from elsewhere (a pretrained
+    checkpoint's tensors, read by the process that materialises it alone)."""
     done: dict[int, Tensor] = {}
 
     def real(name: str, t: Tensor, parameter: bool = False) -> Tensor:
@@ -232,4 +236,10 @@ def materialize(module: nn.Module, values: Mapping[str, Tensor]) -> None:
             if any(n in values for n in names):
                 leaves = [real(n, t) if n in values else t for n, t in zip(names, leaves)]
                 m.__dict__[key] = tree_unflatten(leaves, spec)
+    made = {id(t) for t in done.values()}
+    for m in module.modules():
+        fill = getattr(m, "after_materialize", None)
+        tensors = [*m.parameters(), *m.buffers()]
+        if callable(fill) and any(id(t) in made for t in tensors) and not any(t.is_meta for t in tensors):
+            fill()
 

@@ -114,7 +114,7 @@ class TiedSync:
             return
         self._pending = False
         # No RPC timeout: each owner waits in a collective for the others; the process group's timeout bounds it.
-        futures = [self.hosts._start(j, "sum_tied_gradients", (), 0) for j in self.remote]
+        futures = [self.hosts.start_stage(j, "sum_tied_gradients", timeout=0) for j in self.remote]
         self.local.sum_gradients(self.params)
         for future in futures:
             future.result()

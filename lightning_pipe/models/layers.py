@@ -31,10 +31,29 @@ class HFLayer(nn.Module):
     """
 
     hf_names: dict[str, str]
+    #: Where its weights come from when it is materialised: (the checkpoint's files, entry -> name there), set
+    #: by :func:`~lightning_pipe.models.attach_pretrained`.
+    pretrained: Any = None
 
     def __init__(self) -> None:
         super().__init__()
         self.hf_names = {}
+
+    @torch.no_grad()
+    def after_materialize(self) -> None:
+        """Called by ``materialize`` once this layer's tensors are real (in the process that holds it): where a
+        checkpoint was attached, reads its own entries alone and copies them in, then computes the buffers no
+        checkpoint holds."""
+        if self.pretrained is None:
+            return
+        from lightning_pipe.models.state import init_buffers
+
+        files, sources = self.pretrained
+        tensors = files.read(sorted(set(sources.values())))
+        own = self.state_dict(keep_vars=True)
+        for key, source in sources.items():
+            own[key].copy_(tensors[source])
+        init_buffers(self)
 
 
 def token_inputs(inputs: Any, extra: str | None = None) -> tuple[Tensor, Tensor, Tensor | None]:

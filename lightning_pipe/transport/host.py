@@ -332,6 +332,10 @@ class HostGroup:
         names the stage and process it came from."""
         return [f.result() for f in self.start(method, *args)]
 
+    def start_stage(self, stage: int, method: str, *args: Any, timeout: float | None = None) -> Future[Any]:
+        """Start ``method`` on remote stage ``stage`` (1-based); its future (``timeout`` as in :meth:`start`)."""
+        return self._start(stage, method, args, timeout)
+
     def call_stage(self, stage: int, method: str, *args: Any) -> Any:
         """Call ``method`` on remote stage ``stage`` (1-based, as in the pipeline)."""
         return self._start(stage, method, args).result()

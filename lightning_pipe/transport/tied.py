@@ -61,15 +61,21 @@ class TiedCopies:
     @torch.no_grad()
     def sum_gradients(self, params: Mapping[str, Tensor]) -> None:
         """Add every owner's gradient of each tied parameter to every other's (``params``: this process's, by
-        name). A copy without a gradient counts as zeros; one whose parameter is frozen is left alone (a tied
-        parameter is frozen on every owner at once). On a GPU the sum goes through host memory (gloo)."""
+        name). A copy without a gradient counts as zeros, and where no copy has one, none gets one (as the
+        plain model's parameter, unused, has none); one whose parameter is frozen is left alone (a tied parameter
+        is frozen on every owner at once). On a GPU the sum goes through host memory (gloo)."""
         for tied, name in self.mine:
             p = params[name]
             if not p.requires_grad:
                 continue
+            group = self.groups[tied.ranks]
+            used = torch.tensor([float(p.grad is not None)])
+            group.allreduce([used], dist.AllreduceOptions()).wait()
+            if not used.item():
+                continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             flat = grad.detach().to("cpu", copy=grad.device.type != "cpu")
-            self.groups[tied.ranks].allreduce([flat], dist.AllreduceOptions()).wait()
+            group.allreduce([flat], dist.AllreduceOptions()).wait()
             if p.grad is None:
                 p.grad = flat.to(p.device)
             elif flat.data_ptr() != p.grad.data_ptr():

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 VOCAB, TIME, WIDTH, BLOCKS = 48, 12, 32, 4
 ARCHS = ("gpt2", "llama", "mistral", "qwen2", "bert")
@@ -22,7 +23,7 @@ ARCHS = ("gpt2", "llama", "mistral", "qwen2", "bert")
 DEFAULTS: dict[str, Any] = {"arch": "gpt2", "tied": False, "attn": "sdpa", "devices": 2, "balance": [3, 3],
                             "microbatches": 4, "schedule": "gpipe", "last_stage_loss": False, "optimizer": "sgd",
                             "samples": 32, "batch_size": 8, "epochs": 2, "seed": 7, "checkpoint": "except_last",
-                            "clip": None}
+                            "clip": None, "pretrained": False}
 
 
 def tiny(arch: str, tied: bool = False, attn: str = "sdpa", seed: int = 0) -> nn.Module:
@@ -104,10 +105,18 @@ def optimizer(config: dict[str, Any], params: Any) -> torch.optim.Optimizer:
 def train_plain(config: dict[str, Any]) -> nn.Module:
     """The Hugging Face model itself trained on one device, as the pipeline trains its body."""
     config = {**DEFAULTS, **config}
-    model = tiny(config["arch"], config["tied"], config["attn"], config["seed"])
+    model = tiny(config["arch"], config["tied"], config["attn"], config["seed"] + 100 * config["pretrained"])
     opt = optimizer(config, model.parameters())
-    for _ in range(config["epochs"]):
-        for ids, mask, target in DataLoader(batches(config["arch"], config["samples"]), config["batch_size"]):
+    data = batches(config["arch"], config["samples"])
+    replicas = config["devices"] // len(config["balance"])
+    # With replicas, each draws its share of a permutation seeded as Lightning seeds its DistributedSampler: one
+    # device sees their union, in batches as large as all of theirs together.
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=config["seed"]) \
+        if replicas > 1 else None
+    for epoch in range(config["epochs"]):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for ids, mask, target in DataLoader(data, config["batch_size"] * replicas, sampler=sampler):
             opt.zero_grad()
             loss_fn(output(model, ids, mask), target).backward()
             if config["clip"] is not None:  # a tied parameter counted once, as model.parameters() lists it
@@ -119,13 +128,16 @@ def train_plain(config: dict[str, Any]) -> nn.Module:
 class HFBody(pl.LightningModule):
     """A tiny Hugging Face model's body (``to_sequential``) trained on its batches."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], pretrained: str | None = None) -> None:
         super().__init__()
-        from lightning_pipe.models import to_sequential
+        from lightning_pipe.models import pretrained_body, to_sequential
 
         self.config = {**DEFAULTS, **config}
         c = self.config
-        self.sequential_module = to_sequential(tiny(c["arch"], c["tied"], c["attn"], c["seed"]))
+        if pretrained is not None:  # built on meta; each stage reads its own tensors from the checkpoint
+            self.sequential_module = pretrained_body(pretrained, attn_implementation=c["attn"])
+        else:
+            self.sequential_module = to_sequential(tiny(c["arch"], c["tied"], c["attn"], c["seed"]))
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         import lightning_pipe
@@ -146,7 +158,16 @@ def main(config: dict[str, Any], out: str) -> None:
 
     c = {**DEFAULTS, **config}
     pl.seed_everything(c["seed"])
-    model = HFBody(c)
+    pretrained = None
+    if c["pretrained"]:  # the checkpoint to fine-tune: seed + 100's model, as train_plain starts from
+        pretrained = os.path.join(out, "pretrained")
+        written = f"{pretrained}.tmp{os.getpid()}"  # every process runs this: the first complete copy stays
+        tiny(c["arch"], c["tied"], c["attn"], c["seed"] + 100).save_pretrained(written)
+        try:
+            os.rename(written, pretrained)
+        except OSError:
+            shutil.rmtree(written)
+    model = HFBody(c, pretrained)
     strategy = PipeStrategy(balance=c["balance"], microbatches=c["microbatches"], checkpoint=c["checkpoint"],
                             schedule=c["schedule"], rpc_timeout_sec=60)
     trainer = pl.Trainer(accelerator="cpu", devices=c["devices"], strategy=strategy, max_epochs=c["epochs"],
