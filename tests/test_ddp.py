@@ -66,6 +66,26 @@ def test_bf16_compression_hook_trains_within_bf16s_precision(schedule, jobs, tmp
 
 
 @pytest.mark.timeout(900)
+def test_static_graph_trains_the_plain_models_weights(jobs, tmp_path):
+    """static_graph: the reducer is prepared at the step's first backward and counts every micro-batch's
+    gradient hooks, reducing each parameter at its last."""
+    name = "ddp-static-graph"
+    assert_same_weights(load(jobs.directory(name) / "final.ckpt"), plain_weights(case_config(name), tmp_path / "plain"))
+
+
+@pytest.mark.timeout(900)
+def test_powersgd_with_its_state_trains_near_the_plain_models_weights(jobs, tmp_path):
+    """PowerSGD as Lightning's docs set it up (ddp_comm_state=PowerSGDState(process_group=None, ...)): each
+    stage's DDP gets its own state over its own group; from the third step, rank-1 approximations of the
+    matrices' gradients travel: near the plain weights, not equal to them."""
+    name = "ddp-powersgd"
+    piped = load(jobs.directory(name) / "final.ckpt")
+    expected = plain_weights(case_config(name), tmp_path / "plain")
+    differences = [(piped[k] - expected[k]).abs().max().item() for k in expected]
+    assert 1e-5 < max(differences) < 0.05, differences
+
+
+@pytest.mark.timeout(900)
 def test_configure_ddp_of_one_stage_and_small_buckets(jobs, tmp_path):
     """A subclass's configure_ddp registers a recording hook on stage 1's DDP alone: it runs in stage 1's
     process of each replica and nowhere else. bucket_cap_mb=0.001 splits stage 1's gradients into several
