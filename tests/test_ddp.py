@@ -174,3 +174,18 @@ def test_every_ddp_argument_reaches_the_stages_ddp():
         assert ddp.find_unused_parameters and ddp.broadcast_buffers
     finally:
         dist.destroy_process_group()
+
+
+def test_static_graph_with_accumulation_is_refused_before_training():
+    """torch's reducer fails on no_sync's backwards under a static graph (under Lightning's DDPStrategy too):
+    refused, saying what to do instead."""
+    import pytorch_lightning as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, accumulate_grad_batches=2, logger=False,
+                         strategy=PipeStrategy(balance=[2, 2], static_graph=True))
+    message = r"static_graph=True cannot be combined with Trainer\(accumulate_grad_batches=2\)"
+    with pytest.raises(ValueError, match=message):
+        trainer.strategy.check_settings(trainer)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, logger=False,
+                         strategy=PipeStrategy(balance=[2, 2], static_graph=True))
+    trainer.strategy.check_settings(trainer)  # without accumulation, accepted

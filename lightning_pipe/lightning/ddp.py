@@ -115,6 +115,17 @@ def _check_comm(kwargs: dict[str, Any]) -> None:
                     "function) and a state that pickles") from None
 
 
+def check_settings(kwargs: dict[str, Any], trainer: Any) -> None:
+    """Refuse DDP arguments the Trainer's settings break in torch's reducer: ``static_graph`` with
+    ``accumulate_grad_batches`` fails there (an internal assertion, under Lightning's DDPStrategy too)."""
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if kwargs.get("static_graph") and accumulate > 1:
+        raise ValueError(
+            f"static_graph=True cannot be combined with Trainer(accumulate_grad_batches={accumulate}): torch's DDP "
+            "reducer fails on the backwards that no_sync runs under a static graph (as under DDPStrategy). Leave "
+            "static_graph off (find_unused_parameters=False gives most of its speed), or do not accumulate")
+
+
 def defaults(kwargs: dict[str, Any]) -> None:
     """PipeStrategy's defaults for DDP's arguments where they differ from DDPStrategy's: unused parameters are
     found (a parameter unused on some replicas counts as zero there, one unused everywhere keeps no gradient),

@@ -130,6 +130,7 @@ class PipeStrategy(ReplicatedStages):
     def check_settings(self, trainer: pl.Trainer | None = None) -> None:
         """Reject Trainer settings this strategy cannot honour (run where :meth:`check_model` runs)."""
         checks.check_settings(trainer, self._layer_sync is not None)
+        ddp.check_settings(self._ddp_kwargs, trainer)
 
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process
