@@ -156,6 +156,18 @@ def test_ddp_arguments_that_would_not_do_what_they_say_are_refused(kwargs, error
         PipeStrategy(balance=[2, 2], **kwargs)
 
 
+def test_ddp_defaults_as_lightningcli_passes_them_are_accepted():
+    """LightningCLI passes every DistributedDataParallel keyword at its default: those the strategy sets itself
+    (process_group, dim, ...) are accepted at their defaults, and then nothing counts as given explicitly."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    every = {n: p.default for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+             if n not in ("self", "module")}
+    assert PipeStrategy(balance=[2, 2], **every)._ddp_explicit == []
+
+
 def test_every_ddp_argument_reaches_the_stages_ddp():
     """configure_ddp's default builds a DDP with each argument given (here over a group of one process)."""
     import torch.distributed as dist

@@ -52,12 +52,22 @@ def ddp_parameters() -> list[str]:
     return [n for n in names if n not in ("self", "module") and n not in REFUSED]
 
 
+def is_default(name: str, value: Any) -> bool:
+    """Whether ``value`` is ``DistributedDataParallel``'s default for ``name`` (LightningCLI passes every DDP
+    keyword, each at its default unless the config sets it)."""
+    parameter = inspect.signature(DistributedDataParallel.__init__).parameters.get(name)
+    return parameter is not None and parameter.default is not inspect.Parameter.empty and (
+        value is parameter.default or (type(value) is type(parameter.default) and value == parameter.default))
+
+
 def check_arguments(kwargs: dict[str, Any], known: list[str]) -> None:
     """Refuse ``PipeStrategy``'s ``**kwargs`` that would not do what their names promise: unknown names (with
     the closest of ``known``, PipeStrategy's own, and DDP's), DDP arguments a stage cannot use, values of the
     wrong kind, and a comm hook's parts that could not reach the stages' processes."""
     accepted = ddp_parameters()
     for name in kwargs:
+        if name in REFUSED and is_default(name, kwargs[name]):
+            continue  # left at DDP's default (LightningCLI passes them all): the strategy sets it
         if name in REFUSED:
             raise ValueError(f"PipeStrategy does not take DistributedDataParallel's {name}={kwargs[name]!r}: "
                              f"{REFUSED[name]}")
@@ -140,8 +150,8 @@ def wrap(strategy: Any, module: nn.Module, device_ids: list[int] | None, process
     and comm hook (``PipeStrategy.configure_ddp``'s default). Each DDP gets its own copy of the hook's state
     (PowerSGD keeps errors per bucket); a missing state, or a state without a group, gets ``process_group``,
     which torch's hooks all-reduce over."""
-    ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=process_group,
-                                  **strategy._ddp_kwargs)
+    kwargs = {k: v for k, v in strategy._ddp_kwargs.items() if k not in REFUSED}  # those left at their defaults
+    ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=process_group, **kwargs)
     hook = strategy._ddp_comm_hook
     if hook is not None:
         state = copy.deepcopy(strategy._ddp_comm_state)

@@ -104,7 +104,8 @@ class PipeStrategy(ReplicatedStages):
         balance = checks.check_arguments(balance, microbatches, checkpoint, balance_mode, rpc_timeout_sec,
                                          module_name, schedule, virtual_stages, kwargs)
         ddp.check_arguments(kwargs, [n for n in inspect.signature(PipeStrategy).parameters if n != "kwargs"])
-        self._ddp_explicit = [k for k in kwargs if k != "start_method"]
+        self._ddp_explicit = [k for k, v in kwargs.items() if (k in ddp.LIGHTNING[:4] and v is not None)
+                              or (k not in ddp.LIGHTNING and not ddp.is_default(k, v))]
         ddp.defaults(kwargs)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
