@@ -234,7 +234,8 @@ def main() -> None:
         return child(args)
     print(f"2 replicas x 2 stages (4 processes, gloo on loopback, 1 thread each), {args.layers} linear layers of "
           f"{args.width} per stage ({args.layers * (args.width + 1) * args.width * 4 / 2**20:.0f} MiB of float32 "
-          f"gradients, buckets of {args.bucket_cap_mb:g} MiB), {args.chunks} micro-batches, GPipe; median of {args.steps} steps after 2 warm-up steps.\n"
+          f"gradients, buckets of {args.bucket_cap_mb:g} MiB), {args.chunks} micro-batches, GPipe; median of "
+          f"{args.steps} steps after 2 warm-up steps.\n"
           f"cpu: the layers compute on the host's cores (batch {args.batch} per replica), as the all-reduce does; "
           f"sleep: each layer also sleeps {args.sleep_ms:g} ms forward, {2 * args.sleep_ms:g} ms backward per "
           "micro-batch (one sample each), leaving the cores to the all-reduce, as a GPU's kernels would\n")

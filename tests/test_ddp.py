@@ -66,6 +66,26 @@ def test_bf16_compression_hook_trains_within_bf16s_precision(schedule, jobs, tmp
 
 
 @pytest.mark.timeout(900)
+def test_static_graph_trains_the_plain_models_weights(jobs, tmp_path):
+    """static_graph: the reducer is prepared at the step's first backward and counts every micro-batch's
+    gradient hooks, reducing each parameter at its last."""
+    name = "ddp-static-graph"
+    assert_same_weights(load(jobs.directory(name) / "final.ckpt"), plain_weights(case_config(name), tmp_path / "plain"))
+
+
+@pytest.mark.timeout(900)
+def test_powersgd_with_its_state_trains_near_the_plain_models_weights(jobs, tmp_path):
+    """PowerSGD as Lightning's docs set it up (ddp_comm_state=PowerSGDState(process_group=None, ...)): each
+    stage's DDP gets its own state over its own group; from the third step, rank-1 approximations of the
+    matrices' gradients travel: near the plain weights, not equal to them."""
+    name = "ddp-powersgd"
+    piped = load(jobs.directory(name) / "final.ckpt")
+    expected = plain_weights(case_config(name), tmp_path / "plain")
+    differences = [(piped[k] - expected[k]).abs().max().item() for k in expected]
+    assert 1e-5 < max(differences) < 0.05, differences
+
+
+@pytest.mark.timeout(900)
 def test_configure_ddp_of_one_stage_and_small_buckets(jobs, tmp_path):
     """A subclass's configure_ddp registers a recording hook on stage 1's DDP alone: it runs in stage 1's
     process of each replica and nowhere else. bucket_cap_mb=0.001 splits stage 1's gradients into several
@@ -136,6 +156,18 @@ def test_ddp_arguments_that_would_not_do_what_they_say_are_refused(kwargs, error
         PipeStrategy(balance=[2, 2], **kwargs)
 
 
+def test_ddp_defaults_as_lightningcli_passes_them_are_accepted():
+    """LightningCLI passes every DistributedDataParallel keyword at its default: those the strategy sets itself
+    (process_group, dim, ...) are accepted at their defaults, and then nothing counts as given explicitly."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    every = {n: p.default for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+             if n not in ("self", "module")}
+    assert PipeStrategy(balance=[2, 2], **every)._ddp_explicit == []
+
+
 def test_every_ddp_argument_reaches_the_stages_ddp():
     """configure_ddp's default builds a DDP with each argument given (here over a group of one process)."""
     import torch.distributed as dist
@@ -154,3 +186,18 @@ def test_every_ddp_argument_reaches_the_stages_ddp():
         assert ddp.find_unused_parameters and ddp.broadcast_buffers
     finally:
         dist.destroy_process_group()
+
+
+def test_static_graph_with_accumulation_is_refused_before_training():
+    """torch's reducer fails on no_sync's backwards under a static graph (under Lightning's DDPStrategy too):
+    refused, saying what to do instead."""
+    import pytorch_lightning as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, accumulate_grad_batches=2, logger=False,
+                         strategy=PipeStrategy(balance=[2, 2], static_graph=True))
+    message = r"static_graph=True cannot be combined with Trainer\(accumulate_grad_batches=2\)"
+    with pytest.raises(ValueError, match=message):
+        trainer.strategy.check_settings(trainer)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, logger=False,
+                         strategy=PipeStrategy(balance=[2, 2], static_graph=True))
+    trainer.strategy.check_settings(trainer)  # without accumulation, accepted

@@ -92,6 +92,18 @@ def test_bare_backward_with_replicas_is_refused_and_every_process_ends(tmp_path)
 
 
 @pytest.mark.timeout(120)
+def test_a_comm_hook_that_raises_fails_the_first_step_and_every_process_ends(tmp_path):
+    """DDP's arguments are not accepted and ignored: with 2 replicas x 2 stages, a ddp_comm_hook that raises
+    (beside find_unused_parameters, bucket_cap_mb, broadcast_buffers) is called in the first step, its error
+    reaches the driver, and all 4 processes end."""
+    started = time.monotonic()
+    result = run_script("fail.py", "comm_hook", str(tmp_path), timeout=90, expect_ok=False)
+    assert result.returncode != 0
+    assert "RuntimeError: the comm hook was called (bucket 0 of a stage's DDP)" in result.stdout, result.stdout[-4000:]
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(120)
 def test_fused_optimizer_under_a_gradient_scaler_is_refused(tmp_path):
     """A fused optimizer skips an overflowing step inside its own kernel, which the other stages would not
     see (they would step with infinite gradients): refused at setup, and every process ends."""

@@ -52,37 +52,22 @@ def ddp_parameters() -> list[str]:
     return [n for n in names if n not in ("self", "module") and n not in REFUSED]
 
 
-def _default(name: str) -> Any:
-    """``DistributedDataParallel``'s default for ``name`` (None for DDPStrategy's own keywords but
-    ``start_method``, and for what has none)."""
-    if name == "start_method":
-        return "popen"
+def is_default(name: str, value: Any) -> bool:
+    """Whether ``value`` is ``DistributedDataParallel``'s default for ``name`` (LightningCLI passes every DDP
+    keyword, each at its default unless the config sets it)."""
     parameter = inspect.signature(DistributedDataParallel.__init__).parameters.get(name)
-    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
-
-
-def given(kwargs: dict[str, Any]) -> list[str]:
-    """The DDP arguments in ``kwargs`` set to something else than their default (LightningCLI passes every
-    keyword ``DDPStrategy`` reaches, each at its default, when a config names none)."""
-    return [name for name, value in kwargs.items() if not _same(value, _default(name))]
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return a is b or bool(a == b)
-    except Exception:  # noqa: BLE001 - values that do not compare are different
-        return False
+    return parameter is not None and parameter.default is not inspect.Parameter.empty and (
+        value is parameter.default or (type(value) is type(parameter.default) and value == parameter.default))
 
 
 def check_arguments(kwargs: dict[str, Any], known: list[str]) -> None:
     """Refuse ``PipeStrategy``'s ``**kwargs`` that would not do what their names promise: unknown names (with
     the closest of ``known``, PipeStrategy's own, and DDP's), DDP arguments a stage cannot use, values of the
-    wrong kind, and a comm hook's parts that could not reach the stages' processes. A refused argument at its
-    default (as LightningCLI passes each) asks for nothing: it is dropped."""
-    for name in [n for n in kwargs if n in REFUSED and _same(kwargs[n], _default(n))]:
-        del kwargs[name]
+    wrong kind, and a comm hook's parts that could not reach the stages' processes."""
     accepted = ddp_parameters()
     for name in kwargs:
+        if name in REFUSED and is_default(name, kwargs[name]):
+            continue  # left at DDP's default (LightningCLI passes them all): the strategy sets it
         if name in REFUSED:
             raise ValueError(f"PipeStrategy does not take DistributedDataParallel's {name}={kwargs[name]!r}: "
                              f"{REFUSED[name]}")
@@ -140,6 +125,17 @@ def _check_comm(kwargs: dict[str, Any]) -> None:
                     "function) and a state that pickles") from None
 
 
+def check_settings(kwargs: dict[str, Any], trainer: Any) -> None:
+    """Refuse DDP arguments the Trainer's settings break in torch's reducer: ``static_graph`` with
+    ``accumulate_grad_batches`` fails there (an internal assertion, under Lightning's DDPStrategy too)."""
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if kwargs.get("static_graph") and accumulate > 1:
+        raise ValueError(
+            f"static_graph=True cannot be combined with Trainer(accumulate_grad_batches={accumulate}): torch's DDP "
+            "reducer fails on the backwards that no_sync runs under a static graph (as under DDPStrategy). Leave "
+            "static_graph off (find_unused_parameters=False gives most of its speed), or do not accumulate")
+
+
 def defaults(kwargs: dict[str, Any]) -> None:
     """PipeStrategy's defaults for DDP's arguments where they differ from DDPStrategy's: unused parameters are
     found (a parameter unused on some replicas counts as zero there, one unused everywhere keeps no gradient),
@@ -154,8 +150,8 @@ def wrap(strategy: Any, module: nn.Module, device_ids: list[int] | None, process
     and comm hook (``PipeStrategy.configure_ddp``'s default). Each DDP gets its own copy of the hook's state
     (PowerSGD keeps errors per bucket); a missing state, or a state without a group, gets ``process_group``,
     which torch's hooks all-reduce over."""
-    ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=process_group,
-                                  **strategy._ddp_kwargs)
+    kwargs = {k: v for k, v in strategy._ddp_kwargs.items() if k not in REFUSED}  # those left at their defaults
+    ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=process_group, **kwargs)
     hook = strategy._ddp_comm_hook
     if hook is not None:
         state = copy.deepcopy(strategy._ddp_comm_state)

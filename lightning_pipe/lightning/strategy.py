@@ -111,7 +111,8 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
                                          module_name, schedule, virtual_stages, kwargs)
         checks.check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         ddp.check_arguments(kwargs, [n for n in inspect.signature(PipeStrategy).parameters if n != "kwargs"])
-        self._ddp_explicit = ddp.given(kwargs)
+        self._ddp_explicit = [k for k, v in kwargs.items() if (k in ddp.LIGHTNING[:4] and v is not None)
+                              or (k not in ddp.LIGHTNING and not ddp.is_default(k, v))]
         ddp.defaults(kwargs)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -138,6 +139,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
     def check_settings(self, trainer: pl.Trainer | None = None) -> None:
         """Reject Trainer settings this strategy cannot honour (run where :meth:`check_model` runs)."""
         checks.check_settings(trainer, self._layer_sync is not None)
+        ddp.check_settings(self._ddp_kwargs, trainer)
 
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process

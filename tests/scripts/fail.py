@@ -8,6 +8,7 @@
                                     strategy refuses) | refusals (all of the refused ones, in turn) |
                                     fused_scaler (a fused optimizer under a gradient scaler, refused at setup) |
                                     bare_backward (manual optimization calling loss.backward() with 2 replicas) |
+                                    comm_hook (2 replicas, a DDP comm hook that raises when called) |
                                     slow (stage 1 takes 1.5 s a micro-batch, longer than LP_TIMEOUT in all:
                                     it must train, not time out)
 """
@@ -92,6 +93,11 @@ class BareBackward(Model):
         opt.step()
 
 
+def raising_hook(state, bucket):  # type: ignore[no-untyped-def] # noqa: ANN001
+    """A DDP comm hook that fails as soon as any stage's DDP calls it."""
+    raise RuntimeError(f"the comm hook was called (bucket {bucket.index()} of a stage's DDP)")
+
+
 def main(what: str, out: str) -> None:
     config = {"samples": 16 if what == "slow" else 64, "batch_size": 8,
               "optimizer": "adam-fused" if what == "fused_scaler" else "sgd", "manual": what == "bare_backward"}
@@ -113,7 +119,9 @@ def main(what: str, out: str) -> None:
     elif what == "no_example":
         model.example_input_array = None
         balance = None
-    devices = 4 if what == "bare_backward" else 2
+    devices = 4 if what in ("bare_backward", "comm_hook") else 2
+    ddp = {"ddp_comm_hook": raising_hook, "find_unused_parameters": True, "bucket_cap_mb": 1,
+           "broadcast_buffers": False} if what == "comm_hook" else {}
     trainer = pl.Trainer(accelerator="cpu", devices=devices, max_epochs=1, logger=False, enable_progress_bar=False,
                          detect_anomaly=what == "nan", sync_batchnorm=what == "sync_batchnorm", plugins=plugins,
                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
@@ -121,7 +129,7 @@ def main(what: str, out: str) -> None:
                                     "pruning": [ModelPruning("l1_unstructured", amount=0.3)],
                                     "backbone": [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]}.get(what, []),
                          strategy=PipeStrategy(balance=balance, microbatches=4,
-                                               rpc_timeout_sec=float(os.environ.get("LP_TIMEOUT", 20))))
+                                               rpc_timeout_sec=float(os.environ.get("LP_TIMEOUT", 20)), **ddp))
     trainer.fit(model, DataLoader(data(model.config), batch_size=8))
 
 

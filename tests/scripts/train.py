@@ -369,6 +369,11 @@ def ddp_arguments(config: dict[str, Any], out: str) -> dict[str, Any]:
     elif config["hook"] == "stage-1":
         os.makedirs(hooks, exist_ok=True)
         kwargs["log_directory"] = hooks
+    elif config["hook"] == "powersgd":  # as Lightning's docs teach: a state whose group PipeStrategy fills in
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        kwargs.update(ddp_comm_hook=powersgd.powerSGD_hook, ddp_comm_state=powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=3))
     elif config["hook"] == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
