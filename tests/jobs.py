@@ -173,7 +173,7 @@ for _group, _cases in HF_CASES.items():
 # DistributedDataParallel's arguments and comm hooks, 2 replicas x 2 stages: each case trains 4 steps (global batch
 # 8 over 32 samples). Every checkpoint mode under GPipe (the loss on the driver, whose head has a DDP of its own)
 # and 1F1B (the loss on the last stage), with no hook and with a hook that records its calls and all-reduces;
-# bf16 compression; PowerSGD; static_graph; a hook on stage 1 alone (configure_ddp overridden); parameters
+# bf16 compression; static_graph; a hook on stage 1 alone (configure_ddp overridden); parameters
 # unused on some replicas or on all; BatchNorm buffers with and without broadcast_buffers (one micro-batch, as
 # DDP normalises whole batches).
 _DDP = {"devices": 4, "batch_size": 4, "samples": 32, "epochs": 1}
@@ -189,7 +189,6 @@ GROUPS["4 processes DDP"].update({
     "ddp-stage-1-hook-small-buckets": {**_DDP, "hook": "stage-1", "ddp": {"bucket_cap_mb": 0.001,
                                                                            "gradient_as_bucket_view": True}},
     "ddp-static-graph": {**_DDP, "ddp": {"static_graph": True}},
-    "ddp-powersgd": {**_DDP, "samples": 48, "hook": "powersgd"},
     "ddp-unused-parameters": {**_DDP, "rare_gate": True, "optimizer": "adamw", "samples": 64},
     "ddp-batchnorm-broadcast": {**_DDP, "batchnorm": True, "microbatches": 1, "dump_replica_state": True},
     "ddp-batchnorm-no-broadcast": {**_DDP, "batchnorm": True, "microbatches": 1, "dump_replica_state": True,

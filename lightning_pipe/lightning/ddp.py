@@ -136,6 +136,18 @@ def check_settings(kwargs: dict[str, Any], trainer: Any) -> None:
             "static_graph off (find_unused_parameters=False gives most of its speed), or do not accumulate")
 
 
+def check_backend(hook: Any, backend: str | None) -> None:
+    """Refuse torch's PowerSGD hooks over gloo: they wait for an all-reduce inside the callback of another, on
+    the thread that completes gloo's collectives, and a stage's replicas deadlock when two buckets' callbacks
+    meet there (seen on CPU, intermittently)."""
+    name = getattr(hook, "__name__", "")
+    if backend == "gloo" and name in ("powerSGD_hook", "batched_powerSGD_hook"):
+        raise ValueError(
+            f"ddp_comm_hook={name} cannot run over gloo (the CPU backend here): it blocks on an all-reduce inside "
+            "another's callback, which deadlocks the stages' replicas. Use it on GPUs (NCCL), or compress with "
+            "default_hooks.bf16_compress_hook / fp16_compress_hook, which work over gloo")
+
+
 def defaults(kwargs: dict[str, Any]) -> None:
     """PipeStrategy's defaults for DDP's arguments where they differ from DDPStrategy's: unused parameters are
     found (a parameter unused on some replicas counts as zero there, one unused everywhere keeps no gradient),

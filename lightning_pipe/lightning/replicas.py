@@ -75,6 +75,7 @@ class Replicas:
                                "averaged, and no DistributedDataParallel wraps the stages")
             return
         assert body.hosts is not None
+        ddp.check_backend(strategy._ddp_comm_hook, strategy._get_process_group_backend())
         # No RPC timeout: DDP's constructor waits for the same stage of the other replicas, which may be a slow
         # setup away; the process group's timeout bounds that wait.
         futures = body.hosts.start("replicate", ddp.stage_copy(strategy).configure_ddp, timeout=0)
