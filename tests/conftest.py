@@ -37,3 +37,12 @@ def jobs(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
     root = (base.parent if worker_id != "master" else base) / "jobs"
     root.mkdir(exist_ok=True)
     return Jobs(root)
+
+
+#: The longest tests (whole example runs): started first, so that the test workers (``pytest -n``) share the rest
+#: evenly instead of one of them starting a long one last.
+LONGEST_FIRST = ("test_examples.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: the order within each part stays
