@@ -24,13 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pytorch_lightning import LightningDataModule, LightningModule
+from pytorch_lightning import LightningModule
 from pytorch_lightning.cli import LightningCLI
 from torch import nn
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import CORPUS, Windows  # noqa: E402
+from gpt import CORPUS, TextCorpus  # noqa: E402
 
 import lightning_pipe  # noqa: E402 - registers strategy="pipe"
 
@@ -152,36 +151,23 @@ class CausalLM(LightningModule):
             shutil.copy(tokenizer, directory)
 
 
-class TokenCorpus(LightningDataModule):
+class TokenCorpus(TextCorpus):
     """A UTF-8 text as tokens (see :class:`Tokens`): the first 90% for training (a window at every token), the
     rest for validation; ``samples`` copies of ``prompt`` to continue in ``predict``."""
 
     def __init__(self, corpus: str = str(CORPUS), pretrained: str | None = None, context: int = 64,
                  batch_size: int = 32, val_fraction: float = 0.1, prompt: str = "First Citizen:\n",
                  samples: int = 4) -> None:
-        super().__init__()
-        self.save_hyperparameters()
+        super().__init__(corpus, context, batch_size, val_fraction, prompt, samples)  # saves every argument
         self.tokens = Tokens(pretrained)
 
-    def setup(self, stage: str) -> None:
-        path = Path(self.hparams.corpus)
-        if not path.is_file():
-            raise FileNotFoundError(f"no corpus at {path}: --data.corpus takes the path of a UTF-8 text file")
-        data = torch.tensor(self.tokens.encode(path.read_text(encoding="utf-8")), dtype=torch.long)
-        split = int(len(data) * (1 - self.hparams.val_fraction))
-        context = self.hparams.context
-        self.train_set = Windows(data[:split], context, stride=1)
-        self.val_set = Windows(data[split:], context, stride=context)
+    def read(self, path: Path) -> list[int]:
+        """The corpus at ``path`` as tokens."""
+        return self.tokens.encode(path.read_text(encoding="utf-8"))
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
-
-    def predict_dataloader(self) -> DataLoader:
-        prompt = torch.tensor(self.tokens.encode(self.hparams.prompt), dtype=torch.long)
-        return DataLoader([prompt] * self.hparams.samples, batch_size=self.hparams.samples)
+    def encode(self, text: str) -> list[int]:
+        """``text`` as tokens."""
+        return self.tokens.encode(text)
 
 
 class FineTuneCLI(LightningCLI):

@@ -169,11 +169,19 @@ class TextCorpus(LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
 
+    def read(self, path: Path) -> list[int]:
+        """The corpus at ``path`` as the model's inputs: its bytes."""
+        return list(path.read_bytes())
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as the model's inputs: its UTF-8 bytes."""
+        return list(text.encode("utf-8"))
+
     def setup(self, stage: str) -> None:
         path = Path(self.hparams.corpus)
         if not path.is_file():
             raise FileNotFoundError(f"no corpus at {path}: --data.corpus takes the path of a UTF-8 text file")
-        data = torch.tensor(list(path.read_bytes()), dtype=torch.long)
+        data = torch.tensor(self.read(path), dtype=torch.long)
         split = int(len(data) * (1 - self.hparams.val_fraction))
         context = self.hparams.context
         self.train_set = Windows(data[:split], context, stride=1)
@@ -186,7 +194,7 @@ class TextCorpus(LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
 
     def predict_dataloader(self) -> DataLoader:
-        prompt = torch.tensor(list(self.hparams.prompt.encode("utf-8")), dtype=torch.long)
+        prompt = torch.tensor(self.encode(self.hparams.prompt), dtype=torch.long)
         return DataLoader([prompt] * self.hparams.samples, batch_size=self.hparams.samples)
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from strategy_utils import REPO, SCRIPTS, run_script
@@ -88,22 +89,27 @@ def test_interrupting_the_driver_ends_every_process(tmp_path):
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in out  # Lightning's own handling ran
 
 
+def _crash_at_the_third_save(case: str, tmp_path: Path) -> Path:
+    """Train ``case`` until the main process dies as its third checkpoint (epoch=0.ckpt, last.ckpt at epoch 0,
+    then epoch=1.ckpt) is about to be put into place; the checkpoint directory it left."""
+    from jobs import config as case_config
+
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    result = run_script("train.py", json.dumps(case_config(case)), str(crashed), timeout=120, expect_ok=False,
+                        env={"LP_CRASH_AT_SAVE": "3"})
+    assert result.returncode != 0
+    return crashed / "ckpts"
+
+
 @pytest.mark.timeout(900)
 def test_crash_while_saving_keeps_the_last_good_checkpoint_and_resume_is_exact(tmp_path, jobs):
     """The main process dies between writing epoch 1's checkpoint and renaming it into place: the last good
     checkpoint is intact, and resuming from it is exact (it is the uninterrupted run's epoch-0 checkpoint,
     from which tests/test_strategy.py::test_resume_continues_exactly resumes to the uninterrupted weights)."""
     import torch
-    from jobs import config as case_config
 
-    config = case_config("resume-full")
-    crashed = tmp_path / "crashed"
-    crashed.mkdir()
-    # Saves: epoch=0.ckpt, last.ckpt (epoch 0), then epoch=1.ckpt: the third rename never happens.
-    result = run_script("train.py", json.dumps(config), str(crashed), timeout=120, expect_ok=False,
-                        env={"LP_CRASH_AT_SAVE": "3"})
-    assert result.returncode != 0
-    ckpts = crashed / "ckpts"
+    ckpts = _crash_at_the_third_save("resume-full", tmp_path)
     assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["epoch=0.ckpt", "last.ckpt"]
     assert [p.name for p in ckpts.iterdir() if ".tmp" in p.name]  # the half-written file, under another name
     last = torch.load(ckpts / "last.ckpt", weights_only=True)  # intact, and loadable without unpickling code
@@ -120,20 +126,13 @@ def test_a_crash_while_saving_a_sharded_checkpoint_never_leaves_one_that_looks_c
     directory stays under another name, and the last good checkpoint consolidates to the uninterrupted
     run's epoch-0 checkpoint, bit for bit."""
     import torch
-    from jobs import config as case_config
 
     from lightning_pipe.lightning.sharded import consolidate_checkpoint, is_sharded
 
-    config = case_config("sharded-resume-full")
-    crashed = tmp_path / "crashed"
-    crashed.mkdir()
-    result = run_script("train.py", json.dumps(config), str(crashed), timeout=120, expect_ok=False,
-                        env={"LP_CRASH_AT_SAVE": "3"})
-    assert result.returncode != 0
-    ckpts = crashed / "ckpts"
+    ckpts = _crash_at_the_third_save("sharded-resume-full", tmp_path)
     assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["epoch=0.ckpt", "last.ckpt"]
-    partial = [p for p in ckpts.iterdir() if ".partial-" in p.name]
-    assert partial and is_sharded(str(ckpts / "last.ckpt"))  # the half-put one, under another name
+    assert [p for p in ckpts.iterdir() if ".partial-" in p.name]  # the half-put directory, under another name
+    assert is_sharded(str(ckpts / "last.ckpt"))
     consolidate_checkpoint(str(ckpts / "last.ckpt"), str(tmp_path / "last.pt"))
     consolidate_checkpoint(str(jobs.directory("sharded-resume-full") / "ckpts" / "epoch=0.ckpt"),
                            str(tmp_path / "uninterrupted.pt"))
