@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 from processes import run_processes
+from sleeping import SleepingIdentity
 from torch import nn
 
 from lightning_pipe import Pipe
@@ -32,19 +33,6 @@ RPC_TIMEOUT = 60.0
 
 
 # ---------------------------------------------------------------------- the sleeping layer
-class _SleepFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, t_fwd: float, t_bwd: float) -> torch.Tensor:
-        ctx.t_bwd = t_bwd
-        time.sleep(t_fwd)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        time.sleep(ctx.t_bwd)
-        return grad, None, None
-
-
 class Sleep(nn.Module):
     """Sleeps ``t_fwd`` seconds in forward and ``t_bwd`` in backward; the identity otherwise."""
 
@@ -53,7 +41,7 @@ class Sleep(nn.Module):
         self.t_fwd, self.t_bwd = t_fwd, t_bwd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepFn.apply(x, self.t_fwd, self.t_bwd)
+        return SleepingIdentity.apply(x, self.t_fwd, self.t_bwd)
 
 
 def build(p: int, t_fwd: float, t_bwd: float) -> nn.Sequential:

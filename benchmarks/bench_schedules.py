@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 from processes import run_processes
+from sleeping import SleepingIdentity
 from torch import nn
 
 from lightning_pipe import pure_backward_layer
@@ -34,21 +35,6 @@ from lightning_pipe.transport import pipeline_over_rpc
 
 RPC_TIMEOUT = 60.0
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2)]
-
-
-class _Sleep(torch.autograd.Function):
-    """The identity on ``x`` that sleeps ``t_fwd`` in forward and ``t_bwd`` in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, t_fwd: float, t_bwd: float) -> torch.Tensor:
-        ctx.t_bwd = t_bwd
-        time.sleep(t_fwd)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        time.sleep(ctx.t_bwd)
-        return grad, None, None
 
 
 @pure_backward_layer
@@ -63,7 +49,7 @@ class SleepLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t_f, t_i, t_w = self.times
         # The parameter's branch: the gradient of the weight alone goes through the second sleep.
-        return _Sleep.apply(x, t_f, t_i) + _Sleep.apply(self.weight, 0.0, t_w)
+        return SleepingIdentity.apply(x, t_f, t_i) + SleepingIdentity.apply(self.weight, 0.0, t_w)
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
