@@ -5,7 +5,15 @@ process: ``Pipe``), :mod:`lightning_pipe.transport` (its stages in other process
 :mod:`lightning_pipe.lightning` (``PipeStrategy`` for Lightning's Trainer). The optional
 :mod:`lightning_pipe.models` (``pip install 'lightning_pipe[hf]'``) makes Hugging Face models bodies; it is not
 imported here.
+
+The Lightning binding's names (``PipeStrategy``, ``PipelineReport``, ``consolidate_checkpoint``, ``grad_norm``)
+are imported on first use, so a program that uses the engine or the transport alone (``Pipe``,
+``pipeline_over_rpc``, :mod:`lightning_pipe.compat`) starts without loading Lightning (about 4 s of imports).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.engine import (
     Pipe,
@@ -16,10 +24,30 @@ from lightning_pipe.engine import (
     pure_backward_layer,
     run_pipeline,
 )
-from lightning_pipe.lightning import PipelineReport, PipeStrategy, consolidate_checkpoint, grad_norm
 from lightning_pipe.transport import pipeline_over_rpc
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning import PipelineReport, PipeStrategy, consolidate_checkpoint, grad_norm
+
+#: The names of :mod:`lightning_pipe.lightning` offered here, imported when first asked for.
+_LIGHTNING_NAMES = ("PipeStrategy", "PipelineReport", "consolidate_checkpoint", "grad_norm")
 
 __all__ = ["Pipe", "PipeStrategy", "PipelineReport", "consolidate_checkpoint", "deferred_init", "grad_norm",
            "is_checkpointing", "is_recomputing", "loss_on_last_stage", "pipeline_over_rpc", "pure_backward_layer",
            "run_pipeline"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """The Lightning binding's names, imported from :mod:`lightning_pipe.lightning` when first asked for."""
+    if name in _LIGHTNING_NAMES:
+        from lightning_pipe import lightning
+
+        value = getattr(lightning, name)
+        globals()[name] = value  # asked once: later lookups find it without this function
+        return value
+    raise AttributeError(f"module 'lightning_pipe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LIGHTNING_NAMES))

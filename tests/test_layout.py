@@ -10,6 +10,8 @@ hide a wrong arrow.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,28 @@ def test_every_module_opens_with_a_docstring_and_public_names_have_one():
             if public and not ast.get_docstring(node):
                 missing.append(f"{name}.{node.name}")
     assert missing == []
+
+
+def test_the_engine_the_transport_and_compat_start_without_lightning():
+    """Run, not only read: importing the package, its engine, transport and compat names loads no Lightning
+    (the binding's names come on first use), so a program using ``Pipe`` or ``pipeline_over_rpc`` starts in the
+    time torch takes."""
+    code = ("import sys, lightning_pipe, lightning_pipe.compat.torchgpipe, lightning_pipe.compat.sync\n"
+            "from lightning_pipe import Pipe, pipeline_over_rpc, run_pipeline\n"
+            "from lightning_pipe.skip import skippable\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('pytorch_lightning', 'lightning', 'lightning_fabric', 'torchmetrics', 'transformers')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_lightning_names_come_on_first_use():
+    import lightning_pipe
+    from lightning_pipe.lightning import PipelineReport, PipeStrategy, consolidate_checkpoint, grad_norm
+
+    assert (lightning_pipe.PipeStrategy, lightning_pipe.PipelineReport, lightning_pipe.consolidate_checkpoint,
+            lightning_pipe.grad_norm) == (PipeStrategy, PipelineReport, consolidate_checkpoint, grad_norm)
+    assert set(lightning_pipe.__all__) <= set(dir(lightning_pipe))
+    with pytest.raises(AttributeError, match="has no attribute 'PipeStrategyy'"):
+        lightning_pipe.PipeStrategyy  # noqa: B018
