@@ -60,8 +60,9 @@ def test_stage_that_stops_answering_fails_the_step_within_the_timeout(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_slow_stage_that_keeps_working_is_not_taken_for_a_stuck_one(tmp_path):
-    """Stage 1 takes 1.5 s a micro-batch: after stage 0 is done with a step's forward, stage 1 still works
-    for 6 s, longer than rpc_timeout_sec=4. It keeps finishing micro-batches, so training goes on."""
+    """Stage 1 takes 1.5 s a micro-batch: after stage 0 is done with the step's forward, stage 1 still works
+    for 6 s, longer than rpc_timeout_sec=4. It keeps finishing micro-batches, so the step (the run's only one)
+    completes and training ends as planned."""
     result = run_script("fail.py", "slow", str(tmp_path), timeout=100, env={"LP_TIMEOUT": "4"})
     assert "TimeoutError" not in result.stdout
     assert "`Trainer.fit` stopped: `max_epochs=1` reached." in result.stdout, result.stdout[-3000:]
