@@ -54,6 +54,9 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
                                               "precision": "64-true", "default_dtype_layer": True},
         # One pipeline, a plain loader built with shuffle=False: the batches of one device, in its order.
         "one-replica-keeps-the-loader-order": {"layers": 5, "balance": [2, 3]},
+        # ... and a shuffling loader: each epoch's permutation is drawn from the default generator as the program
+        # left it (after building the model), not from a generator the strategy reseeded.
+        "one-replica-shuffles-as-one-device": {"layers": 5, "balance": [2, 3], "shuffle": True},
         "optimizer-state-sgd": {"optimizer": "sgd", "balance": [1, 3], "scheduler": "step"},
         "optimizer-state-adamw": {"optimizer": "adamw", "balance": [1, 3], "scheduler": "step"},
         "resume-full": {"optimizer": "adamw", "scheduler": "step", "epochs": 3, "save_every": "epoch",

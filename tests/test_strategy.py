@@ -164,6 +164,16 @@ def test_one_replica_uses_the_loader_as_given(jobs, tmp_path):
 
 
 @pytest.mark.timeout(900)
+def test_one_replica_shuffles_as_one_device(jobs, tmp_path):
+    """One pipeline and a loader built with shuffle=True: each epoch's permutation comes from the default
+    generator in the state the program left it, as on one device (had the strategy reseeded the driver as DDP
+    reseeds its processes, the batches, and so the weights, would be others)."""
+    config = case_config("one-replica-shuffles-as-one-device")
+    assert_same_weights(load(jobs.directory("one-replica-shuffles-as-one-device") / "final.ckpt"),
+                        plain_weights(config, tmp_path / "plain"))
+
+
+@pytest.mark.timeout(900)
 def test_remote_stages_step_after_the_drivers_steps_and_meet_at_barriers(jobs):
     """post_optimizer_step steps the remote stages once per driver step (none when a gradient scaler skips
     one), and barrier has them meet too: without either hook, these counts stay put."""

@@ -142,6 +142,11 @@ class PipelineProcesses(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        reset_seed()
+        self.set_world_ranks()
+        if self.topology.replicas > 1 or not self.is_driver:
+            # As under DDP, every process restarts from seed_everything's seed (a stage process takes the seeds
+            # of its random operations from it). The driver of a single pipeline keeps the generator as the
+            # program left it, as one device does: a shuffling loader then gives one device's batches.
+            reset_seed()
         self._process_group_backend = self._get_process_group_backend()
         self.start_session()

@@ -25,7 +25,7 @@ import lightning_pipe
 DEFAULTS: dict[str, Any] = {
     "devices": 2, "balance": [2, 2], "microbatches": 4, "checkpoint": "except_last", "pipelined_backward": True,
     "optimizer": "sgd", "scheduler": None, "accumulate": 1, "clip": None, "clip_algorithm": "norm",
-    "manual": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
+    "manual": False, "shuffle": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
     "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
     "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
     "sanity_steps": 0, "configure_model": False, "nodes": 1, "log_grad_norm": False, "lr_find": False,
@@ -485,7 +485,7 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
         loader = DataLoader(dataset, batch_size=config["batch_size"], sampler=sampler)
     else:
-        loader = DataLoader(dataset, batch_size=config["batch_size"], shuffle=False)
+        loader = DataLoader(dataset, batch_size=config["batch_size"], shuffle=config["shuffle"])
     if config["lr_find"] and config["lr_find"] != "callback":
         # A short run whose weights are restored from a checkpoint afterwards; the suggestion goes to model.lr.
         Tuner(trainer).lr_find(model, train_dataloaders=loader, min_lr=1e-3, max_lr=0.5, num_training=24,
