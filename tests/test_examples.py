@@ -58,8 +58,11 @@ def test_minilm_fine_tuning_improves_accuracy(tmp_path):
 def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
     """The byte-level GPT, cut in two processes, learns the corpus; its checkpoint is the plain model's; the
     report callback draws the loss curve and the timeline of the run."""
-    result = run_script("examples/gpt.py", "fit", "--config", "configs/gpt/cpu.yaml", "--trainer.max_steps=150",
-                        "--trainer.val_check_interval=150", "--model.max_new_bytes=120",
+    # A short run: 100 steps instead of the config's 400, so a higher peak rate for its OneCycle schedule (at the
+    # config's 0.006 the loss is still at the byte frequencies' 3.26 after 100 steps; at 0.01, 2.65-2.84 for
+    # seeds 7-9).
+    result = run_script("examples/gpt.py", "fit", "--config", "configs/gpt/cpu.yaml", "--trainer.max_steps=100",
+                        "--model.lr=0.01", "--trainer.val_check_interval=100", "--model.max_new_bytes=120",
                         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
                         timeout=240)
     out = result.stdout
@@ -82,7 +85,7 @@ def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
             total += model._loss((x, y)).item() * len(x)
             count += len(x)
     assert total / count == pytest.approx(after, abs=2e-3)
-    # It learned more than how often each byte occurs: it predicts from the context (2.8 nats after 150 steps).
+    # It learned more than how often each byte occurs: it predicts from the context (2.8 nats after 100 steps).
     train_bytes, val_bytes = data.train_set.data, data.val_set.data
     frequency = torch.bincount(train_bytes, minlength=256).double() / len(train_bytes)
     unigram = -frequency.clamp_min(1e-12).log()[val_bytes].mean().item()  # about 3.26 nats
