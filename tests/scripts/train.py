@@ -25,8 +25,8 @@ import lightning_pipe
 DEFAULTS: dict[str, Any] = {
     "devices": 2, "balance": [2, 2], "microbatches": 4, "checkpoint": "except_last", "pipelined_backward": True,
     "optimizer": "sgd", "scheduler": None, "accumulate": 1, "clip": None, "clip_algorithm": "norm",
-    "manual": False, "shuffle": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
-    "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
+    "manual": False, "batch_size": 8, "samples": 64, "epochs": 2, "layers": 4, "width": 16, "seed": 7,
+    "shuffle": False, "precision": "32-true", "dropout": 0.0, "validate": False, "resume": None, "max_steps": -1,
     "save_every": None, "strategy": "pipe", "log_metric": False, "lr": 0.05, "measure_memory": None, "timeline": None,
     "sanity_steps": 0, "configure_model": False, "nodes": 1, "log_grad_norm": False, "lr_find": False,
     "manual_accumulate": 1, "eval_layers": [], "batchnorm": False, "freeze_bn_layers": [],
