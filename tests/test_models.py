@@ -132,11 +132,29 @@ def test_a_tied_head_stays_the_embeddings_parameter_and_trains_as_the_model(arch
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_pipe_in_one_process_refuses_a_head_tied_across_partitions_naming_pipestrategy(arch):
-    """Partitions in one process cannot share a parameter (each may sit on its own device); PipeStrategy gives
-    each stage its copy (test_pipestrategy_trains_the_models_weights_and_its_checkpoint_loads_into_the_model)."""
-    with pytest.raises(ValueError, match=r"shares parameters between layers.*train with PipeStrategy"):
-        Pipe(to_sequential(tiny(arch, tied=True)), BALANCES[2], chunks=4)
+def test_pipe_in_one_process_trains_a_head_tied_across_partitions_as_the_model(arch):
+    """The head tied to the embedding, in the last partition, the embedding in the first: ``Pipe`` keeps a copy in
+    the later partition, in step with the first's, their gradients summed (engine/tied.py). GPipe, 1F1B and
+    zero-bubble train the Hugging Face model's weights (SGD: AdamW's normalised update would magnify the
+    rounding of micro-batches' sums); the tied parameter is listed once, as in the model."""
+    reference = tiny(arch, tied=True)
+    train_steps(arch, reference, lambda i, m, t: loss_fn(output(reference, i, m), t))
+    for schedule in ("gpipe", "1f1b", "zero-bubble"):
+        pipe = Pipe(to_sequential(tiny(arch, tied=True)), BALANCES[2], devices=["cpu", "cpu"], chunks=4,
+                    schedule=schedule)
+        assert len(list(pipe.parameters())) == len(list(reference.parameters()))
+        if schedule == "gpipe":
+            train_steps(arch, pipe, lambda i, m, t, pipe=pipe: loss_fn(pipe((i, m)), t))
+        else:
+            train_steps(arch, pipe, lambda i, m, t, pipe=pipe: loss_on_last_stage(pipe, (i, m), t, loss_fn))
+        state = pipe.state_dict()  # the copy's entry as its owner is now
+        first, last = pipe.partitions[0][0], pipe.partitions[-1][-1]
+        torch.testing.assert_close(state["partitions.1.5.lm_head.weight"], next(first.parameters()), rtol=0, atol=0)
+        assert last.lm_head.weight is not next(first.parameters())  # each partition its own
+        trained = hf_state_dict(nn.Sequential(*[layer for part in pipe.partitions for layer in part]))
+        for key, value in trained.items():
+            torch.testing.assert_close(value, reference.state_dict()[key], rtol=1e-5, atol=1e-5,
+                                       msg=f"{schedule}: {key}")
 
 
 @pytest.mark.parametrize("arch,tied", [(a, False) for a in ARCHS] + [("gpt2", True), ("llama", True)])

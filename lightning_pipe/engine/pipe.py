@@ -39,6 +39,7 @@ from lightning_pipe.engine.schedule import check_schedule, schedule_plan
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.skip.skippable import verify_skippables
 from lightning_pipe.engine.stage import Stage
+from lightning_pipe.engine.tied import TiedCopies
 
 __all__ = ["Pipe", "loss_on_last_stage"]
 
@@ -69,6 +70,10 @@ def loss_on_last_stage(body: nn.Module, input: Any, target: Any, loss_fn: LossFn
     return loss_fn(body(input), target)
 
 
+def _refresh_tied(pipe: Pipe, prefix: str, keep_vars: bool) -> None:
+    pipe._tied.refresh()
+
+
 def _default_devices(n: int) -> list[torch.device]:
     if torch.cuda.is_available():
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
@@ -79,7 +84,9 @@ class Pipe(nn.Module):
     """Wrap an ``nn.Sequential`` to train it with pipeline parallelism (GPipe by default).
 
     Args:
-        module: the layers, in order. Children must be distinct and share no parameters.
+        module: the layers, in order, each a distinct module. Layers may share parameters (a head tied to its
+            embedding): the first partition using one owns it, later ones hold a copy kept in step, their
+            gradients summed into it (:mod:`lightning_pipe.engine.tied`); ``parameters()`` lists it once.
         balance: layers per partition, e.g. ``[2, 3]``; ``sum(balance) == len(module)``. See
             :mod:`lightning_pipe.engine.balance` to compute one.
         devices: one device per partition (``"cpu"``, ``"cuda:1"``, ``torch.device``); default: every CUDA
@@ -105,7 +112,7 @@ class Pipe(nn.Module):
                  checkpoint: str = "except_last", deferred_batch_norm: bool = False, schedule: str = "gpipe",
                  virtual_stages: int = 1) -> None:
         super().__init__()
-        check_sequential(module)
+        check_sequential(module, shared=True)
         check_chunks(chunks)
         check_checkpoint(checkpoint)
         check_schedule(schedule)
@@ -135,10 +142,23 @@ class Pipe(nn.Module):
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         parts = split_module(module, balance)
+        self._tied = TiedCopies(parts)  # before the moves: a shared parameter would follow the last partition
         for s, part in enumerate(parts):
             part.to(self.devices[s % processes])
         self.partitions = nn.ModuleList(parts)
         self._pipeline: LocalPipeline | None = None
+        if self._tied:
+            self.register_state_dict_pre_hook(_refresh_tied)  # the copies' entries as their owners are
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The layers' parameters, a parameter shared by several partitions once (its owner's; the later
+        partitions' copies are kept in step by the pipe, not stepped by an optimizer)."""
+        tied = getattr(self, "_tied", None)
+        copies = tied.copies() if tied else set()
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if id(p) not in copies:
+                yield name, p
 
     # ------------------------------------------------------------------ the Sequential interface
     def __len__(self) -> int:
@@ -223,6 +243,8 @@ class Pipe(nn.Module):
                 for j, (part, o) in enumerate(zip(self.partitions, offsets))
             ]
             self._pipeline = LocalPipeline(stages, layout, processes=p)
+            if self._tied:
+                self._pipeline.after_backward = self._tied.gather
         return self._pipeline
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
@@ -235,12 +257,16 @@ class Pipe(nn.Module):
                 "on the last stage, micro-batch by micro-batch: call lightning_pipe.loss_on_last_stage(pipe, input, "
                 "target, loss_fn) (or pipe.pipeline_loss(...)) instead of pipe(input), or use schedule='gpipe'. "
                 "Without gradients (torch.no_grad(), evaluation) pipe(input) works with any schedule")
+        if self._tied:
+            self._tied.refresh()
         return run_pipeline(self.pipeline, input, chunks=self.chunks, checkpoint=self.checkpoint,
                             training=self.training, parameters=self.parameters())
 
     def pipeline_loss(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *, reduction: str = "mean") -> Any:
         """``loss_fn(self(input), target)`` with the loss computed on the last stage per micro-batch, the
         micro-batches in this pipe's schedule (see :func:`loss_on_last_stage`)."""
+        if self._tied:
+            self._tied.refresh()
         return pipeline_loss(self.pipeline, input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
                              training=self.training, parameters=self.parameters(), schedule=self.schedule,
                              reduction=reduction)

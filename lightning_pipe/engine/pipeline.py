@@ -141,6 +141,9 @@ class LocalPipeline:
         self.processes = processes or len(self.stages)
         self.workers = [Worker(f"lightning_pipe.stage{r}") for r in range(self.processes)]
         self.pipelined = True  # backward micro-batch by micro-batch (False: one backward per stage)
+        #: Called once a step's gradients are all in the stages' ``.grad`` (after :meth:`backward` or
+        #: :meth:`commit`): ``Pipe`` sums the copies of shared parameters there (:mod:`lightning_pipe.engine.tied`).
+        self.after_backward: Callable[[], None] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -162,14 +165,18 @@ class LocalPipeline:
         plan = gpipe(len(grad_outputs), self.processes, pipelined=self.pipelined if pipelined is None else pipelined)
         backward = Plan(plan.schedule, plan.microbatches, plan.stages, plan.processes,
                         tuple(plan.split(r)[1] for r in range(plan.processes)))
-        return self.execute(run, backward, output_grads=grad_outputs,  # type: ignore[return-value]
-                            inline_device=inline_device).input_grads
+        grads = self.execute(run, backward, output_grads=grad_outputs, inline_device=inline_device).input_grads
+        if self.after_backward is not None:
+            self.after_backward()
+        return grads  # type: ignore[return-value]
 
     def commit(self, run: Run, scale: float) -> None:
         """Add what ``run``'s backwards made, times ``scale``, into every stage's gradients (a plan that ran
         its backwards ahead of its caller's backward: :mod:`lightning_pipe.engine.aside`)."""
         for stage in self.stages:
             stage.aside.commit(run.id, scale)
+        if self.after_backward is not None:
+            self.after_backward()
 
     # ------------------------------------------------------------------ running a plan
     def execute(self, run: Run, plan: Plan, *, inputs: list[Batch] | None = None,
