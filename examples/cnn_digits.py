@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 import torchmetrics
-from pytorch_lightning import LightningDataModule, LightningModule
-from pytorch_lightning.cli import LightningCLI
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pytorch_lightning import LightningModule
-from pytorch_lightning.cli import LightningCLI
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -9,8 +9,8 @@ The model keeps its layers in ``self.sequential_module``; the YAML config picks 
 from __future__ import annotations
 
 import torch
-from pytorch_lightning import LightningDataModule, LightningModule
-from pytorch_lightning.cli import LightningCLI
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -9,12 +9,17 @@ imported here.
 The Lightning binding's names (``PipeStrategy``, ``PipelineReport``, ``consolidate_checkpoint``, ``grad_norm``)
 are imported on first use, so a program that uses the engine or the transport alone (``Pipe``,
 ``pipeline_over_rpc``, :mod:`lightning_pipe.compat`) starts without loading Lightning (about 4 s of imports).
+They are those of the Lightning package the program imported, ``lightning`` or ``pytorch_lightning``
+(:mod:`lightning_pipe.packages`); either package's ``Trainer(strategy="pipe")`` works once this package is
+imported.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
+from lightning_pipe import packages
 from lightning_pipe.engine import (
     Pipe,
     deferred_init,
@@ -29,7 +34,9 @@ from lightning_pipe.transport import pipeline_over_rpc
 if TYPE_CHECKING:
     from lightning_pipe.lightning import PipelineReport, PipeStrategy, consolidate_checkpoint, grad_norm
 
-#: The names of :mod:`lightning_pipe.lightning` offered here, imported when first asked for.
+packages.install()  # strategy="pipe" in whichever Lightning package is (or will be) imported
+
+#: The names of the Lightning binding offered here, imported when first asked for.
 _LIGHTNING_NAMES = ("PipeStrategy", "PipelineReport", "consolidate_checkpoint", "grad_norm")
 
 __all__ = ["Pipe", "PipeStrategy", "PipelineReport", "consolidate_checkpoint", "deferred_init", "grad_norm",
@@ -39,13 +46,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """The Lightning binding's names, imported from :mod:`lightning_pipe.lightning` when first asked for."""
+    """The Lightning binding's names, from the binding of the Lightning package that the asking module imported
+    from, or else that this program imported (asked each time: a program may import its Lightning package after
+    this one)."""
     if name in _LIGHTNING_NAMES:
-        from lightning_pipe import lightning
-
-        value = getattr(lightning, name)
-        globals()[name] = value  # asked once: later lookups find it without this function
-        return value
+        return getattr(packages.binding(namespace=sys._getframe(1).f_globals), name)
     raise AttributeError(f"module 'lightning_pipe' has no attribute {name!r}")
 
 

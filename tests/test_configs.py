@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pytorch_lightning.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI
 from strategy_utils import REPO
 from torch import nn
 

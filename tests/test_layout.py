@@ -72,7 +72,8 @@ def may_import(mine: str | None, theirs: str) -> bool:
 
 
 def test_every_module_is_in_a_layer_or_is_a_public_face():
-    faces = {"lightning_pipe", "lightning_pipe.__main__", "lightning_pipe.skip", "lightning_pipe.balance"}
+    faces = {"lightning_pipe", "lightning_pipe.__main__", "lightning_pipe.skip", "lightning_pipe.balance",
+             "lightning_pipe.packages"}
     loose = sorted(n for n in modules() if layer(n) is None and n not in faces and n.split(".")[1] != "compat")
     assert loose == [], f"modules outside engine/, transport/, lightning/: {loose}"
 
@@ -168,11 +169,17 @@ def test_the_engine_the_transport_and_compat_start_without_lightning():
 
 
 def test_the_lightning_names_come_on_first_use():
+    """Asked for from a module that imported ``pytorch_lightning``: that package's binding's names (the other
+    package's in tests/test_packages.py)."""
+    import pytorch_lightning
+
     import lightning_pipe
     from lightning_pipe.lightning import PipelineReport, PipeStrategy, consolidate_checkpoint, grad_norm
 
-    assert (lightning_pipe.PipeStrategy, lightning_pipe.PipelineReport, lightning_pipe.consolidate_checkpoint,
-            lightning_pipe.grad_norm) == (PipeStrategy, PipelineReport, consolidate_checkpoint, grad_norm)
+    namespace = {"pl": pytorch_lightning}
+    exec("import lightning_pipe\nnames = (lightning_pipe.PipeStrategy, lightning_pipe.PipelineReport, "  # noqa: S102
+         "lightning_pipe.consolidate_checkpoint, lightning_pipe.grad_norm)", namespace)
+    assert namespace["names"] == (PipeStrategy, PipelineReport, consolidate_checkpoint, grad_norm)
     assert set(lightning_pipe.__all__) <= set(dir(lightning_pipe))
     with pytest.raises(AttributeError, match="has no attribute 'PipeStrategyy'"):
         lightning_pipe.PipeStrategyy  # noqa: B018

@@ -180,7 +180,8 @@ def wrap(strategy: Any, module: nn.Module, device_ids: list[int] | None, process
 #: What a strategy holds only for its Trainer, in the driver's process: left out of the copy sent to stages.
 _RUNTIME = ("_accelerator", "_checkpoint_io", "_precision_plugin", "precision_plugin", "_lightning_module", "_model",
             "_launcher", "_optimizers", "_lightning_optimizers", "lr_scheduler_configs", "cluster_environment",
-            "_layer_sync", "_forward_redirection", "_model_averager", "_body", "_stage_optimizers", "_replicas")
+            "_layer_sync", "_forward_redirection", "_model_averager", "_body", "_stage_optimizers", "_replicas",
+            "_arguments")
 
 
 def stage_copy(strategy: Any) -> Any:

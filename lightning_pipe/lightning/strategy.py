@@ -34,6 +34,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pipe import packages
 from lightning_pipe.engine.deferred import deferred_init
 from lightning_pipe.lightning import checks, ddp, observe
 from lightning_pipe.lightning.body import PipelinedSequential
@@ -107,6 +108,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")} | kwargs
         balance = checks.check_arguments(balance, microbatches, checkpoint, balance_mode, rpc_timeout_sec,
                                          module_name, schedule, virtual_stages, kwargs)
         checks.check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
@@ -134,6 +136,18 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         self._stage_optimizers: StageOptimizers | None = None
         self._replicas = Replicas(1)
         self._fitting = False
+        self._arguments = arguments  # to be built again for the other Lightning package's Trainer (adopt)
+
+    @property  # type: ignore[override]
+    def accelerator(self) -> Any:
+        """The Trainer's accelerator. Given one of the other Lightning package's, this strategy becomes that
+        package's ``PipeStrategy`` first (:func:`lightning_pipe.packages.adopt`)."""
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:
+        packages.adopt(self, accelerator, self._arguments)
+        self._accelerator = accelerator
 
     # ------------------------------------------------------------------ what it refuses
     def check_settings(self, trainer: pl.Trainer | None = None) -> None:
@@ -302,3 +316,4 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
 
 
 PipeStrategy.register_strategies(StrategyRegistry)
+packages.accept()
