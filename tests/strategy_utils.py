@@ -25,10 +25,49 @@ def run_script(script: str, *args: str, timeout: float = 120, env: dict[str, str
                        name=script)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, theirs, ...), read from /proc: found by parentage, not by session,
+    so that a worker in a session of its own (torchrun 2.13 starts each so) is found too."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def end(proc: subprocess.Popen[Any]) -> None:
+    """Kill ``proc``, its session and every process below it (by pid: listed first, so that none is orphaned out of
+    reach by its parent's death), then reap ``proc`` (bounded)."""
+    if proc.poll() is None:  # alive, so its pid is still its own (a reaped one may be another process's now)
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # unkillable (stuck in the kernel): report it, do not hang on it
+        print(f"process {proc.pid} did not exit after SIGKILL", file=sys.stderr)
+
+
 def run_command(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None,
                 expect_ok: bool = True, name: str = "job", cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in ``cwd`` in a new session; on timeout, and after it ends in any case, that whole session
-    (and only it) is killed. Fails with the output when the job fails and ``expect_ok``."""
+    """Run ``argv`` in ``cwd`` in a new session; on timeout, and after it ends in any case, every process it
+    started (and only those) is killed. Fails with the output when the job fails and ``expect_ok``."""
     script = name
     proc = subprocess.Popen(argv, cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
@@ -36,14 +75,14 @@ def run_command(argv: list[str], *, timeout: float = 120, env: dict[str, str] | 
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        end(proc)
+        try:  # what it printed; bounded: a surviving grandchild may still hold the pipe
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            out = "(its output could not be read: a process still holds it)"
         raise AssertionError(f"{script} did not finish within {timeout:.0f} s:\n{out[-6000:]}") from None
     finally:
-        try:  # whatever the outcome, nothing of this job outlives the test
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        end(proc)  # whatever the outcome, nothing of this job outlives the test
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{script} failed with status {proc.returncode}:\n{out[-6000:]}")

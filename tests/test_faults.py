@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from strategy_utils import REPO, SCRIPTS, run_script
+from strategy_utils import REPO, SCRIPTS, end, run_script
 
 FAST = {"LP_TIMEOUT": "5"}  # rpc_timeout_sec for these jobs
 
@@ -82,10 +82,7 @@ def test_interrupting_the_driver_ends_every_process(tmp_path):
         proc.send_signal(signal.SIGINT)  # Ctrl+C in the driver's terminal
         out, _ = proc.communicate(timeout=45)  # returns once every process holding the output has exited
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        end(proc)
     assert proc.returncode != 0
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in out  # Lightning's own handling ran
 

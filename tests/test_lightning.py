@@ -125,13 +125,12 @@ def test_a_freed_model_frees_its_stages(tmp_path):
 def run_together(commands: list[tuple[list[str], dict[str, str]]], out, timeout: float = 200) -> None:
     """Start every ``(argv, environment)`` at once, as the nodes of a cluster would, each in a session of its
     own with its output in ``out/launch<i>.log``; wait for all (a hang fails within ``timeout``), then end
-    every session started here, whatever happened."""
+    every process started here, whatever happened."""
     import os
-    import signal
     import subprocess
     import time
 
-    from strategy_utils import REPO
+    from strategy_utils import REPO, end
 
     procs = []
     try:
@@ -145,12 +144,8 @@ def run_together(commands: list[tuple[list[str], dict[str, str]]], out, timeout:
             log = (out / f"launch{i}.log").read_text()
             assert p.returncode == 0, f"{commands[i][0][:3]} failed with status {p.returncode}:\n{log[-4000:]}"
     finally:
-        for p in procs:  # only the sessions started here
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=30)
+        for p in procs:  # only the processes started here, each worker by pid (torchrun's are in sessions of their own)
+            end(p)
 
 
 def assert_two_nodes_train_one_devices_weights(config: dict, out, plain_out) -> None:
