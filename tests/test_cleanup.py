@@ -3,7 +3,6 @@ limit, and a worker in a session of its own (as torch 2.13's torchrun starts eac
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
