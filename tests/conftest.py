@@ -12,8 +12,9 @@ def manual_seed_zero() -> None:
 @pytest.fixture(autouse=True)
 def cpu_by_default(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``Pipe`` made without ``devices`` takes every GPU there is; outside the CUDA tests (``test_cuda*``)
-    it takes the CPU, so the suite checks the same paths on a machine with a GPU as on one without."""
-    if not request.node.path.name.startswith("test_cuda"):
+    it takes the CPU, so the suite checks the same paths on a machine with a GPU as on one without. Tests marked
+    ``real_devices`` see the real choice."""
+    if not request.node.path.name.startswith("test_cuda") and not request.node.get_closest_marker("real_devices"):
         monkeypatch.setattr("lightning_pipe.engine.pipe._default_devices", lambda n: [torch.device("cpu")] * n)
 
 
@@ -45,4 +46,11 @@ LONGEST_FIRST = ("test_examples.py",)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest first; tests marked ``gpu`` skipped where CUDA is not available (CI; ``.ci/gpu`` runs them:
+    ``pytest -m gpu``)."""
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: the order within each part stays
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)

@@ -14,7 +14,7 @@ from torch import nn
 from lightning_pipe import Pipe
 from lightning_pipe.skip import pop, skippable, stash
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+pytestmark = [pytest.mark.gpu,
               pytest.mark.usefixtures("full_precision_matmul")]
 
 # Partitions on one GPU, and hand-offs from host to device and back (the GPU -> CPU copy must be complete

@@ -13,7 +13,7 @@ import torch
 from scripts import train as script
 from strategy_utils import assert_same_weights, train
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+pytestmark = [pytest.mark.gpu,
               pytest.mark.timeout(300), pytest.mark.usefixtures("full_precision_matmul")]
 
 REMOTE = "sequential_module.3.0.weight"  # a layer of the last stage, in another process

@@ -13,7 +13,7 @@ from strategy_utils import assert_same_weights, run_script
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("accelerator", [
-    "cpu", pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+    "cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_fit_validate_test_predict_in_one_script(accelerator, tmp_path, jobs):
     if accelerator == "cpu":  # in the shared job of 4 processes (tests/jobs.py)
         tmp_path = jobs.directory("phases")

@@ -23,9 +23,21 @@ def test_attributes():
     assert all(isinstance(p, nn.Sequential) for p in pipe.partitions)
 
 
+@pytest.mark.real_devices
 def test_default_devices_cpu(monkeypatch):
+    """Without a GPU, every partition on the CPU (the real choice: the suite's autouse fixture is off here)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert Pipe(model(), [2, 2]).devices == [torch.device("cpu")] * 2
+
+
+@pytest.mark.real_devices
+def test_default_devices_are_every_gpu_in_order(monkeypatch):
+    """With GPUs, every one of them in order (faked here: 3 devices), the partitions on the first ones."""
+    from lightning_pipe.engine.pipe import _default_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert _default_devices(2) == [torch.device("cuda", i) for i in range(3)]
 
 
 def test_sequential_interface():
@@ -235,10 +247,15 @@ def test_empty_position():
 
 
 def test_shared_parameters():
+    """Layers of two partitions sharing a weight: the plain module's output, the weight listed once (each
+    partition holds its own copy in step: tests/test_tied.py)."""
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     b.weight = a.weight
-    with pytest.raises(ValueError, match=r"layers '0' and '1' share 'weight'"):
-        Pipe(nn.Sequential(a, b), [1, 1])
+    plain = copy.deepcopy(nn.Sequential(a, b))
+    pipe = Pipe(nn.Sequential(a, b), [1, 1])
+    assert len(list(pipe.parameters())) == len(list(plain.parameters())) == 3
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(pipe(x), plain(x))
 
 
 def test_balance_errors():
