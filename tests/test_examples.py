@@ -7,9 +7,22 @@ import sys
 
 import pytest
 import torch
-from strategy_utils import REPO, run_script
+from strategy_utils import REPO, run_command, run_script
 
 sys.path.insert(0, str(REPO / "examples"))
+
+
+@pytest.mark.timeout(200)
+def test_quickstart_loss_falls(tmp_path):
+    """The README's quick start, as a file: two stages in two processes, the loss on the progress bar, and the
+    first and last epoch's mean loss printed once, by the main process, the last well below the first."""
+    result = run_command([sys.executable, str(REPO / "examples" / "quickstart.py")], cwd=tmp_path, timeout=150,
+                         name="examples/quickstart.py")
+    out = result.stdout
+    assert "train_loss" in out, out[-3000:]
+    (line,) = re.findall(r"^mean loss: first epoch ([0-9.]+), last epoch ([0-9.]+)$", out, re.MULTILINE)
+    first, last = map(float, line)
+    assert last < 0.5 * first, (first, last)  # 0.81 -> 0.25
 
 
 @pytest.mark.timeout(300)

@@ -62,3 +62,31 @@ def test_the_after_snippet_runs_as_printed(title, tmp_path):
     (tmp_path / "after.py").write_text(after.replace('"29500"', f'"{free_port()}"'))
     result = run_command([sys.executable, "after.py"], cwd=tmp_path, timeout=150, name=f"{title}: after.py")
     assert re.search(PRINTS[title], result.stdout, re.MULTILINE), result.stdout[-3000:]
+
+
+def test_what_differs_is_what_the_guide_says():
+    """The guide's word on what differs, checked against the code: there is no ``NoChunk`` to import, a
+    non-tensor input is a ``TypeError``, and the balancers keep a model's ``.grad`` where torchgpipe raised."""
+    import torch
+    from torch import nn
+
+    from lightning_pipe.compat.sync import Pipe
+    from lightning_pipe.compat.torchgpipe.balance import balance_by_size, balance_by_time
+
+    differs = GUIDE[GUIDE.index("## What differs on purpose"):]
+    assert "there is no `NoChunk`\n  (`from lightning_pipe.compat.sync import NoChunk` raises `ImportError`)" in differs
+    assert "no: a non-tensor input raises `TypeError`; there is no `NoChunk` (importing it raises `ImportError`)" \
+        in GUIDE
+    with pytest.raises(ImportError, match="cannot import name 'NoChunk'"):
+        exec("from lightning_pipe.compat.sync import NoChunk", {})
+    with pytest.raises(TypeError, match="must be a tensor or a tuple of tensors"):
+        Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=2)(torch.randn(4, 4), 3)
+
+    assert "**The balancers leave an existing `.grad` untouched**" in differs
+    assert 'torchgpipe\n  raised `ValueError("some parameter already has gradient")`' in differs
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert balance_by_time(2, model, torch.randn(4, 4), timeout=0.01) == [1, 1]
+    assert balance_by_size(2, model, torch.randn(4, 4)) == [1, 1]
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))

@@ -33,6 +33,36 @@ def test_devices_not_a_multiple_of_stages_fails_before_processes_start():
         pl.Trainer(accelerator="cpu", devices=3, strategy=PipeStrategy(balance=[1, 1]), logger=False)
 
 
+class EightLayers(pl.LightningModule):
+    """A body of 8 layers, in ``self.<name>``."""
+
+    def __init__(self, name: str = "sequential_module") -> None:
+        super().__init__()
+        setattr(self, name, torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(8))))
+
+
+@pytest.mark.parametrize("balance,name,message", [
+    ([3, 4], "sequential_module", "balance must sum to the 8 layers of EightLayers.sequential_module "
+                                  "(PipeStrategy(balance=[3, 4]) sums to 7): add a layer to a stage, "
+                                  "e.g. balance=[4, 4]"),
+    ([5, 4], "sequential_module", "balance must sum to the 8 layers of EightLayers.sequential_module "
+                                  "(PipeStrategy(balance=[5, 4]) sums to 9): remove a layer from a stage, "
+                                  "e.g. balance=[4, 4]"),
+    ([1, 2, 2], "body", "balance must sum to the 8 layers of EightLayers.body (PipeStrategy(balance=[1, 2, 2]) sums "
+                        "to 5): add 3 layers to the stages, e.g. balance=[3, 3, 2]"),
+    ([4] * 9, "sequential_module", "balance must sum to the 8 layers of EightLayers.sequential_module "
+                                   "(PipeStrategy(balance=[4, 4, 4, 4, 4, 4, 4, 4, 4]) sums to 36), and 9 stages need "
+                                   "at least 9 layers: use fewer stages (at most 8)"),
+])
+def test_a_balance_that_misses_layers_names_the_body_and_what_to_change(balance, name, message):
+    """The check the launcher runs before any process starts (``check_model``; fail.py below runs it there): the
+    balance against the body's layers, naming the body's attribute (``module_name``) and a balance that fits."""
+    strategy = PipeStrategy(balance=balance, module_name=name)
+    with pytest.raises(ValueError) as refused:
+        strategy.check_model(EightLayers(name))
+    assert str(refused.value).startswith(message)
+
+
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
     """Every model and setting refused before any process starts, one after another in one process."""
@@ -45,7 +75,8 @@ def refusals(tmp_path_factory):
 @pytest.mark.parametrize("what,error", [
     ("no_body", "Model has no attribute 'sequential_module'"),
     ("not_sequential", "Model.sequential_module must be nn.Sequential to be partitioned (got: ModuleList)"),
-    ("bad_balance", "module and sum of balance have different length (module: 4, sum of balance: 5)"),
+    ("bad_balance", "balance must sum to the 4 layers of Model.sequential_module (PipeStrategy(balance=[2, 3]) sums "
+                    "to 5): remove a layer from a stage, e.g. balance=[2, 2]"),
     ("no_example", "Model.example_input_array, which is not set"),
     ("sync_batchnorm", "Trainer(sync_batchnorm=True) is not supported by PipeStrategy"),
     ("swa", "the StochasticWeightAveraging callback is not supported by PipeStrategy"),

@@ -62,3 +62,37 @@ def test_timeline_of_a_real_run_follows_the_schedule(tmp_path, jobs):
     assert "RuntimeWarning" not in result.stdout
     assert "steps of gpipe, bubble fraction measured" in result.stdout and f"theoretical {2 / 6:.1%}" in result.stdout
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_the_legend_covers_no_bar(schedule, tmp_path, monkeypatch):
+    """The legend sits outside the bars (it used to cover the last step of stage 0, GPipe's and 1F1B's alike):
+    its box on the rendered picture overlaps no bar's, measured by matplotlib's renderer on the figure that
+    :func:`render` draws, with every kind of bar (the averaging over replicas included) and a title."""
+    import matplotlib.pyplot as plt
+
+    from lightning_pipe.engine.schedule import schedule_plan
+
+    simulation = simulate(schedule_plan(schedule, 4, 2), {"F": 1.0, "B": 1.0, "W": 1.0})
+    events = [Event(a.stage, a.kind, a.microbatch, 0, start, end) for a, (start, end) in simulation.times.items()]
+    end = max(e.end for e in events)
+    events += [Event(s, "R", -1, 0, end, end + 0.5) for s in (0, 1)]  # under each row, at the very end
+    drawn = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: drawn.append(fig))
+    render(events, str(tmp_path / "t.png"), title="a title", schedule=schedule)
+    (fig,) = drawn
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
+        bars = [patch for ax in fig.axes for patch in ax.patches]
+        assert len(legends) == 1 and len(bars) == len(events)
+        box = legends[0].get_window_extent(renderer)
+        covered = [e for e, bar in zip(events, bars) if box.overlaps(bar.get_window_extent(renderer))]
+        assert covered == []
+        # ... and the legend is in the picture, whole, as are the axes' labels
+        width, height = fig.canvas.get_width_height()
+        assert 0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height
+    finally:
+        close(fig)

@@ -128,7 +128,7 @@ def render(events: Sequence[Event], path: str, title: str = "", schedule: str = 
            processes: int | None = None) -> None:
     """Draw ``events`` as stages × time (forward blue, backward orange, parameters' gradients computed after
     the input gradients red, the averaging over replicas left after a stage's last backward green under its
-    row, bubbles blank) into a PNG."""
+    row, bubbles blank, the legend below the axes, clear of every bar) into a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,7 +136,8 @@ def render(events: Sequence[Event], path: str, title: str = "", schedule: str = 
 
     origin = min(e.start for e in events)
     stages = sorted({e.stage for e in events})
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(stages) + 1.5))
+    # Constrained layout keeps room below the axes for the legend (drawn there, out of the bars' way).
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(stages) + 2.0), layout="constrained")
     colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "R": "#55A868"}
     for e in events:
         color = colors.get(e.kind, "#DD8452")
@@ -155,20 +156,23 @@ def render(events: Sequence[Event], path: str, title: str = "", schedule: str = 
         handles.append(Patch(color=colors["W"], label="parameters' gradients, after the input gradients"))
     if any(e.kind == "R" for e in events):
         handles.append(Patch(color=colors["R"], label="averaging over replicas, after the last backward"))
-    ax.legend(handles=handles, loc="upper right")
-    fig.tight_layout()
+    # Below the axes, not inside them: inside, it covered the last steps of stage 0 (the first row).
+    fig.legend(handles=handles, loc="outside lower center", ncols=2 if len(handles) == 4 else len(handles),
+               frameon=False)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Render a trace as a PNG and print the measured and theoretical bubble fractions."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_pipe timeline",
-                                     description="Render a lightning_pipe timeline (Chrome trace) as a PNG.")
-    parser.add_argument("trace", help="the JSON written by PipeStrategy(timeline=...)")
-    parser.add_argument("png", help="where to write the picture")
-    parser.add_argument("--last", type=int, default=3, help="how many of the last steps to draw (0: all)")
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``python -m lightning_pipe timeline``."""
+    parser.add_argument("trace", metavar="TRACE", help="the JSON trace written by PipeStrategy(timeline=...)")
+    parser.add_argument("png", metavar="PNG", help="where to write the picture")
+    parser.add_argument("--last", type=int, default=3, metavar="N",
+                        help="how many of the last steps to draw (default: 3; 0: all)")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Render the trace ``args.trace`` as a PNG and print the measured and theoretical bubble fractions."""
     events = read_chrome_trace(args.trace)
     if not events:
         raise SystemExit(f"{args.trace} holds no pipeline events")
@@ -181,3 +185,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     measured, expected = bubble_fraction(events, schedule, processes)
     print(f"wrote {args.png}: {len({e.run for e in events})} steps of {schedule}, bubble fraction measured "
           f"{measured:.1%}, theoretical {expected:.1%}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Render a trace as a PNG and print the measured and theoretical bubble fractions (what ``python -m
+    lightning_pipe timeline`` runs)."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_pipe timeline",
+                                     description="Render a lightning_pipe timeline (Chrome trace) as a PNG.")
+    add_arguments(parser)
+    run(parser.parse_args(argv))

@@ -11,7 +11,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.model_helpers import is_overridden
 
-from lightning_pipe.engine.partition import check_balance, check_checkpoint, check_chunks, check_sequential
+from lightning_pipe.engine.partition import check_checkpoint, check_chunks, check_sequential
 from lightning_pipe.engine.schedule import check_schedule, schedule_plan
 from lightning_pipe.engine.skip.skippable import verify_skippables
 from lightning_pipe.lightning.body import PipelinedSequential
@@ -117,7 +117,7 @@ def check_model(module: pl.LightningModule, module_name: str, balance: list[int]
     check_sequential(body, f"{type(module).__name__}.{module_name}", shared=True)  # across stages: lightning/tied.py
     verify_skippables(body)
     if balance is not None:
-        check_balance(body, balance)
+        check_balance_sum(body, balance, f"{type(module).__name__}.{module_name}")
     elif module.example_input_array is None:
         raise ValueError(
             f"PipeStrategy(balance=None) infers the split from {type(module).__name__}.example_input_array, "
@@ -126,3 +126,22 @@ def check_model(module: pl.LightningModule, module_name: str, balance: list[int]
     elif len(body) < stages:
         raise ValueError(f"too few layers to split into one stage per device (layers: {len(body)}, "
                          f"stages: {stages}); pass balance=[...] and fewer devices")
+
+
+def check_balance_sum(body: Any, balance: list[int], where: str) -> None:
+    """Reject a ``balance`` that does not sum to the layers of the body ``where`` (``Model.sequential_module``),
+    saying how many layers to add or remove and suggesting a balance with as many stages that does."""
+    layers, total = len(body), sum(balance)
+    if total == layers:
+        return
+    stages = len(balance)
+    given = f"(PipeStrategy(balance={balance}) sums to {total})"
+    if layers < stages:
+        raise ValueError(f"balance must sum to the {layers} layers of {where} {given}, and {stages} stages need at "
+                         f"least {stages} layers: use fewer stages (at most {layers}), or add layers to {where}")
+    base, extra = divmod(layers, stages)
+    even = [base + 1] * extra + [base] * (stages - extra)
+    difference = abs(layers - total)
+    count, whom = ("a layer", "a stage") if difference == 1 else (f"{difference} layers", "the stages")
+    change = f"add {count} to {whom}" if total < layers else f"remove {count} from {whom}"
+    raise ValueError(f"balance must sum to the {layers} layers of {where} {given}: {change}, e.g. balance={even}")

@@ -131,7 +131,10 @@ def local_optimizer_state(info: Mapping[str, Any], k: int, group_state: Mapping[
 def consolidate_checkpoint(path: str, output: str) -> None:
     """Write the sharded checkpoint at ``path`` as one file at ``output``, in Lightning's format, with the
     plain model's ``state_dict`` and optimizer states: what ``Model.load_from_checkpoint`` and a plain
-    ``Trainer(...).fit(ckpt_path=...)`` take. (It holds the whole model in memory, as the plain model does.)"""
+    ``Trainer(...).fit(ckpt_path=...)`` take. (It holds the whole model in memory, as the plain model does.)
+    A ``path`` that is no sharded checkpoint (a one-file checkpoint, a folder of checkpoints) is refused with what
+    it is and what to pass (``NotADirectoryError``, ``FileNotFoundError``)."""
+    shards.check_directory(path)
     meta = read_meta(path)
     info = meta.pop("lightning_pipe")
     files = sorted(set(info["index"].values()) | {f for index in info["optimizer_index"] for f in index.values()})

@@ -22,6 +22,11 @@ __all__: list[str] = []
 #: The name of the main process's file in a sharded checkpoint directory.
 META = "meta.pt"
 
+#: What a sharded checkpoint is, for messages about a path that is not one.
+WHAT = ('a sharded checkpoint\'s directory, as PipeStrategy(state_dict_type="sharded") writes one per save (for '
+        'example lightning_logs/version_0/checkpoints/epoch=3-step=400.ckpt/, holding meta.pt and a '
+        'stage-NNNNN.pt per process)')
+
 
 def shard_name(process: int) -> str:
     """The file of pipeline process ``process`` in a sharded checkpoint directory."""
@@ -69,3 +74,54 @@ def read_optimizer_states(directory: str, index: Mapping[str, str], k: int,
             out[name] = {key: v.clone() if isinstance(v, Tensor) else v for key, v in states[name].items()}
         del shard
     return out
+
+
+def sharded_checkpoints(folder: str, depth: int = 4) -> list[str]:
+    """The sharded checkpoints (complete: ``meta.pt`` in) in ``folder`` and its folders down to ``depth`` levels
+    (``<default_root_dir>/lightning_logs/version_0/checkpoints/<checkpoint>`` is 4), sorted; hidden folders and
+    a checkpoint's own are not searched."""
+    found: list[str] = []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.is_dir() or entry.name.startswith("."):
+            continue
+        if os.path.isfile(os.path.join(entry.path, META)):
+            found.append(entry.path)
+        elif depth > 1:
+            found.extend(sharded_checkpoints(entry.path, depth - 1))
+    return found
+
+
+def check_directory(path: str, limit: int = 20) -> None:
+    """Refuse ``path`` unless it is a complete sharded checkpoint's directory, saying what it is instead and
+    what to pass: ``FileNotFoundError`` (nothing there; a folder without ``meta.pt``, listing the sharded
+    checkpoints inside it) or ``NotADirectoryError`` (a file: a one-file checkpoint, or a file of a sharded
+    one)."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, META)):
+        return
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: expected {WHAT}")
+    if not os.path.isdir(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isfile(os.path.join(parent, META)):
+            raise NotADirectoryError(f"{path} is a file of the sharded checkpoint {parent}: pass that directory")
+        raise NotADirectoryError(
+            f"{path} is a file, not a directory: a one-file checkpoint (PipeStrategy(state_dict_type=\"full\"), "
+            "the default) needs no consolidation, Model.load_from_checkpoint and Trainer.fit(ckpt_path=...) take it "
+            f"as it is. Expected {WHAT}")
+    if ".partial-" in os.path.basename(os.path.normpath(path)) or any(
+            name.startswith("stage-") and name.endswith(".pt") for name in os.listdir(path)):
+        raise FileNotFoundError(
+            f"{path} has no {META}: it is a save that did not finish ({META} is written last, once every "
+            f"stage's file is in), not a checkpoint. Expected {WHAT}")
+    found = sharded_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(f"{path} is a folder without {META} and holds no sharded checkpoint: expected {WHAT}")
+    shown = "".join(f"\n  {f}" for f in found[:limit]) + (f"\n  ... ({len(found) - limit} more)"
+                                                            if len(found) > limit else "")
+    raise FileNotFoundError(f"{path} is a folder of checkpoints, not a sharded checkpoint (no {META} in it): pass "
+                            f"one of the {len(found)} sharded checkpoints inside it:{shown}")

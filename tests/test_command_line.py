@@ -1,0 +1,146 @@
+"""``python -m lightning_pipe``: every command helps (``--help``, status 0), and ``consolidate`` says what it was
+given and what it takes instead of a traceback (status 2), or consolidates."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from strategy_utils import REPO, run_command
+
+LIGHTNING = ("pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics")
+
+
+def command(*args: str, cwd=REPO) -> subprocess.CompletedProcess[str]:
+    """``python -m lightning_pipe ARGS`` (stdout and stderr together), bounded in time."""
+    return run_command([sys.executable, "-m", "lightning_pipe", *map(str, args)], timeout=120, expect_ok=False,
+                       name="python -m lightning_pipe", cwd=cwd)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--help"], ["timeline", "consolidate", "python -m lightning_pipe timeline trace.json timeline.png",
+                  "python -m lightning_pipe consolidate ", "COMMAND --help"]),
+    (["-h"], ["timeline", "consolidate"]),
+    (["timeline", "--help"], ["usage: python -m lightning_pipe timeline [-h] [--last N] TRACE PNG",
+                              'PipeStrategy(timeline="trace.json")', "bubble fraction", "--last N",
+                              "example:\n  python -m lightning_pipe timeline trace.json timeline.png"]),
+    (["consolidate", "--help"], ["usage: python -m lightning_pipe consolidate [-h] DIR FILE",
+                                 'PipeStrategy(state_dict_type="sharded")', "meta.pt", "load_from_checkpoint",
+                                 "DIR ", "FILE ", "example:\n  python -m lightning_pipe consolidate "]),
+])
+def test_every_command_helps(args, says):
+    result = command(*args)
+    assert result.returncode == 0, result.stdout
+    missing = [s for s in says if s not in result.stdout]
+    assert missing == [], result.stdout
+
+
+@pytest.mark.parametrize("args,says", [
+    ([], ["usage: python -m lightning_pipe", "timeline", "consolidate", "COMMAND --help"]),
+    (["draw"], ["invalid choice: 'draw'", "timeline", "consolidate"]),
+    (["consolidate", "only-one"], ["usage: python -m lightning_pipe consolidate [-h] DIR FILE",
+                                   "the following arguments are required: FILE"]),
+])
+def test_a_wrong_command_line_shows_the_usage(args, says):
+    result = command(*args)
+    assert result.returncode == 2, result.stdout
+    assert [s for s in says if s not in result.stdout] == [], result.stdout
+    assert "Traceback" not in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["consolidate", "--help"], ["consolidate", "nowhere", "out.ckpt"]])
+def test_help_and_refusals_load_no_lightning(args):
+    """The command line loads Lightning only when a command needs it: not to help, nor to refuse a path."""
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['lightning_pipe', *{args!r}]\n"
+            "try:\n    runpy.run_module('lightning_pipe', run_name='__main__')\n"
+            "except SystemExit as exc:\n    status = exc.code\n"
+            f"print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in {LIGHTNING!r}), status)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.stdout.strip().splitlines()[-1] == f"LOADED [] {2 if 'nowhere' in args else 0}", done.stderr
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    """A training run's folder: a one-file checkpoint, two sharded ones written by the strategy's writer (one
+    process's share here; the multi-process ones below), and a save that did not finish."""
+    from lightning_pipe.lightning import sharded
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    folder = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    for name in ("epoch=0-step=4.ckpt", "last.ckpt"):
+        sharded.save({"state_dict": model.state_dict(), "epoch": 0, "global_step": 4, "optimizer_states": []},
+                     str(folder / name), hosts=None, optimizers=[])
+    (folder / "epoch=1-step=8.ckpt.partial-123").mkdir()
+    (folder / "epoch=1-step=8.ckpt.partial-123" / "stage-00000.pt").write_bytes(b"")
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "full.ckpt")
+    return tmp_path, folder, model
+
+
+@pytest.mark.parametrize("given,says", [
+    ("full.ckpt", ["full.ckpt is a file, not a directory", "needs no consolidation", "load_from_checkpoint",
+                   'PipeStrategy(state_dict_type="sharded")']),
+    ("lightning_logs/version_0/checkpoints", [
+        "checkpoints is a folder of checkpoints, not a sharded checkpoint (no meta.pt in it): pass one of the 2",
+        "\n  lightning_logs/version_0/checkpoints/epoch=0-step=4.ckpt"
+        "\n  lightning_logs/version_0/checkpoints/last.ckpt"]),
+    (".", ["pass one of the 2 sharded checkpoints", "\n  ./lightning_logs/version_0/checkpoints/last.ckpt"]),
+    ("lightning_logs/version_0/checkpoints/last.ckpt/meta.pt",
+     ["meta.pt is a file of the sharded checkpoint", "last.ckpt: pass that directory"]),
+    ("lightning_logs/version_0/checkpoints/epoch=1-step=8.ckpt.partial-123",
+     ["has no meta.pt: it is a save that did not finish"]),
+    ("missing.ckpt", ["missing.ckpt does not exist", 'PipeStrategy(state_dict_type="sharded")']),
+    ("lightning_logs/version_0", []),  # found below it
+])
+def test_consolidate_says_what_it_was_given_and_what_it_takes(given, says, checkpoints):
+    root, _, _ = checkpoints
+    result = command("consolidate", given, "out.ckpt", cwd=root)
+    assert result.returncode == 2, result.stdout
+    assert "Traceback" not in result.stdout and "Error:" not in result.stdout, result.stdout
+    assert result.stdout.startswith("usage: python -m lightning_pipe consolidate [-h] DIR FILE\n"
+                                    f"python -m lightning_pipe consolidate: error: {given}"), result.stdout
+    assert [s for s in says if s not in result.stdout] == [], result.stdout
+    assert not (root / "out.ckpt").exists()
+
+
+@pytest.mark.parametrize("output,says", [("lightning_logs", "lightning_logs is a directory: give the path of the file"),
+                                         ("no/such/out.ckpt", "the folder of no/such/out.ckpt does not exist")])
+def test_consolidate_refuses_an_output_it_cannot_write(output, says, checkpoints):
+    root, _, _ = checkpoints
+    result = command("consolidate", "lightning_logs/version_0/checkpoints/last.ckpt", output, cwd=root)
+    assert result.returncode == 2 and says in result.stdout and "Traceback" not in result.stdout, result.stdout
+
+
+def test_the_python_function_refuses_as_the_command_does(checkpoints):
+    from lightning_pipe.lightning.sharded import consolidate_checkpoint
+
+    root, folder, _ = checkpoints
+    with pytest.raises(FileNotFoundError, match="a folder of checkpoints.*pass one of the 2"):
+        consolidate_checkpoint(str(folder), str(root / "out.ckpt"))
+    with pytest.raises(NotADirectoryError, match="is a file, not a directory: a one-file checkpoint"):
+        consolidate_checkpoint(str(root / "full.ckpt"), str(root / "out.ckpt"))
+
+
+def test_consolidate_writes_the_one_file_checkpoint(checkpoints):
+    root, folder, model = checkpoints
+    result = command("consolidate", folder / "last.ckpt", root / "out.ckpt")
+    assert result.returncode == 0 and f"wrote {root / 'out.ckpt'}" in result.stdout, result.stdout
+    written = torch.load(root / "out.ckpt", weights_only=True)
+    assert written["global_step"] == 4
+    torch.testing.assert_close(written["state_dict"], model.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.timeout(900)
+def test_consolidate_a_checkpoint_of_a_multi_process_run(jobs, tmp_path):
+    """A sharded checkpoint written by two processes (tests/jobs.py), consolidated by the command: the one-file
+    checkpoint the same run saved in full, bit for bit."""
+    directory = jobs.directory("sharded-resume-full") / "ckpts" / "epoch=1.ckpt"
+    result = command("consolidate", directory, tmp_path / "epoch=1.ckpt")
+    assert result.returncode == 0, result.stdout
+    mine = torch.load(tmp_path / "epoch=1.ckpt", weights_only=True)
+    theirs = torch.load(jobs.directory("full-twin-of-sharded") / "ckpts" / "epoch=1.ckpt", weights_only=True)
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "epoch", "global_step"):
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=0, msg=key)
