@@ -3,7 +3,8 @@
 What it offers, by module:
 
 - ``strategy``: ``PipeStrategy``, which reads as Lightning's hook order and delegates each concern to:
-  ``processes`` (what Lightning sees of the processes: the drivers), ``launcher`` (starting them), ``checks``
+  ``processes`` (what Lightning sees of the processes: the drivers), ``launcher`` (starting them), ``requeue``
+  (SLURM's requeue signal: handled between batches, ignored by stage workers), ``checks``
   (what it refuses), ``build`` (the body cut into a pipeline), ``layers`` (modes and ``requires_grad`` in
   step), ``optimizers`` (the user's optimizers across stages), ``precision`` (clipping and loss scaling
   across stages), ``replicas`` (averaging over replicas), ``checkpoints`` (Lightning's checkpoint hooks:

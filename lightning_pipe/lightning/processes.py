@@ -4,6 +4,8 @@ Processes are laid out as replicas x stages (:class:`~lightning_pipe.transport.t
 cluster environment keeps the view of all of them (its launchers, torchrun and SLURM use it), while the
 strategy shows Lightning the drivers alone: ``world_size`` is the number of replicas, ``global_rank`` the
 replica index. Each process joins its stage group and RPC once (:mod:`lightning_pipe.transport.session`).
+SLURM's requeue signal is handled between training batches on the drivers and ignored by the stage workers
+(:mod:`lightning_pipe.lightning.requeue`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_pipe.lightning import requeue
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.transport.session import start_session
 from lightning_pipe.transport.topology import Topology
@@ -61,6 +64,7 @@ class PipelineProcesses(DDPStrategy):
     rpc_timeout_sec: float
     _topology: Topology | None = None
     _rank = -1
+    _requeue: requeue.DeferredRequeue | None = None
 
     @property
     def topology(self) -> Topology:
@@ -139,6 +143,8 @@ class PipelineProcesses(DDPStrategy):
                       self.cluster_environment.main_port, backend=self._get_process_group_backend(),
                       pg_timeout=self._timeout or default_pg_timeout, rpc_timeout=self.rpc_timeout_sec,
                       devices=devices_by_rank(self.topology, self.parallel_devices, self.num_processes, self.node_rank))
+        if not self.is_driver:
+            requeue.ignore_in_worker(self.cluster_environment)
 
     @override
     def setup_distributed(self) -> None:
@@ -150,3 +156,22 @@ class PipelineProcesses(DDPStrategy):
             reset_seed()
         self._process_group_backend = self._get_process_group_backend()
         self.start_session()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._requeue = requeue.DeferredRequeue()
+        self._requeue.install(self.cluster_environment)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._requeue is not None:
+            self._requeue.at_batch_start(self, self.lightning_module.trainer)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._requeue is not None:
+            requeuing, self._requeue = self._requeue, None
+            requeuing.uninstall(self)

@@ -7,6 +7,11 @@ Every process of a pipeline job joins, once for its whole life:
   the drivers (Lightning's world), a stage worker's is exactly the group whose gradients it averages;
 - ``torch.distributed.rpc`` over all processes.
 
+Under torchelastic (torchrun) the world store is the agent's, which outlives the workers: a restarted attempt
+(``--max-restarts``) would read the dead attempt's keys (the addresses of processes that are gone) and fail to
+connect. Each attempt's processes first agree on a fresh token (:func:`_agree_on_attempt`) and keep every key of
+the attempt, RPC's included, under it.
+
 Drivers run the user's script; at exit they shut RPC down (a barrier with every process). Stage workers
 block in that same shutdown barrier while RPC threads serve their stage (:func:`serve_until_shutdown`), then
 exit without returning to the script. A failing driver aborts every other process
@@ -19,10 +24,13 @@ import atexit
 import os
 import sys
 import threading
+import time
 import traceback
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qsl, urlparse
 
 import torch
 import torch.distributed as dist
@@ -83,12 +91,16 @@ def start_session(topology: Topology, rank: int, main_address: str, main_port: i
     # stage groups apart. Separate init_method="env://" rendezvous would race for the port and can silently
     # pair processes of different stages.
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=topology.world, timeout=pg_timeout))
+    attempt = _attempt_prefix(store, rank, topology.world, pg_timeout)
+    if attempt is not None:
+        store = dist.PrefixStore(attempt, store)
     dist.init_process_group(backend, store=dist.PrefixStore(f"lightning_pipe/stage{stage}", store),
                             rank=topology.replica_of(rank), world_size=topology.replicas, timeout=pg_timeout)
-    # RPC rendezvouses on its own (init_rpc changes the timeout of the store it is given).
-    # The "uv" (TCP) transport: TensorPipe's shared-memory transport busy-polls, costing each idle process
-    # about a quarter of a core, which stages computing on CPU cannot spare.
-    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=rpc_timeout,
+    # RPC rendezvouses on its own (init_rpc changes the timeout of the store it is given), under this attempt's
+    # prefix where there is one. The "uv" (TCP) transport: TensorPipe's shared-memory transport busy-polls,
+    # costing each idle process about a quarter of a core, which stages computing on CPU cannot spare.
+    init_method = "env://" if attempt is None else f"{_RPC_SCHEME}://?prefix={attempt}/rpc"
+    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=rpc_timeout,
                                               num_worker_threads=rpc_threads, _transports=["uv"])
     mine = devices[rank] if devices is not None else None
     if mine is not None and mine.type == "cuda":
@@ -108,6 +120,85 @@ def start_session(topology: Topology, rank: int, main_address: str, main_port: i
 
         sys.excepthook = hook
         atexit.register(_driver_exit)
+
+
+_RPC_SCHEME = "lightning-pipe"
+_ATTEMPT_KEY = "lightning_pipe/attempt"
+
+
+def _attempt_prefix(store: Any, rank: int, world: int, timeout: timedelta) -> str | None:
+    """The prefix of this attempt's keys in the world store, or None where the store is this job's alone.
+
+    Under torchelastic the store is the agent's (``TORCHELASTIC_USE_AGENT_STORE``): it outlives the workers, so a
+    restarted attempt finds every key of the dead one, and gloo and RPC would connect to addresses of processes
+    that are gone. ``TORCHELASTIC_RESTART_COUNT`` cannot tell attempts apart: each node's agent counts its own
+    restarts (a node whose workers were healthy restarts them without counting), so the nodes of one attempt may
+    disagree. The processes agree on a fresh token instead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None  # a store hosted by rank 0 of this very job (our launcher, SLURM, plain env://)
+    return f"{_ATTEMPT_KEY}/{_agree_on_attempt(store, rank, world, timeout)}"
+
+
+def _agree_on_attempt(store: Any, rank: int, world: int, timeout: timedelta) -> str:
+    """A token every process of this attempt returns, and no process of an earlier attempt saw.
+
+    Rank 0 publishes a fresh token and waits for every other rank to join it, then says go. Another rank takes
+    the published token (which may be a dead attempt's until rank 0 of this one publishes), joins it, and waits
+    for go: a token whose go was given before it joined, or that is replaced while it waits, is a dead
+    attempt's. Every process of an attempt starts after every process of the one before has ended (the agents
+    stop their workers before they rendezvous again), so a live rank 0 is this attempt's."""
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store.set(_ATTEMPT_KEY, token)
+        if world > 1:
+            store.wait([f"{_ATTEMPT_KEY}/{token}/joined/{r}" for r in range(1, world)], timeout)
+        store.set(f"{_ATTEMPT_KEY}/{token}/go", "1")
+        return token
+    deadline = time.monotonic() + timeout.total_seconds()
+    dead: set[str] = set()
+    pause = _Backoff()  # polls: a store wait that times out logs a warning each time
+    while time.monotonic() < deadline:
+        token = store.get(_ATTEMPT_KEY).decode()  # waits for the first attempt's rank 0
+        go = f"{_ATTEMPT_KEY}/{token}/go"
+        if token in dead or store.check([go]):  # given before this process joined: a dead attempt's
+            dead.add(token)
+            pause()
+            continue
+        store.set(f"{_ATTEMPT_KEY}/{token}/joined/{rank}", "1")
+        while time.monotonic() < deadline:
+            if store.check([go]):
+                return token
+            if store.get(_ATTEMPT_KEY).decode() != token:  # rank 0 of this attempt published its own
+                dead.add(token)
+                break
+            pause()
+    raise TimeoutError(f"rank {rank} waited {timeout} for rank 0 of this attempt to publish its rendezvous")
+
+
+class _Backoff:
+    """Sleeps 50 ms, then longer each call up to 1 s: quick when rank 0 is, light on the store when it is not."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.05
+
+    def __call__(self) -> None:
+        time.sleep(self.seconds)
+        self.seconds = min(1.0, self.seconds * 1.5)
+
+
+def _rpc_rendezvous(url: str, **kwargs: Any) -> Any:
+    """RPC's rendezvous under this attempt's prefix (``lightning-pipe://?prefix=P``): a store client of its own
+    (``init_rpc`` sets its timeout to RPC's), its keys under ``P``."""
+    query = dict(parse_qsl(urlparse(url).query))
+    rank, world = int(query["rank"]), int(query["world_size"])
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, **kwargs))
+    yield dist.PrefixStore(query["prefix"], store), rank, world
+
+
+try:
+    dist.register_rendezvous_handler(_RPC_SCHEME, _rpc_rendezvous)
+except RuntimeError:  # registered already (this module loaded again)
+    pass
 
 
 def _driver_exit() -> None:
