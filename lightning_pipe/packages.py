@@ -229,7 +229,8 @@ def adopt(strategy: Any, accelerator: Any, arguments: dict[str, Any]) -> None:
     giving it, comes from that tree: its class becomes that tree's ``PipeStrategy`` and its constructor runs again
     with the ``arguments`` it was given. A subclass is refused, with the class to derive from instead."""
     tree = tree_of(accelerator)
-    here = next(t for t, name in TREES.items() if type(strategy).__module__.startswith(name + "."))
+    here = next(t for t, name in TREES.items() for base in type(strategy).__mro__
+                if base.__name__ == "PipeStrategy" and base.__module__ == f"{name}.strategy")
     if tree is None or tree == here:
         return
     target = binding(tree).PipeStrategy

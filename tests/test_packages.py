@@ -130,13 +130,25 @@ def test_the_names_are_those_of_the_package_the_asking_module_imported():
             "print(b['PipeStrategy'].__module__, b['PipelineReport'].__module__)\n"
             "s = a['PipeStrategy'](balance=[1, 1])\n"
             "t = pytorch_lightning.Trainer(accelerator='cpu', devices=2, strategy=s, logger=False)\n"
-            "print(type(t.strategy).__module__, t.strategy.balance, t.strategy is s)\n")
+            "print(type(t.strategy).__module__, t.strategy.balance, t.strategy is s)\n"
+            "class Mine(b['PipeStrategy']): pass\n"  # a subclass, given to its own package's Trainer
+            "t = pytorch_lightning.Trainer(accelerator='cpu', devices=2, strategy=Mine(balance=[1, 1]), logger=False)\n"
+            "print(type(t.strategy).__name__)\n"
+            "class Other(a['PipeStrategy']): pass\n"  # ... and to the other package's: refused, naming what to do
+            "try:\n"
+            "    pytorch_lightning.Trainer(accelerator='cpu', devices=2, strategy=Other(balance=[1, 1]))\n"
+            "except TypeError as e:\n"
+            "    print('refused:', e)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "lightning_pipe.lightning_pytorch.strategy lightning_pipe.lightning_pytorch.report",
         "lightning_pipe.lightning.strategy lightning_pipe.lightning.report",
-        "lightning_pipe.lightning.strategy [1, 1] True"]
+        "lightning_pipe.lightning.strategy [1, 1] True", "Mine",
+        "refused: Other derives from lightning_pipe.lightning_pytorch.PipeStrategy, the binding for lightning.pytorch, "
+        "and was given to pytorch_lightning's Trainer: derive it from lightning_pipe.lightning.PipeStrategy instead "
+        "(lightning_pipe.PipeStrategy is the class of the Lightning package the program imported, when only one "
+        "is)"]
 
 
 def test_the_mirror_is_the_source_with_its_imports_renamed():
