@@ -194,3 +194,20 @@ def test_the_processes_of_an_attempt_agree_on_a_token_that_no_earlier_attempt_us
         for t in others:
             t.join(timeout=20)
         assert len(tokens) == 3 and len(set(tokens.values())) == 1 and tokens[0] != stale, tokens
+
+
+def test_a_checkpoint_being_written_is_no_version_to_lightnings_requeue(tmp_path):
+    """Lightning's SLURM requeue resumes from the ``hpc_ckpt_<n>`` with the largest n, reading n from the digits
+    of every name holding ``hpc_ckpt_``: a save killed midway left ``hpc_ckpt_2.ckpt.tmp<pid>`` (or a sharded
+    ``.partial-<pid>``), read as version 2<pid>, and every later resume looked for that file. The staging names
+    hold no ``hpc_ckpt_``."""
+    from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    from lightning_pipe.transport.shards import staging
+
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"a whole checkpoint")
+    for kind in (".tmp", ".partial-", ".old-"):
+        staged = staging(str(tmp_path / "hpc_ckpt_2.ckpt"), kind)
+        assert os.path.dirname(staged) == str(tmp_path) and kind in os.path.basename(staged)
+        open(staged, "w").close()  # what a save killed midway leaves
+    assert _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder(tmp_path, "hpc_ckpt_") == 1

@@ -37,6 +37,7 @@ from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.optimizers import StageOptimizers, raw
 from lightning_pipe.lightning.processes import PipelineProcesses
 from lightning_pipe.lightning.streamed import Source, save_streamed
+from lightning_pipe.transport import shards
 
 __all__: list[str] = []
 
@@ -59,7 +60,7 @@ def save_atomically(save: Callable[[str], None], path: str) -> None:
     if "://" in path:
         save(path)
         return
-    temporary = f"{path}.tmp{os.getpid()}"
+    temporary = shards.staging(path, ".tmp")
     try:
         save(temporary)
         os.replace(temporary, path)

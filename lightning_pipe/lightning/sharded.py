@@ -4,8 +4,9 @@ Every process of replica 0's pipeline writes its own stage's weights and optimiz
 (:mod:`lightning_pipe.transport.shards`), the main process its own and, last, ``meta.pt``: the rest of
 Lightning's checkpoint (loops, callbacks, schedulers, hyper-parameters, optimizers' parameter groups) and the
 index of which file holds each entry. Nothing is gathered anywhere. The files are written into
-``<path>.partial-<pid>`` and the directory renamed to ``<path>`` once complete: a crash midway leaves the
-partial directory, never a ``<path>`` that looks whole, and the previous checkpoints untouched::
+``.<name>.partial-<pid>`` beside it (``shards.staging``) and the directory renamed to ``<path>`` once complete: a
+crash midway leaves the partial directory, never a ``<path>`` that looks whole, and the previous checkpoints
+untouched::
 
     epoch=3-step=400.ckpt/
         meta.pt            Lightning's checkpoint without the tensors, and the index: name -> file
@@ -45,7 +46,7 @@ def save(checkpoint: Mapping[str, Any], path: str, hosts: Any, optimizers: Seque
     """Write ``checkpoint`` (Lightning's, its state dict holding this process's tensors and placeholders for the
     remote stages') as a sharded checkpoint at ``path``: the remote stages (``hosts``) write their files while
     this process writes its own."""
-    partial = f"{path}.partial-{os.getpid()}"
+    partial = shards.staging(path, ".partial-")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     try:
@@ -74,7 +75,7 @@ def save(checkpoint: Mapping[str, Any], path: str, hosts: Any, optimizers: Seque
 def _swap(partial: str, path: str) -> None:
     """Put the complete directory ``partial`` at ``path``, replacing what is there."""
     if os.path.lexists(path):
-        old = f"{path}.old-{os.getpid()}"
+        old = shards.staging(path, ".old-")
         os.rename(path, old)
         os.rename(partial, path)
         if os.path.isdir(old) and not os.path.islink(old):
@@ -150,7 +151,7 @@ def consolidate_checkpoint(path: str, output: str) -> None:
     meta["optimizer_states"] = [
         {"state": {i: states[k][name] for i, name in enumerate(group["names"]) if name in states[k]},
          "param_groups": group["param_groups"]} for k, group in enumerate(meta.get("optimizer_states", []))]
-    temporary = f"{output}.tmp{os.getpid()}"
+    temporary = shards.staging(output, ".tmp")
     try:
         torch.save(meta, temporary)
         os.replace(temporary, output)
