@@ -1,6 +1,7 @@
 """Regression tests: each tells the story of a bug the engine had, and checks that it stays fixed."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -286,3 +287,185 @@ def test_moving_to_a_device_index_is_a_type_error_on_any_machine():
         assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pipe.parameters()), what
     assert pipe.to(torch.float64) is pipe and pipe.to(dtype=torch.float16).partitions[1][0].weight.dtype == \
         torch.float16
+
+
+class Twice(nn.Module):
+    """One position that applies the same layer twice: what a repeated layer is written as instead."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(self.layer(x))
+
+
+def test_sync_pipe_refuses_a_repeated_layer_instead_of_dropping_it():
+    """``compat.sync.Pipe`` listed the body's layers with ``named_children()`` and flattened a child
+    ``nn.Sequential`` with ``children()``, which list a repeated layer once: ``Pipe(nn.Sequential(lin, lin))``
+    became a pipe of one layer, ``len(pipe) == 1``, that computed ``lin(x)`` where the model computes
+    ``lin(lin(x))``, without an error. torch refused it ("module with duplicate children is not supported",
+    its test ``test_verify_module_duplicate_children``); so does the drop-in now, naming the positions in the
+    model as written (a flattened child's layers as ``'0.1'``) and what to write instead."""
+    from lightning_pipe.compat.sync import Pipe as SyncPipe
+    from lightning_pipe.compat.sync import WithDevice
+
+    lin = nn.Linear(2, 2)
+    for model, where in [(nn.Sequential(lin, lin), "'0', '1'"),
+                         (nn.Sequential(nn.Sequential(lin, lin)), "'0.0', '0.1'"),
+                         (nn.Sequential(lin, nn.ReLU(), nn.Sequential(nn.Tanh(), lin)), "'0', '2.1'"),
+                         (nn.Sequential(WithDevice(lin, "cpu"), lin), "'0', '1'")]:
+        with pytest.raises(ValueError, match=rf"module with duplicate children is not supported \(the same layer "
+                                             rf"appears as: {where}\); give each position its own layer: "
+                                             r"copy\.deepcopy\(layer\).*a module of your own whose forward calls "
+                                             r"it twice \(not an nn\.Sequential, which Pipe flattens"):
+            SyncPipe(model)
+    # What the message offers instead computes what the model does.
+    x = torch.randn(3, 2)
+    twice = SyncPipe(nn.Sequential(Twice(lin)))
+    torch.testing.assert_close(twice(x).local_value(), lin(lin(x)))
+    copied = nn.Sequential(lin, copy.deepcopy(lin))
+    torch.testing.assert_close(SyncPipe(copied)(x).local_value(), copied(x))
+
+
+def test_every_entry_point_refuses_a_repeated_layer_by_its_positions():
+    """The same layer at two positions of a body, ``nn.Sequential(lin, relu, lin)``, is refused with its
+    positions by every entry point that splits a body (``Pipe``, torchgpipe's ``GPipe``, torch's ``sync.Pipe``,
+    ``PipeStrategy``'s model check, run before any process starts and again at setup), so that none of them
+    silently drops its second use as ``sync.Pipe`` did. The balancers profile each position (a balance of
+    ``len(model)`` entries), which ``Pipe`` then refuses the same way. A layer that calls the same weights
+    twice, ``nn.Sequential(lin, lin)`` as one position, is no repeat: the engine computes it."""
+    import pytorch_lightning as pl
+
+    from lightning_pipe.balance import balance_by_size, balance_by_time
+    from lightning_pipe.compat.sync import Pipe as SyncPipe
+    from lightning_pipe.compat.torchgpipe import GPipe
+    from lightning_pipe.lightning.checks import check_model
+
+    lin = nn.Linear(2, 2)
+    model = nn.Sequential(lin, nn.ReLU(), lin)
+    refused = r"duplicate children is not supported \(the same layer appears as: '0', '2'\); give each position"
+
+    class Body(pl.LightningModule):
+        def __init__(self, body, example=None):
+            super().__init__()
+            self.sequential_module = body
+            self.example_input_array = example
+
+    x = torch.randn(4, 2)
+    balances = [balance_by_size(2, model, x), balance_by_time(2, model, x, timeout=0.01)]
+    assert [sum(b) for b in balances] == [3, 3]
+    entries = {"Pipe": lambda: Pipe(model, [2, 1]), "GPipe": lambda: GPipe(model, balances[0]),
+               "sync.Pipe": lambda: SyncPipe(model),
+               "PipeStrategy(balance=[2, 1])": lambda: check_model(Body(model), "sequential_module", [2, 1], 2),
+               "PipeStrategy(balance=None)": lambda: check_model(Body(model, x), "sequential_module", None, 2)}
+    for what, entry in entries.items():
+        try:
+            entry()
+        except ValueError as exc:
+            assert re.search(refused, str(exc)), (what, str(exc))
+        else:
+            pytest.fail(f"{what} accepted a layer at two positions")
+    one_position = nn.Sequential(nn.Sequential(lin, lin), nn.ReLU())
+    torch.testing.assert_close(Pipe(one_position, [1, 1], chunks=2)(x), one_position(x))
+    check_model(Body(one_position), "sequential_module", [1, 1], 2)
+
+
+class TwoNames(nn.Module):
+    """One BatchNorm held under two names, each normalising its own input."""
+
+    def __init__(self, bn: nn.Module) -> None:
+        super().__init__()
+        self.first, self.second = bn, bn
+
+    def forward(self, x):
+        return self.first(x) + self.second(2 * x + 1)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_deferred_batch_norm_converts_a_batch_norm_held_twice(checkpoint):
+    """``DeferredBatchNorm.convert`` walked ``named_children()``, which lists a module held twice once: in a
+    layer holding one BatchNorm as ``first`` and ``second`` only ``first`` became deferred; ``second`` kept
+    the plain BatchNorm, holding the same running statistics, which it moved once per micro-batch: after one
+    step of 4 micro-batches with ``checkpoint='always'``, ``num_batches_tracked`` was 5 (2 with one), and the
+    other modes failed the backward with "modified by an inplace operation" (the deferred commit changed the
+    statistics the plain BatchNorm had saved). Now one deferred BatchNorm is held under both names and the
+    statistics move once per mini-batch, from both uses, however the batch is split."""
+    from lightning_pipe.engine import DeferredBatchNorm
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), TwoNames(nn.BatchNorm1d(4)), nn.Linear(4, 2))
+
+    x = torch.randn(8, 4)
+    stats = []
+    for chunks in (1, 4):
+        pipe = Pipe(model(), [2, 1], chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=True)
+        layer = pipe[1]
+        assert isinstance(layer.first, DeferredBatchNorm) and layer.second is layer.first
+        pipe(x).sum().backward()
+        stats.append((layer.first.running_mean.clone(), layer.first.running_var.clone(),
+                      int(layer.first.num_batches_tracked)))
+    (mean1, var1, n1), (mean4, var4, n4) = stats
+    torch.testing.assert_close(mean4, mean1)
+    torch.testing.assert_close(var4, var1)
+    assert n1 == n4 == 1
+
+
+@skippable(stash=["skip"])
+class StashAgain(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x
+
+
+@skippable(pop=["skip"])
+class PopOnce(nn.Module):
+    def forward(self, x):
+        return x + (yield pop("skip"))
+
+
+def test_verify_skippables_sees_a_stashing_layer_at_every_position():
+    """``verify_skippables`` walked ``named_children()``, so a stashing layer placed twice was seen once: the
+    second stash of ``'skip'`` (which no pop takes) passed the check. It now looks at every position."""
+    from lightning_pipe.skip import verify_skippables
+
+    stasher = StashAgain()
+    with pytest.raises(TypeError, match=r"'2' stashes 'skip' which '0' already stashes"):
+        verify_skippables(nn.Sequential(stasher, PopOnce(), stasher))
+
+
+def test_to_sequential_refuses_an_adapter_that_repeats_a_layer(monkeypatch):
+    """``to_sequential`` put whatever layers an adapter returned in an ``nn.Sequential``: an adapter that
+    returned one ``HFLayer`` twice (meaning a block applied twice) made a body that every pipeline refused
+    only later, under ``Pipe``'s name. It is refused where it is made, naming the positions. And a layer that
+    holds one of the model's modules under two names got a Hugging Face name for the first only (the names
+    were read with ``named_children()``), so converting the body's state failed on the second."""
+    pytest.importorskip("transformers")
+    from lightning_pipe.models import adapters, hf_state_dict, to_sequential
+    from lightning_pipe.models.layers import HFLayer
+
+    class TinyRepeat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Linear(2, 2)
+
+    class Block(HFLayer):
+        def __init__(self, block: nn.Module) -> None:
+            super().__init__()
+            self.block = block
+            self.again = block  # the same module under a second name
+
+        def forward(self, x):
+            return self.again(self.block(x))
+
+    monkeypatch.setitem(adapters._ADAPTERS, "TinyRepeat", ("tiny", lambda m: [Block(m.block)] * 2))
+    with pytest.raises(ValueError, match=r"the body of TinyRepeat \(the layers its adapter returned\) with duplicate "
+                                         r"children is not supported \(the same layer appears as: '0', '1'\)"):
+        to_sequential(TinyRepeat())
+    monkeypatch.setitem(adapters._ADAPTERS, "TinyRepeat", ("tiny", lambda m: [Block(m.block), Block(m.block)]))
+    model = TinyRepeat()
+    body = to_sequential(model)
+    assert body[0].hf_names == {"block": "block", "again": "block"}
+    state = hf_state_dict(body)
+    assert set(state) == {"block.weight", "block.bias"} and torch.equal(state["block.weight"], model.block.weight)

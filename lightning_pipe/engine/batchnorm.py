@@ -80,13 +80,19 @@ class DeferredBatchNorm(_BatchNorm):
         self._m2.zero_()
 
     @classmethod
-    def convert(cls, module: nn.Module) -> nn.Module:
+    def convert(cls, module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
         """Return ``module`` with every BatchNorm that tracks running statistics replaced by a deferred one.
 
         The new layers hold the very parameters and buffers of the replaced ones (the same tensor objects:
         ``requires_grad`` is kept and an optimizer built before converting still updates them);
-        ``SyncBatchNorm`` and BatchNorm without running statistics are left as they are.
+        ``SyncBatchNorm`` and BatchNorm without running statistics are left as they are. A BatchNorm held at
+        several places (``nn.Sequential(bn, conv, bn)``) becomes one deferred BatchNorm held at all of them
+        (``memo``: each module converted so far, by ``id``), which updates its running statistics once per
+        mini-batch from all its uses' statistics together.
         """
+        memo = {} if memo is None else memo
+        if id(module) in memo:
+            return memo[id(module)]
         if isinstance(module, _BatchNorm) and not isinstance(module, (cls, nn.SyncBatchNorm)) \
                 and module.track_running_stats:
             running_mean = module.running_mean
@@ -100,9 +106,15 @@ class DeferredBatchNorm(_BatchNorm):
             for name in ("running_mean", "running_var", "num_batches_tracked"):
                 setattr(deferred, name, getattr(module, name))
             deferred.train(module.training)
+            memo[id(module)] = deferred
             return deferred
-        for name, child in module.named_children():
-            converted = cls.convert(child)
+        memo[id(module)] = module
+        # Every place: named_children() lists a module held twice once, and would leave its second place a plain
+        # BatchNorm that moves the running statistics per micro-batch (and again in recomputation).
+        for name, child in list(module._modules.items()):
+            if child is None:
+                continue
+            converted = cls.convert(child, memo)
             if converted is not child:
                 setattr(module, name, converted)
         return module

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, Union
 
 import torch
@@ -56,9 +56,33 @@ def check_chunks(chunks: Any, what: str = "chunks") -> None:
         raise ValueError(f"{what} must be a positive integer (got: {chunks!r})")
 
 
-def check_sequential(module: Any, what: str = "module", shared: bool = False) -> None:
-    """Reject a module that is not an ``nn.Sequential`` of distinct children with unshared parameters (with
-    ``shared``, parameters may be shared between layers: ``PipeStrategy`` gives each owning process a copy)."""
+#: What to do instead of repeating a layer, for the errors that refuse it.
+REPEAT_HINT = ("give each position its own layer: copy.deepcopy(layer) for a second one with its own weights, or, to "
+               "apply the same weights twice, one position that calls it twice (nn.Sequential(layer, layer) as a "
+               "single layer, or a module whose forward calls it twice)")
+
+
+def check_repeats(named: Iterable[tuple[str, nn.Module | None]], what: str = "module", hint: str = REPEAT_HINT
+                  ) -> None:
+    """Refuse a layer found at several of the positions ``named`` (name, layer), naming them: the partitions,
+    which may put them on two stages, hold each position's layer once. Walk positions with
+    ``module._modules.items()``: ``named_children()`` and ``children()`` list a repeated layer once, and a
+    body built from them silently leaves out its second use."""
+    positions: dict[int, list[str]] = {}
+    for name, layer in named:
+        if layer is not None:
+            positions.setdefault(id(layer), []).append(name)
+    repeated = [names for names in positions.values() if len(names) > 1]
+    if repeated:
+        where = "; ".join(", ".join(map(repr, names)) for names in repeated)
+        raise ValueError(f"{what} with duplicate children is not supported (the same layer appears as: "
+                         f"{where}); {hint}")
+
+
+def check_sequential(module: Any, what: str = "module") -> None:
+    """Reject a module that is not an ``nn.Sequential`` of distinct children. Layers may share parameters: each
+    partition that uses one holds a copy kept in step (``Pipe``: :mod:`lightning_pipe.engine.tied`;
+    ``PipeStrategy``: a copy per owning process)."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"{what} must be nn.Sequential to be partitioned (got: {type(module).__name__})")
     if len(module._modules) == 0:
@@ -68,23 +92,7 @@ def check_sequential(module: Any, what: str = "module", shared: bool = False) ->
     if empty:
         raise ValueError(f"{what} has positions without a layer (names: {', '.join(map(repr, empty))}); "
                          "remove them or put a layer there")
-    positions: dict[int, list[str]] = {}
-    for name, child in module._modules.items():  # every position; children() would drop the repeats
-        positions.setdefault(id(child), []).append(name)
-    repeated = [names for names in positions.values() if len(names) > 1]
-    if repeated:
-        where = "; ".join(", ".join(map(repr, names)) for names in repeated)
-        raise ValueError(f"{what} with duplicate children is not supported (the same layer appears as: "
-                         f"{where}); give each position its own layer")
-    owner: dict[int, str] = {}
-    for name, child in module.named_children() if not shared else ():
-        for pname, p in child.named_parameters():
-            other = owner.setdefault(id(p), name)
-            if other != name:
-                raise ValueError(f"{what} shares parameters between layers, which Pipe's partitions cannot do "
-                                 f"(layers '{other}' and '{name}' share '{pname}'); untie them, keep them in one "
-                                 "layer, or train with PipeStrategy, which keeps a copy in each stage that uses "
-                                 "them and sums their gradients")
+    check_repeats(module._modules.items(), what)  # every position; children() would drop the repeats
 
 
 def check_balance(module: nn.Sequential, balance: Sequence[int] | None) -> list[int]:
@@ -215,7 +223,7 @@ no_random_layer(Partition)  # it only calls its layers, each of which is looked 
 
 def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[Partition]:
     """Cut ``module`` into consecutive partitions of ``balance`` layers, keeping the layers' names."""
-    items = list(module.named_children())
+    items = list(module._modules.items())  # every position (check_sequential refused repeats)
     partitions, start = [], 0
     for size in balance:
         partitions.append(Partition(OrderedDict(items[start:start + size])))

@@ -112,7 +112,7 @@ class Pipe(nn.Module):
                  checkpoint: str = "except_last", deferred_batch_norm: bool = False, schedule: str = "gpipe",
                  virtual_stages: int = 1) -> None:
         super().__init__()
-        check_sequential(module, shared=True)
+        check_sequential(module)
         check_chunks(chunks)
         check_checkpoint(checkpoint)
         check_schedule(schedule)

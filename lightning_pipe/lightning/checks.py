@@ -114,7 +114,7 @@ def check_model(module: pl.LightningModule, module_name: str, balance: list[int]
     body = body_of(module, module_name)
     if isinstance(body, PipelinedSequential):
         return
-    check_sequential(body, f"{type(module).__name__}.{module_name}", shared=True)  # across stages: lightning/tied.py
+    check_sequential(body, f"{type(module).__name__}.{module_name}")  # shared across stages: lightning/tied.py
     verify_skippables(body)
     if balance is not None:
         check_balance_sum(body, balance, f"{type(module).__name__}.{module_name}")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from lightning_pipe.engine.partition import check_repeats
 from lightning_pipe.models.bert import bert_layers
 from lightning_pipe.models.gpt2 import gpt2_layers
 from lightning_pipe.models.layers import HFLayer
@@ -88,6 +89,9 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
                          "in older transformers) and pass checkpoint='always' (or "
                          "'except_last') to PipeStrategy or Pipe")
     layers = adapter(model)
+    check_repeats([(str(k), layer) for k, layer in enumerate(layers)], f"the body of {type(model).__name__} (the "
+                  "layers its adapter returned)", "an adapter makes a new HFLayer for each position, even one that "
+                  "holds the same modules as another")
     names: dict[int, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         names.setdefault(id(module), name)  # a module reachable by several names: its first
@@ -97,10 +101,11 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
                             "every layer must be an HFLayer holding the model's modules")
         # A module of the adapter's own (a copy of a buffer-only module) must hold no entries: they would have no
         # name in the model's state_dict.
-        foreign = [c for c, m in layer.named_children() if id(m) not in names and m.state_dict()]
+        children = [(c, m) for c, m in layer._modules.items() if m is not None]  # a module held twice: both names
+        foreign = [c for c, m in children if id(m) not in names and m.state_dict()]
         if foreign:
             raise ValueError(f"layer {k} ({type(layer).__name__}) of {type(model).__name__}'s adapter holds modules "
                              f"with weights that are not the model's (children: {foreign}): an adapter reuses the "
                              "model's own modules")
-        layer.hf_names = {child: names[id(m)] for child, m in layer.named_children() if id(m) in names}
+        layer.hf_names = {child: names[id(m)] for child, m in children if id(m) in names}
     return nn.Sequential(*layers)

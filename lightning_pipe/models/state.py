@@ -23,7 +23,9 @@ def hf_key_map(body: nn.Sequential) -> dict[str, str]:
     """Every entry of ``body.state_dict()`` → the Hugging Face model's name for it. A layer with entries and
     no ``hf_names`` (one not made by :func:`~lightning_pipe.models.to_sequential`) is refused by name."""
     mapping: dict[str, str] = {}
-    for index, layer in body.named_children():
+    for index, layer in body._modules.items():  # every position: named_children() lists a repeated layer once
+        if layer is None:
+            continue
         names = getattr(layer, "hf_names", None)
         for key in layer.state_dict(keep_vars=True):
             child, _, rest = key.partition(".")

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.compat.sync import skip
 from lightning_pipe.engine.checkpoint import is_checkpointing, is_recomputing
-from lightning_pipe.engine.partition import Device, Partition, normalize_device
+from lightning_pipe.engine.partition import Device, Partition, check_repeats, normalize_device
 from lightning_pipe.engine.pipe import Pipe as _EnginePipe
 
 __all__ = ["Pipe", "WithDevice", "LocalRRef", "is_checkpointing", "is_recomputing", "skip"]
@@ -107,11 +107,15 @@ def layer_device(name: str, layer: nn.Module) -> torch.device | None:
 def place(module: nn.Sequential) -> tuple[list[nn.Module], list[int], list[torch.device]]:
     """The layers of ``module`` in order (child ``nn.Sequential`` s flattened, :class:`WithDevice` unwrapped and
     its module moved), the number of layers of each partition and each partition's device, by torch's rule:
-    consecutive children on one device share a partition, except on the CPU, where each child has its own."""
-    layers: list[nn.Module] = []
+    consecutive children on one device share a partition, except on the CPU, where each child has its own.
+    A layer at several positions (``nn.Sequential(lin, lin)``, also inside a flattened child) is refused, as
+    torch refused it: listing the children would keep it once and silently compute ``lin(x)``."""
+    named: list[tuple[str, nn.Module]] = []
     balance: list[int] = []
     devices: list[torch.device] = []
-    for name, child in module.named_children():
+    for name, child in module._modules.items():  # every position: named_children() drops a repeated layer
+        if child is None:
+            continue
         if isinstance(child, WithDevice):
             device = normalize_device(child.device)
             if device.type == "cuda" and not torch.cuda.is_available():
@@ -120,16 +124,20 @@ def place(module: nn.Sequential) -> tuple[list[nn.Module], list[int], list[torch
             child = child.module.to(device)
         else:
             device = normalize_device(layer_device(name, child) or torch.device("cpu"))
-        inner = list(child.children()) if isinstance(child, nn.Sequential) else [child]
+        inner = [(f"{name}.{k}", m) for k, m in child._modules.items() if m is not None] \
+            if isinstance(child, nn.Sequential) else [(name, child)]
         if not inner:
             continue  # an empty nn.Sequential passes its input on
-        layers.extend(inner)
+        named.extend(inner)
         if devices and devices[-1] == device and device.type != "cpu":
             balance[-1] += len(inner)
         else:
             balance.append(len(inner))
             devices.append(device)
-    return layers, balance, devices
+    check_repeats(named, hint="give each position its own layer: copy.deepcopy(layer) for a second one with its "
+                              "own weights, or, to apply the same weights twice, a module of your own whose forward "
+                              "calls it twice (not an nn.Sequential, which Pipe flattens into its partition)")
+    return [layer for _, layer in named], balance, devices
 
 
 class Pipe(_EnginePipe):

@@ -174,14 +174,15 @@ def verify_skippables(module: nn.Sequential) -> None:
     stashed: dict[SkipKey, str] = {}
     popped: dict[SkipKey, str] = {}
     problems: list[str] = []
-    for name, layer in module.named_children():
+    layers = list(module._modules.items())  # every position: named_children() would list a repeated layer once
+    for name, layer in layers:
         if not isinstance(layer, Skippable):
             continue
         for key in layer.poppable():
             if key in popped:
                 problems.append(f"'{name}' pops '{key[1]}' which '{popped[key]}' already pops")
             elif key not in stashed:
-                later = [n for n, m in module.named_children() if isinstance(m, Skippable) and key in m.stashable()]
+                later = [n for n, m in layers if isinstance(m, Skippable) and key in m.stashable()]
                 where = f" before '{later[0]}' stashes it" if later else " but it is not stashed"
                 problems.append(f"'{name}' pops '{key[1]}'{where}")
             popped.setdefault(key, name)
