@@ -87,7 +87,7 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
         # between any two implementations; SGD keeps them at rounding level (3e-7 after 300 steps).
         "soak-300-steps": {"devices": 3, "balance": [1, 1, 2], "samples": 400, "batch_size": 8, "epochs": 6,
                            "width": 128, "optimizer": "sgd", "lr": 0.005, "microbatches": 4, "save_every": 50,
-                           "measure_memory": [50, 300]},
+                           "measure_memory": [50, 150, 300]},
     },
     "4 processes": {
         # lightning_pipe.grad_norm logged in on_after_backward and on_before_optimizer_step reports every stage's
@@ -191,12 +191,40 @@ GROUPS["4 processes DDP"].update({
     "ddp-1f1b-bf16": {**_DDP, **_ONE_F_ONE_B, "hook": "bf16"},
     "ddp-stage-1-hook-small-buckets": {**_DDP, "hook": "stage-1", "ddp": {"bucket_cap_mb": 0.001,
                                                                            "gradient_as_bucket_view": True}},
+    # torch's fp16_compress_hook as users pass it (no state: each DDP's own group), its calls recorded in every
+    # process by a ddp_comm_wrapper; twins of the grid's except_last cases without a hook.
+    "ddp-gpipe-fp16": {**_DDP, "hook": "fp16"},
+    "ddp-1f1b-fp16": {**_DDP, **_ONE_F_ONE_B, "hook": "fp16"},
     "ddp-static-graph": {**_DDP, "ddp": {"static_graph": True}},
     "ddp-unused-parameters": {**_DDP, "rare_gate": True, "optimizer": "adamw", "samples": 64},
     "ddp-batchnorm-broadcast": {**_DDP, "batchnorm": True, "microbatches": 1, "dump_replica_state": True},
     "ddp-batchnorm-no-broadcast": {**_DDP, "batchnorm": True, "microbatches": 1, "dump_replica_state": True,
                                    "ddp": {"broadcast_buffers": False}},
 })
+
+
+# Lightning's other package: the same script against lightning.pytorch (its imports rewritten, as the binding's
+# are): the plain model's weights, 1F1B, replicas, sharded checkpoints, and checkpoints crossing packages both
+# ways (resumed from the other package's, exactly as from its own).
+GROUPS["2 processes, lightning.pytorch"] = {
+    "L-2stages-sgd": {},
+    "L-1f1b-adamw-onecycle": {"schedule": "1f1b", "last_stage_loss": True, "balance": [2, 3], "optimizer": "adamw",
+                              "scheduler": "onecycle", "epochs": 1},
+    "L-resume-from-pytorch-lightning": {**GROUPS["2 processes"]["resume-from-epoch-0"],
+                                        "resume": "../2-processes/resume-full/ckpts/epoch=0.ckpt"},
+    "L-sharded-resume-full": {**GROUPS["2 processes"]["sharded-resume-full"]},
+}
+GROUPS["4 processes, lightning.pytorch"] = {
+    "L-2replicas-accumulate": {**GROUPS["4 processes"]["2replicas-x-2stages-onecycle-accumulate"]},
+}
+GROUPS["2 processes, after lightning.pytorch"] = {
+    "resume-from-lightning-pytorch": {
+        **GROUPS["2 processes"]["resume-from-epoch-0"],
+        "resume": "../2-processes-lightning.pytorch/L-resume-from-pytorch-lightning/ckpts/epoch=1.ckpt"},
+}
+#: Groups that read what others wrote: those run first.
+NEEDS = {"2 processes, lightning.pytorch": ["2 processes"],
+         "2 processes, after lightning.pytorch": ["2 processes, lightning.pytorch"]}
 
 
 def config(case: str) -> dict[str, Any]:
@@ -218,7 +246,9 @@ class Jobs:
     def directory(self, case: str) -> Path:
         """Where ``case`` wrote its files (its job run first)."""
         group = self._group(case)
-        out = self.root / group.replace(" ", "-")
+        for needed in NEEDS.get(group, []):
+            self.directory(next(iter(GROUPS[needed])))
+        out = self.root / group.replace(",", "").replace(" ", "-")
         done, failed = out.with_suffix(".done"), out.with_suffix(".failed")
         with FileLock(str(out.with_suffix(".lock")), timeout=1200):
             if not done.exists() and not failed.exists():
@@ -226,7 +256,8 @@ class Jobs:
                 cases = {name: {**c, "timeline": str(out / name / c["timeline"])} if c.get("timeline") else c
                          for name, c in GROUPS[group].items()}
                 try:
-                    run_script("train.py", json.dumps({"cases": cases}), str(out), timeout=900)
+                    env = {"LP_TEST_PACKAGE": "lightning.pytorch"} if group.endswith(", lightning.pytorch") else None
+                    run_script("train.py", json.dumps({"cases": cases}), str(out), timeout=900, env=env)
                 except AssertionError as exc:
                     failed.write_text(str(exc))
                 else:

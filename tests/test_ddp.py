@@ -14,6 +14,7 @@ import pytest
 import torch
 from jobs import GROUPS
 from jobs import config as case_config
+from scripts import train as script
 from strategy_utils import assert_same_weights, run_script
 from test_strategy import load, plain_weights
 
@@ -63,6 +64,40 @@ def test_bf16_compression_hook_trains_within_bf16s_precision(schedule, jobs, tmp
     expected = plain_weights(config, tmp_path / "plain")
     assert_same_weights(piped, expected, rtol=2e-2, atol=2e-3)
     assert max((piped[k] - expected[k]).abs().max().item() for k in expected) > 1e-6
+
+
+def largest(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference between two models' weights."""
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fp16_compression_runs_in_every_process_and_trains_within_fp16s_rounding(schedule, jobs, tmp_path):
+    """Issue 31 reported ``ddp_comm_hook=default_hooks.fp16_compress_hook`` (no state) on 2 replicas x 2 stages
+    running on one replica only, its job dying in the first backward with gloo's "Received data size doesn't
+    match expected size (144 vs 72)": one replica's float32 buckets met the other's float16 ones. Each process
+    records the hook's calls (a ddp_comm_wrapper around torch's own hook): all 4 run it, on each of their DDPs
+    once per step. The weights differ from the plain model's by fp16's rounding of the averaged gradients: far
+    more than the same run without the hook (float32 alone, ~1e-7 of how far training moved them), and within
+    2^-10 of that distance (fp16 keeps 11 significant bits: 2^-11 per rounding; measured ~1.2e-4)."""
+    name = f"ddp-{schedule}-fp16"
+    config = case_config(name)
+    out = jobs.directory(name)
+    steps = jobs.result(name)["global_step"]
+    calls = hook_calls(out)
+    assert len(calls) == 4, calls.keys()  # every process: 2 stages x 2 replicas
+    reductions = {pid: sum(last for _, last, _ in c) for pid, c in calls.items()}
+    ddps = 4 + (2 if schedule == "gpipe" else 0)  # under GPipe, the drivers' head has a DDP of its own
+    assert sum(reductions.values()) == steps * ddps, reductions
+    assert all(r in (steps, 2 * steps) for r in reductions.values()), reductions
+    plain = plain_weights(config, tmp_path / "plain")
+    initial = script.Model(config).state_dict()  # the seed makes the same initial weights
+    moved = largest(plain, initial)
+    gap = largest(load(out / "final.ckpt"), plain)
+    float32 = largest(load(jobs.directory(f"ddp-{schedule}-except_last-no-hook") / "final.ckpt"), plain)
+    assert gap > 100 * float32, (gap, float32)
+    assert 2**-16 * moved < gap <= 2**-10 * moved, (gap, moved)
 
 
 @pytest.mark.timeout(900)

@@ -153,7 +153,10 @@ def test_anomaly_detection_reaches_the_stage_that_makes_a_nan(tmp_path):
 @pytest.mark.timeout(900)
 def test_soak_300_steps_same_weights_and_no_growth(tmp_path, jobs):
     """300 steps of a 3-stage pipeline with a checkpoint every 50: the plain run's weights, nothing kept
-    between steps in any process, and resident memory flat from step 50 to step 300."""
+    between steps in any process, and resident memory flat over the second half (steps 150 to 300), once
+    allocators and caches have settled: it grew 0.2-0.4 MiB there per process. A planted leak of one step's
+    activations (32 KB a step: 8 KB kept per micro-batch's forward) grew it 5.2-5.9 MiB there and fails the
+    2 MiB bound; the former bound, 20 MiB from step 50 to 300, let it pass (9.0-10.7 MiB)."""
     import torch
     from jobs import config as case_config
     from scripts import train as script
@@ -164,11 +167,11 @@ def test_soak_300_steps_same_weights_and_no_growth(tmp_path, jobs):
     assert result["global_step"] == 300
     assert len(list((out / "ckpts").glob("step=*.ckpt"))) == 6
     memory = json.loads((out / "memory.json").read_text())
-    early, late = memory["50"], memory["300"]
-    assert len(early) == len(late) == 3  # every process of the pipeline answered
-    for stage, (a, b) in enumerate(zip(early, late)):
+    half, late = memory["150"], memory["300"]
+    assert len(half) == len(late) == 3  # every process of the pipeline answered
+    for stage, (a, b) in enumerate(zip(half, late)):
         assert b["saved"] == b["mailbox"] == b["seeds"] == 0, (stage, b)  # nothing left over from any step
-        assert b["rss"] - a["rss"] < 20 * 2**20, (stage, a["rss"], b["rss"])  # under 20 MiB in 250 steps
+        assert b["rss"] - a["rss"] < 2 * 2**20, (stage, a["rss"], b["rss"])  # under 2 MiB in 150 steps
     expected = script.main({**config, "measure_memory": None, "save_every": None}, str(tmp_path / "plain"),
                            plain=True)
     loaded = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu")

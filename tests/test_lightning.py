@@ -8,13 +8,15 @@ import re
 import pytest
 import torch
 from scripts import train as script
-from strategy_utils import assert_same_weights, run_script
+from strategy_utils import REPO, assert_same_weights, run_script
+from test_strategy import plain_weights
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("accelerator", [
     "cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_fit_validate_test_predict_in_one_script(accelerator, tmp_path, jobs):
+    plain_dir = tmp_path / "plain"
     if accelerator == "cpu":  # in the shared job of 4 processes (tests/jobs.py)
         tmp_path = jobs.directory("phases")
     else:
@@ -29,13 +31,22 @@ def test_fit_validate_test_predict_in_one_script(accelerator, tmp_path, jobs):
     # Validation and test losses are means over both replicas' halves of the data: the whole set's loss.
     assert out["validate"][0]["val_loss"] == pytest.approx(loss, rel=1e-5)
     assert out["test"][0]["test_loss"] == pytest.approx(loss, rel=1e-5)
-    # A torchmetrics metric logged with sync_dist was computed over both replicas.
-    assert "train_mse" in out["fit"] and out["fit"]["train_mse"] > 0
+    # A torchmetrics metric logged per epoch was computed over both replicas' updates: the last epoch's mean
+    # squared error over every sample, as one device training on the global batches computed it.
+    if accelerator == "cpu":
+        plain_config = {"log_metric": True, "validate": True, "epochs": 2, "samples": 32, "batch_size": 4,
+                        "devices": 4, "microbatches": 2}
+        plain_weights(plain_config, plain_dir)
+        plain = json.loads((plain_dir / "result.json").read_text())["metrics"]
+        assert out["fit"]["train_mse"] == pytest.approx(plain["train_mse"], rel=1e-5)
     # Replica 0 predicts its share of the samples (every other one), through the pipeline.
     torch.testing.assert_close(out["predict"], full[0::2], rtol=1e-5, atol=1e-6)
-    # ModelCheckpoint(monitor=..., save_top_k=1) recorded a best model (the drivers agree on every decision).
-    assert out["best"].endswith(".ckpt") and out["best_score"] > 0
-    script.Model.load_from_checkpoint(out["best"], map_location="cpu")
+    # ModelCheckpoint(monitor=..., save_top_k=1) recorded a best model (the drivers agree on every decision), whose
+    # score is its validation loss over the whole set (both replicas' halves).
+    assert out["best"].endswith(".ckpt")
+    best = script.Model.load_from_checkpoint(out["best"], map_location="cpu").eval()
+    with torch.no_grad():
+        assert out["best_score"] == pytest.approx(torch.nn.functional.mse_loss(best(x), y).item(), rel=1e-5)
     # rpc_save_model gave the save function the whole unpipelined model, with every stage's weights.
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     for name, value in model.state_dict().items():
@@ -84,7 +95,17 @@ def test_strategy_by_name_infers_the_balance(tmp_path):
                         timeout=240)
     found = re.search(r"inferred balance \[(\d+), (\d+)\] \(balance_by_size\)", result.stdout)
     assert found, result.stdout[-3000:]
-    assert int(found[1]) + int(found[2]) == 8 and int(found[1]) > 0 and int(found[2]) > 0
+    # What balance_by_size gives for the example's body and example input, with the strategy's default chunks.
+    import importlib.util
+
+    from lightning_pipe.balance import balance_by_size
+
+    spec = importlib.util.spec_from_file_location("mlp_example", REPO / "examples" / "mlp.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.MLP(features=32, width=128, depth=8)
+    expected = balance_by_size(2, model.sequential_module, model.example_input_array, chunks=8)
+    assert [int(found[1]), int(found[2])] == expected, (found[0], expected)
     (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     assert torch.load(ckpt, weights_only=False)["global_step"] == 2
 
@@ -111,6 +132,7 @@ def test_torchrun_launch_trains_the_same_weights_as_lightnings_launcher(tmp_path
     a = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu")
     b = script.Model.load_from_checkpoint(jobs.directory("torchrun-reference") / "final.ckpt", map_location="cpu")
     assert_same_weights(a.state_dict(), b.state_dict(), rtol=0, atol=0)
+    assert_same_weights(b.state_dict(), plain_weights(config, tmp_path / "plain"))  # and both are one device's
 
 
 @pytest.mark.timeout(180)

@@ -128,12 +128,15 @@ def test_every_schedule_with_the_loss_on_the_last_stage_trains_the_plain_models_
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b"])
 def test_every_schedule_resumes_exactly_and_scales_fp16_losses(schedule, jobs, tmp_path):
-    """Resuming from an epoch's checkpoint continues exactly. Under 16-mixed, the gradient scaler's scale
-    reaches the loss on the last stage: schedules that run their backwards ahead of Lightning's scale them
-    with it (float16 gradients neither underflow nor overflow otherwise than GPipe's, whose backward waits
-    for the scaled loss), so they skip the same steps and end with GPipe's scale and weights; GPipe with one
-    micro-batch ends with one device's."""
+    """Resuming from an epoch's checkpoint continues exactly, and the uninterrupted run is one device's. Under
+    16-mixed, the gradient scaler's scale reaches the loss on the last stage: schedules that run their backwards
+    ahead of Lightning's scale them with it (float16 gradients neither underflow nor overflow otherwise than
+    GPipe's, whose backward waits for the scaled loss), so they skip the same steps and end with GPipe's scale
+    and weights; GPipe with one micro-batch ends with one device's. With several micro-batches, one device
+    training on the whole batch ends elsewhere (its whole-batch gradients overflow at other scales, so it skips
+    other steps): one device accumulating over batches of a micro-batch's size is their reference."""
     full = load(jobs.directory(f"{schedule}-resume-full") / "final.ckpt")
+    assert_same_weights(full, plain_weights(case_config(f"{schedule}-resume-full"), tmp_path / "plain-resume"))
     assert_same_weights(load(jobs.directory(f"{schedule}-resume-from-epoch-0") / "final.ckpt"), full,
                         rtol=1e-6, atol=1e-7)
     if schedule == "gpipe":
@@ -147,6 +150,15 @@ def test_every_schedule_resumes_exactly_and_scales_fp16_losses(schedule, jobs, t
     piped = torch.load(jobs.directory(name) / "final.ckpt", weights_only=False)
     assert_same_weights(piped["state_dict"], reference)
     assert piped["MixedPrecision"]["scale"] == other["MixedPrecision"]["scale"] != 2.0**20
+    if schedule != "gpipe":
+        # Several micro-batches under fp16 are one device's weights when that device computes what they compute:
+        # each micro-batch's backward in float16 at the scaler's scale over the micro-batches' count, the scaler's
+        # check on their sum (Lightning's accumulation over batches of a micro-batch's size).
+        config = case_config(name)
+        m = config.get("microbatches", 4)
+        accumulated = {**config, "batch_size": config.get("batch_size", 8) // m,
+                       "accumulate": config.get("accumulate", 1) * m}
+        assert_same_weights(piped["state_dict"], plain_weights(accumulated, tmp_path / "plain-fp16"))
 
 
 @pytest.mark.timeout(900)
@@ -203,10 +215,12 @@ def test_checkpoint_holds_the_plain_optimizer_state(optimizer, jobs, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_resume_continues_exactly(jobs):
-    """Stop after epoch 1, resume from its checkpoint: the same weights as the uninterrupted run."""
+def test_resume_continues_exactly(jobs, tmp_path):
+    """Stop after epoch 1, resume from its checkpoint: the same weights as the uninterrupted run, which are one
+    device's."""
     assert jobs.result("resume-from-epoch-0")["global_step"] == 24
     full = load(jobs.directory("resume-full") / "final.ckpt")
+    assert_same_weights(full, plain_weights(case_config("resume-full"), tmp_path / "plain"))
     again = load(jobs.directory("resume-from-epoch-0") / "final.ckpt")
     assert_same_weights(again, full, rtol=1e-6, atol=1e-7)
     first = load(jobs.directory("resume-full") / "ckpts" / "epoch=0.ckpt")
@@ -231,6 +245,7 @@ def test_a_sharded_checkpoint_is_written_per_process_resumes_at_any_balance_and_
     assert sorted(stage1["state_dict"]) == sorted(f"sequential_module.{i}.0.{p}" for i in (2, 3)
                                                   for p in ("weight", "bias"))  # stage 1's entries only
     full = load(jobs.directory("sharded-resume-full") / "final.ckpt")
+    assert_same_weights(full, plain_weights(case_config("sharded-resume-full"), tmp_path / "plain"))
     for resumed in ("sharded-resume-from-epoch-0", "sharded-resharded-from-epoch-0"):
         assert jobs.result(resumed)["global_step"] == 16
         assert_same_weights(load(jobs.directory(resumed) / "final.ckpt"), full, rtol=1e-6, atol=1e-7)

@@ -3,6 +3,10 @@
     python train.py '{"devices": 2, "balance": [2, 2], ...}' OUT_DIR
 
 writes OUT_DIR/final.ckpt (the consolidated checkpoint) and OUT_DIR/result.json from the main process.
+
+Written against ``pytorch_lightning``; with ``LP_TEST_PACKAGE=lightning.pytorch`` in the environment (inherited by
+the processes Lightning starts) the same script runs against ``lightning.pytorch``, its imports rewritten as
+``lightning_pipe.packages`` rewrites the binding's.
 """
 
 from __future__ import annotations
@@ -11,6 +15,16 @@ import json
 import os
 import sys
 from typing import Any
+
+if (__name__ == "__main__" and os.environ.get("LP_TEST_PACKAGE") == "lightning.pytorch"
+        and not globals().get("_REWRITTEN")):
+    from pathlib import Path
+
+    from lightning_pipe.packages import rewrite
+
+    _REWRITTEN = True
+    exec(compile(rewrite(Path(__file__).read_text()), __file__, "exec"), globals())  # noqa: S102
+    raise SystemExit(0)
 
 import pytorch_lightning as pl
 import torch
@@ -111,6 +125,25 @@ def record_hook(state: HookLog, bucket):  # type: ignore[no-untyped-def] # noqa:
     return default_hooks.allreduce_hook(state.process_group, bucket)
 
 
+class CallLog:
+    """A ``ddp_comm_wrapper`` that records each call of the hook it wraps as :func:`record_hook` does (a line per
+    call in a file per process), leaving the hook and its state as given: torch's ``fp16_compress_hook`` with no
+    state, whose group PipeStrategy puts there."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, hook: Any) -> Any:
+        directory = self.directory
+
+        def recorded(state, bucket):  # type: ignore[no-untyped-def] # noqa: ANN001, ANN202 - see record_hook
+            with open(os.path.join(directory, f"{os.getpid()}.log"), "a") as f:
+                f.write(f"{bucket.index()} {int(bucket.is_last())} {bucket.buffer().numel()}\n")
+            return hook(state, bucket)
+
+        return recorded
+
+
 def bf16_hook(process_group: Any, bucket):  # type: ignore[no-untyped-def] # noqa: ANN001
     """torch's bf16 compression hook, the very function ``bf16_compress_hook`` calls: torch registers that one
     by name only on CUDA builds with NCCL."""
@@ -182,7 +215,9 @@ class Model(pl.LightningModule):
             loss = nn.functional.mse_loss(out, y)
             if self.config["log_metric"]:
                 self.metric(out, y)
-                self.log("train_mse", self.metric, sync_dist=True)
+                # Per epoch: torchmetrics computes it over every replica's updates (a step's value is the
+                # process's own batch alone, sync_dist or not).
+                self.log("train_mse", self.metric, on_step=False, on_epoch=True)
         if self.config["log_metric"]:
             self.log("train_loss", loss, sync_dist=True)
         if not self.automatic_optimization and self.config["optimizer"] == "two":
@@ -374,6 +409,11 @@ def ddp_arguments(config: dict[str, Any], out: str) -> dict[str, Any]:
 
         kwargs.update(ddp_comm_hook=powersgd.powerSGD_hook, ddp_comm_state=powersgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=3))
+    elif config["hook"] == "fp16":  # torch's fp16 compression as users pass it, each call recorded per process
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        os.makedirs(hooks, exist_ok=True)
+        kwargs.update(ddp_comm_hook=default_hooks.fp16_compress_hook, ddp_comm_wrapper=CallLog(hooks))
     elif config["hook"] == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -505,7 +545,8 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
     if trainer.is_global_zero:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "lr": model.lr,
-                       "route": route, "stages": stats,
+                       "route": route, "stages": stats, "trainer": type(trainer).__module__,
+                       "strategy": type(trainer.strategy).__module__,
                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
     if config["dump_replica_state"] and not plain:  # every stage's weights and buffers, as each replica has them
         torch.save(model.state_dict(), os.path.join(out, f"state_replica{trainer.global_rank}.pt"))
