@@ -53,22 +53,32 @@ def test_replicas_averaged_by_ddp_train_the_plain_models_weights(name, jobs, tmp
     assert {index for c in calls.values() for index, _, _ in c} == {0}  # default bucket_cap_mb: one bucket
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_bf16_compression_hook_trains_within_bf16s_precision(schedule, jobs, tmp_path):
-    """torch's bf16_compress_hook: the plain model's weights within bfloat16's precision, and not within
-    float32's (the gradients did travel as bfloat16)."""
-    name = f"ddp-{schedule}-bf16"
-    config = case_config(name)
-    piped = load(jobs.directory(name) / "final.ckpt")
-    expected = plain_weights(config, tmp_path / "plain")
-    assert_same_weights(piped, expected, rtol=2e-2, atol=2e-3)
-    assert max((piped[k] - expected[k]).abs().max().item() for k in expected) > 1e-6
-
-
 def largest(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest difference between two models' weights."""
     return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def compression_gap(name: str, schedule: str, jobs, tmp_path) -> tuple[float, float, float]:  # noqa: ANN001
+    """Case ``name``'s gap to the plain model's weights, how far training moved them, and the gap of its twin
+    without a hook (float32 alone)."""
+    config = case_config(name)
+    plain = plain_weights(config, tmp_path / "plain")
+    moved = largest(plain, script.Model(config).state_dict())  # the seed makes the same initial weights
+    gap = largest(load(jobs.directory(name) / "final.ckpt"), plain)
+    float32 = largest(load(jobs.directory(f"ddp-{schedule}-except_last-no-hook") / "final.ckpt"), plain)
+    return gap, moved, float32
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_bf16_compression_hook_trains_within_bf16s_precision(schedule, jobs, tmp_path):
+    """torch's bf16_compress_hook: the gradients travel as bfloat16 (8 significant bits: 2^-8 per rounding), so
+    the weights differ from the plain model's far more than without the hook (float32 alone) and within 2^-7 of
+    how far training moved them (measured ~1e-3 of it). The former bound, rtol 2e-2 / atol 2e-3, allowed 50-70%
+    of an update."""
+    gap, moved, float32 = compression_gap(f"ddp-{schedule}-bf16", schedule, jobs, tmp_path)
+    assert gap > 100 * float32, (gap, float32)
+    assert 2**-14 * moved < gap <= 2**-7 * moved, (gap, moved)
 
 
 @pytest.mark.timeout(900)
@@ -82,7 +92,6 @@ def test_fp16_compression_runs_in_every_process_and_trains_within_fp16s_rounding
     more than the same run without the hook (float32 alone, ~1e-7 of how far training moved them), and within
     2^-10 of that distance (fp16 keeps 11 significant bits: 2^-11 per rounding; measured ~1.2e-4)."""
     name = f"ddp-{schedule}-fp16"
-    config = case_config(name)
     out = jobs.directory(name)
     steps = jobs.result(name)["global_step"]
     calls = hook_calls(out)
@@ -91,11 +100,7 @@ def test_fp16_compression_runs_in_every_process_and_trains_within_fp16s_rounding
     ddps = 4 + (2 if schedule == "gpipe" else 0)  # under GPipe, the drivers' head has a DDP of its own
     assert sum(reductions.values()) == steps * ddps, reductions
     assert all(r in (steps, 2 * steps) for r in reductions.values()), reductions
-    plain = plain_weights(config, tmp_path / "plain")
-    initial = script.Model(config).state_dict()  # the seed makes the same initial weights
-    moved = largest(plain, initial)
-    gap = largest(load(out / "final.ckpt"), plain)
-    float32 = largest(load(jobs.directory(f"ddp-{schedule}-except_last-no-hook") / "final.ckpt"), plain)
+    gap, moved, float32 = compression_gap(name, schedule, jobs, tmp_path)
     assert gap > 100 * float32, (gap, float32)
     assert 2**-16 * moved < gap <= 2**-10 * moved, (gap, moved)
 
