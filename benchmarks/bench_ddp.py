@@ -128,7 +128,7 @@ class TimedPipe(PipeStrategy):
 
 def child(args: argparse.Namespace) -> None:
     """One training run (this process and the 3 Lightning starts): the run's records go to ``args.out``."""
-    import pytorch_lightning as pl
+    import lightning.pytorch as pl
 
     from lightning_pipe.transport import dataparallel
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-import pytorch_lightning as pl
+import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

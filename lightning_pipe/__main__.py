@@ -66,9 +66,9 @@ def consolidate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
                      f"{os.path.join(args.output, 'model.ckpt')}")
     if not os.path.isdir(os.path.dirname(output)):
         parser.error(f"the folder of {args.output} does not exist: create {os.path.dirname(output)} first")
-    from lightning_pipe.lightning.sharded import consolidate_checkpoint
+    from lightning_pipe import packages
 
-    consolidate_checkpoint(args.directory, args.output)
+    packages.binding().consolidate_checkpoint(args.directory, args.output)  # whichever Lightning is installed
     print(f"wrote {args.output}")
 
 

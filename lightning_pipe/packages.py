@@ -193,7 +193,7 @@ def tree_of_program(namespace: dict[str, Any] | None = None) -> str:
     asked = tree_of_namespace(namespace) if namespace is not None else None
     if asked is not None:
         return asked
-    loaded = [tree for tree in TREES if tree in sys.modules]
+    loaded = [tree for tree in TREES if sys.modules.get(tree) is not None]
     if len(loaded) == 1:
         return loaded[0]
     if _installed("lightning.pytorch"):

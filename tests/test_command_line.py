@@ -124,9 +124,20 @@ def test_the_python_function_refuses_as_the_command_does(checkpoints):
         consolidate_checkpoint(str(root / "full.ckpt"), str(root / "out.ckpt"))
 
 
-def test_consolidate_writes_the_one_file_checkpoint(checkpoints):
+@pytest.mark.parametrize("without", [None, "pytorch_lightning", "lightning"])
+def test_consolidate_writes_the_one_file_checkpoint(without, checkpoints):
+    """With both of Lightning's packages installed, and with either one alone (the other made unimportable):
+    ``pip install lightning_pipe`` brings ``lightning`` only."""
     root, folder, model = checkpoints
-    result = command("consolidate", folder / "last.ckpt", root / "out.ckpt")
+    if without is None:
+        result = command("consolidate", folder / "last.ckpt", root / "out.ckpt")
+    else:
+        blocked = [without, "lightning_fabric"] if without == "pytorch_lightning" else [without]
+        code = (f"import runpy, sys\nsys.modules.update(dict.fromkeys({blocked!r}))\n"
+                f"sys.argv = ['lightning_pipe', 'consolidate', {str(folder / 'last.ckpt')!r}, "
+                f"{str(root / 'out.ckpt')!r}]\n"
+                "runpy.run_module('lightning_pipe', run_name='__main__')\n")
+        result = run_command([sys.executable, "-c", code], timeout=120, expect_ok=False, name="consolidate")
     assert result.returncode == 0 and f"wrote {root / 'out.ckpt'}" in result.stdout, result.stdout
     written = torch.load(root / "out.ckpt", weights_only=True)
     assert written["global_step"] == 4
