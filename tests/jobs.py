@@ -197,6 +197,11 @@ GROUPS["4 processes DDP"].update({
     "ddp-1f1b-fp16": {**_DDP, **_ONE_F_ONE_B, "hook": "fp16"},
     "ddp-static-graph": {**_DDP, "ddp": {"static_graph": True}},
     "ddp-unused-parameters": {**_DDP, "rare_gate": True, "optimizer": "adamw", "samples": 64},
+    # Stage 0 is the gate alone: in most steps no replica uses it, in a few one replica does and the other's
+    # stage 0 runs no backward at all (its output needs no gradient) but must join the reduction.
+    "ddp-idle-stage-gpipe": {**_DDP, "rare_gate": "layer", "optimizer": "adamw", "samples": 64, "balance": [1, 4]},
+    "ddp-idle-stage-1f1b": {**_DDP, **_ONE_F_ONE_B, "rare_gate": "layer", "optimizer": "adamw", "samples": 64,
+                            "balance": [1, 5]},
     "ddp-batchnorm-broadcast": {**_DDP, "batchnorm": True, "microbatches": 1, "dump_replica_state": True},
     "ddp-batchnorm-no-broadcast": {**_DDP, "batchnorm": True, "microbatches": 1, "dump_replica_state": True,
                                    "ddp": {"broadcast_buffers": False}},

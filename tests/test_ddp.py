@@ -160,6 +160,22 @@ def test_parameters_unused_on_some_replicas_or_on_all(jobs, tmp_path):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_unused_on_one_replica_joins_the_others_reduction(schedule, jobs, tmp_path):
+    """A stage whose every parameter goes unused on one replica's batch (a gate used by 2 of 64 samples, alone in
+    stage 0) ran no backward there, and its reduction left the other replica waiting until the step timed out.
+    It joins with zeros, as a DDP rank does for an unused parameter: one device's weights; the parameter no
+    replica uses keeps no gradient (AdamW's weight decay leaves it as it was)."""
+    name = f"ddp-idle-stage-{schedule}"
+    piped = load(jobs.directory(name) / "final.ckpt")
+    assert_same_weights(piped, plain_weights(case_config(name), tmp_path / "plain"))
+    never = next(v for k, v in piped.items() if k.endswith(".never"))
+    rare = next(v for k, v in piped.items() if k.endswith(".rare"))
+    assert torch.equal(never, torch.full_like(never, 0.2))
+    assert not torch.allclose(rare, torch.full_like(rare, 0.1))
+
+
+@pytest.mark.timeout(900)
 def test_batchnorm_buffers_follow_replica_0_as_under_lightnings_ddp(jobs, tmp_path):
     """BatchNorm in both stages, one micro-batch: every replica's weights and buffers (running statistics) equal
     those Lightning's DDPStrategy gives the same replica of the plain model, with broadcast_buffers (replica 1

@@ -109,6 +109,7 @@ class ReplicatedStage:
         self.local = False  # gradients accumulated here since the last reduction (no_sync, or one replica's own)
         self.reductions = 0  # reductions finished (static_graph: the first flushes at its end)
         self._prepared = False  # static_graph: prepared at the step's first backward
+        self._unreached: list[Tensor] = []  # trainable parameters without a gradient when the reduction started
 
     # ------------------------------------------------------------------ waiting for it
     def settle(self) -> None:
@@ -145,6 +146,10 @@ class ReplicatedStage:
         if self._prepared:
             return
         self.reducer._rebuild_buckets()  # a collective the first time buckets are rebuilt in gradient order
+        # Without a gradient until now: where the average comes back exactly zero, no replica used the parameter
+        # (an idle replica's zeros count as used to DDP), and it keeps none, as DDP leaves a parameter no rank used.
+        self._unreached = [p for p in self.stage.partition.parameters()
+                           if p.requires_grad and p.grad is None] if self.find_unused else []
         self.reducer.prepare_for_forward()
         self.reducer.prepare_for_backward(list(outputs) if self.find_unused else [])
         self._prepared = True
@@ -152,6 +157,10 @@ class ReplicatedStage:
     def _finish(self) -> None:
         if self.static and self.reductions == 0:
             self.reducer._delay_all_reduce()  # DDP's first static iteration: every bucket at once
+        for p in self._unreached:
+            if p.grad is not None and not bool(p.grad.any()):
+                p.grad = None
+        self._unreached = []
         self._prepared = False
         self.local = False
         self.reductions += 1
@@ -209,12 +218,17 @@ class ReplicatedStage:
         extra = extra or {}
         grads = {p: extra[p] if p in extra else torch.zeros((), dtype=p.grad.dtype, device=p.grad.device).expand_as(p)
                  for p in params if p in extra or p.grad is not None}
+        # This replica's step reached none of the stage's parameters (a stage whose every parameter went unused
+        # on its batch): it still joins the other replicas' reduction, contributing zeros, as a DDP rank does for
+        # a parameter unused there; one that no replica used keeps no gradient (``_finish``), as under DDP.
+        if not grads:
+            grads = {p: torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p) for p in params}
         recorder = self.stage.recorder
 
         def job() -> None:
             start = time.time()
             if not grads:
-                return  # nothing to average (as under DDP, a backward that reached no parameter)
+                return  # the stage trains nothing (frozen on every replica alike)
             with torch.enable_grad():  # queued from a backward (a commit), where grad mode is off
                 root = _Into.apply(list(grads.values()), *grads)
                 self._prepare([root])
@@ -317,6 +331,7 @@ class StepAverages:
         self.reducing, self.reduce = reducing, reduce
         self.produced = {s: stage.produced for s, stage in averages.stages.items()}
         self.unreduced: set[int] = set()  # produced gradients after (or without) their stage's reduction
+        self.reduced: set[int] = set()  # averaged by their last backward
         self.started: set[tuple[str, int]] = set()
 
     def forward(self, s: int, grad: bool) -> None:
@@ -339,6 +354,8 @@ class StepAverages:
         stage = self.averages.stages[s]
         done = stage.produced
         yield last
+        if last is not None and last.used:
+            self.reduced.add(s)
         if stage.produced != done:
             if last is not None and last.used:
                 self.unreduced.discard(s)
@@ -346,8 +363,13 @@ class StepAverages:
                 self.unreduced.add(s)
 
     def finish(self) -> None:
-        """Every action ran: a stage whose gradients its last backward did not average has them averaged now."""
-        for s in sorted(self.unreduced & self.reducing.keys()):
+        """Every action ran: a stage whose gradients its last backward did not average has them averaged now; so
+        does a stage whose backwards here produced none (its parameters unused on this replica's batch): every
+        replica of a stage joins each reduction, as every rank of a DDP does. (Under ``static_graph`` the reducer
+        counts every backward's hooks itself, and a stage cannot sit a step out.)"""
+        idle = {s for s, replica in self.reducing.items() if ("B", s) in self.started and not replica.static
+                and s not in self.reduced and self.averages.stages[s].produced == self.produced[s]}
+        for s in sorted((self.unreduced & self.reducing.keys()) | idle):
             self.reducing[s].reduce_now(run=self.run)
 
     def close(self, keep: Callable[[Stage], None] | None) -> None:

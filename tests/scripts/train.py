@@ -166,9 +166,11 @@ def make_body(config: dict[str, Any]) -> nn.Sequential:
             block.append(Rotate(width))
         if config["dropout"] and i % 2:
             block.append(nn.Dropout(config["dropout"]))
-        if config["rare_gate"] and i == 0:  # on the input itself, whose first feature is rarely above 1.9
+        if config["rare_gate"] is True and i == 0:  # on the input itself, whose first feature is rarely above 1.9
             block.insert(0, RareGate(width))
         layers.append(nn.Sequential(*block))
+    if config["rare_gate"] == "layer":  # a layer of its own (with balance [1, ...], a stage of its own)
+        layers.insert(0, RareGate(width))
     return nn.Sequential(*layers)
 
 
