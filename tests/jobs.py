@@ -104,6 +104,10 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
                                "save_initial": True, "epochs": 1},
         # fit, validate, test and predict in one script, and later Trainers taking over the pipeline.
         "phases": {"script": "phases"},
+        # A sharded checkpoint of one replica resumed by two: each process of each replica reads its own entries.
+        "sharded-2replicas-from-epoch-0": {"devices": 4, "batch_size": 4, "state_dict_type": "sharded",
+                                           "optimizer": "adamw", "scheduler": "step", "epochs": 2,
+                                           "resume": "../2-processes/sharded-resume-full/ckpts/epoch=0.ckpt"},
     },
 }
 
@@ -228,7 +232,7 @@ GROUPS["2 processes, after lightning.pytorch"] = {
         "resume": "../2-processes-lightning.pytorch/L-resume-from-pytorch-lightning/ckpts/epoch=1.ckpt"},
 }
 #: Groups that read what others wrote: those run first.
-NEEDS = {"2 processes, lightning.pytorch": ["2 processes"],
+NEEDS = {"4 processes": ["2 processes"], "2 processes, lightning.pytorch": ["2 processes"],
          "2 processes, after lightning.pytorch": ["2 processes, lightning.pytorch"]}
 
 

@@ -27,7 +27,7 @@ def command(*args: str, cwd=REPO) -> subprocess.CompletedProcess[str]:
                               'PipeStrategy(timeline="trace.json")', "bubble fraction", "--last N",
                               "example:\n  python -m lightning_pipe timeline trace.json timeline.png"]),
     (["consolidate", "--help"], ["usage: python -m lightning_pipe consolidate [-h] DIR FILE",
-                                 'PipeStrategy(state_dict_type="sharded")', "meta.pt", "load_from_checkpoint",
+                                 'PipeStrategy(state_dict_type="sharded")', ".metadata", "load_from_checkpoint",
                                  "DIR ", "FILE ", "example:\n  python -m lightning_pipe consolidate "]),
 ])
 def test_every_command_helps(args, says):
@@ -75,8 +75,10 @@ def checkpoints(tmp_path):
         sharded.save({"state_dict": model.state_dict(), "epoch": 0, "global_step": 4, "optimizer_states": []},
                      str(folder / name), hosts=None, optimizers=[])
     (folder / "epoch=1-step=8.ckpt.partial-123").mkdir()
-    (folder / "epoch=1-step=8.ckpt.partial-123" / "stage-00000.pt").write_bytes(b"")
+    (folder / "epoch=1-step=8.ckpt.partial-123" / "__0_0.distcp").write_bytes(b"")
     torch.save({"state_dict": model.state_dict()}, tmp_path / "full.ckpt")
+    (folder / "old.ckpt").mkdir()  # lightning_pipe's first sharded format
+    torch.save({"lightning_pipe": {"format": "lightning_pipe.sharded", "version": 1}}, folder / "old.ckpt" / "meta.pt")
     return tmp_path, folder, model
 
 
@@ -84,15 +86,22 @@ def checkpoints(tmp_path):
     ("full.ckpt", ["full.ckpt is a file, not a directory", "needs no consolidation", "load_from_checkpoint",
                    'PipeStrategy(state_dict_type="sharded")']),
     ("lightning_logs/version_0/checkpoints", [
-        "checkpoints is a folder of checkpoints, not a sharded checkpoint (no meta.pt in it): pass one of the 2",
+        "checkpoints is a folder of checkpoints, not a sharded checkpoint (no .metadata in it): pass one of the 2",
         "\n  lightning_logs/version_0/checkpoints/epoch=0-step=4.ckpt"
         "\n  lightning_logs/version_0/checkpoints/last.ckpt"]),
     (".", ["pass one of the 2 sharded checkpoints", "\n  ./lightning_logs/version_0/checkpoints/last.ckpt"]),
-    ("lightning_logs/version_0/checkpoints/last.ckpt/meta.pt",
-     ["meta.pt is a file of the sharded checkpoint", "last.ckpt: pass that directory"]),
+    ("lightning_logs/version_0/checkpoints/last.ckpt/.metadata",
+     [".metadata is a file of the sharded checkpoint", "last.ckpt: pass that directory"]),
+    ("lightning_logs/version_0/checkpoints/last.ckpt/__0_0.distcp",
+     ["__0_0.distcp is a file of the sharded checkpoint", "last.ckpt: pass that directory"]),
     ("lightning_logs/version_0/checkpoints/epoch=1-step=8.ckpt.partial-123",
-     ["has no meta.pt: it is a save that did not finish"]),
+     ["has no .metadata: it is a save that did not finish"]),
     ("missing.ckpt", ["missing.ckpt does not exist", 'PipeStrategy(state_dict_type="sharded")']),
+    ("lightning_logs/version_0/checkpoints/old.ckpt", [
+        "old.ckpt is a sharded checkpoint in lightning_pipe's earlier format (meta.pt and a stage-NNNNN.pt file",
+        "which this version no longer reads", "torch.distributed.checkpoint directories",
+        "Consolidate it with the lightning_pipe version that wrote it",
+        "(python -m lightning_pipe consolidate DIR FILE)"]),
     ("lightning_logs/version_0", []),  # found below it
 ])
 def test_consolidate_says_what_it_was_given_and_what_it_takes(given, says, checkpoints):

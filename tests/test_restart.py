@@ -151,7 +151,7 @@ def test_slurm_requeue_saves_a_complete_checkpoint_and_the_requeued_job_resumes_
     hpc = out / "hpc_ckpt_1.ckpt"
     assert sorted(p.name for p in out.glob("hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt"]
     if state_dict_type == "sharded":
-        assert sorted(os.listdir(hpc)) == ["meta.pt", "stage-00000.pt", "stage-00001.pt"]
+        assert sorted(os.listdir(hpc)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
         consolidate_checkpoint(str(hpc), str(tmp_path / "hpc.ckpt"))  # outside the job's folder
     whole = tmp_path / "hpc.ckpt" if state_dict_type == "sharded" else hpc
     checkpoint = torch.load(whole, weights_only=True)

@@ -230,20 +230,26 @@ def test_resume_continues_exactly(jobs, tmp_path):
 @pytest.mark.timeout(900)
 def test_a_sharded_checkpoint_is_written_per_process_resumes_at_any_balance_and_consolidates_to_the_full_file(
         jobs, tmp_path):
-    """state_dict_type="sharded": every process wrote its own file of each checkpoint; resuming from epoch 0's
-    at the same balance and at [1, 3] (each stage reading its own entries) ends with the uninterrupted run's
-    weights; consolidated, a checkpoint is the one-file checkpoint of the same run saved in full: the same
-    state dict, optimizer states and schedulers, bit for bit."""
+    """state_dict_type="sharded": every process wrote its own file of each checkpoint, one torch.distributed.
+    checkpoint directory; resuming from epoch 0's at the same balance and at [1, 3] (each stage reading its own
+    entries) ends with the uninterrupted run's weights; consolidated, a checkpoint is the one-file checkpoint of
+    the same run saved in full: the same state dict, optimizer states and schedulers, bit for bit."""
     import os
+
+    from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_pipe.lightning.sharded import consolidate_checkpoint
 
     directory = jobs.directory("sharded-resume-full") / "ckpts"
     assert sorted(p.name for p in directory.iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
-    assert sorted(os.listdir(directory / "epoch=0.ckpt")) == ["meta.pt", "stage-00000.pt", "stage-00001.pt"]
-    stage1 = torch.load(directory / "epoch=0.ckpt" / "stage-00001.pt", weights_only=True)
-    assert sorted(stage1["state_dict"]) == sorted(f"sequential_module.{i}.0.{p}" for i in (2, 3)
-                                                  for p in ("weight", "bias"))  # stage 1's entries only
+    assert sorted(os.listdir(directory / "epoch=0.ckpt")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    metadata = FileSystemReader(str(directory / "epoch=0.ckpt")).read_metadata()
+    stage1 = {index.fqn for index, info in metadata.storage_data.items() if info.relative_path == "__1_0.distcp"}
+    names = sorted(f"sequential_module.{i}.0.{p}" for i in (2, 3) for p in ("weight", "bias"))
+    assert sorted(k for k in stage1 if k.startswith("state_dict.")) == [f"state_dict.{n}" for n in names]
+    assert sorted(k for k in stage1 if k.startswith("optimizer.")) == [  # stage 1's entries only
+        f"optimizer.0.{n}.{key}" for n in names for key in ("exp_avg", "exp_avg_sq", "step")]
+    assert "lightning" not in stage1  # the rest of Lightning's checkpoint: the main process's
     full = load(jobs.directory("sharded-resume-full") / "final.ckpt")
     assert_same_weights(full, plain_weights(case_config("sharded-resume-full"), tmp_path / "plain"))
     for resumed in ("sharded-resume-from-epoch-0", "sharded-resharded-from-epoch-0"):
@@ -255,6 +261,51 @@ def test_a_sharded_checkpoint_is_written_per_process_resumes_at_any_balance_and_
         mine, theirs = (torch.load(p, weights_only=True) for p in (tmp_path / name, twin / name))
         for key in ("state_dict", "optimizer_states", "lr_schedulers", "epoch", "global_step"):
             torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.timeout(900)
+def test_a_sharded_checkpoint_turns_into_a_torch_file_with_dcp_and_resumes_at_another_replica_count(jobs, tmp_path):
+    """A sharded checkpoint is torch.distributed.checkpoint's: its own dcp_to_torch_save makes one file whose
+    state dict is the plain model's (loads into it, equal to the full save of the same run, bit for bit); and
+    a job of 2 replicas resumes from one saved with 1 (each process of each replica reads its own entries),
+    to the weights of one device resumed from it on the same data (the replicas' sampler shuffles: its
+    permutation, the global batch)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import lightning_pipe
+
+    directory = jobs.directory("sharded-resume-full") / "ckpts" / "epoch=1.ckpt"
+    dcp_to_torch_save(str(directory), str(tmp_path / "dcp.pt"))
+    converted = torch.load(tmp_path / "dcp.pt", weights_only=True)
+    twin = torch.load(jobs.directory("full-twin-of-sharded") / "ckpts" / "epoch=1.ckpt", weights_only=True)
+    torch.testing.assert_close(converted["state_dict"], twin["state_dict"], rtol=0, atol=0)
+    plain = script.Model(**twin["hyper_parameters"])
+    plain.load_state_dict(converted["state_dict"])  # strict: every entry of the plain model, no other
+    assert jobs.result("sharded-2replicas-from-epoch-0")["global_step"] == 16
+    epoch0 = tmp_path / "epoch=0.ckpt"
+    lightning_pipe.consolidate_checkpoint(str(directory.parent / "epoch=0.ckpt"), str(epoch0))
+    resumed = {**case_config("sharded-2replicas-from-epoch-0"), "state_dict_type": "full", "resume": str(epoch0)}
+    assert_same_weights(load(jobs.directory("sharded-2replicas-from-epoch-0") / "final.ckpt"),
+                        plain_weights(resumed, tmp_path / "plain"))
+
+
+def test_a_sharded_checkpoint_of_the_first_format_is_refused_saying_what_to_do(tmp_path):
+    """A directory of the first sharded format (meta.pt, stage-NNNNN.pt) is neither consolidated nor resumed
+    from: the message says what it is and how to convert it."""
+    from lightning_pipe.lightning.sharded import consolidate_checkpoint, is_sharded, read_meta
+
+    old = tmp_path / "epoch=0-step=8.ckpt"
+    old.mkdir()
+    torch.save({"lightning_pipe": {"format": "lightning_pipe.sharded", "version": 1}}, old / "meta.pt")
+    torch.save({"state_dict": {}, "optimizer_states": {}}, old / "stage-00000.pt")
+    assert is_sharded(str(old))  # ModelCheckpoint removes it as a directory
+    says = (r"earlier format \(meta.pt and a stage-NNNNN.pt file per process\), which this version no longer "
+            r"reads.*python -m lightning_pipe consolidate DIR FILE")
+    with pytest.raises(OSError, match=says):
+        read_meta(str(old))  # what fit(ckpt_path=DIR) reads first
+    with pytest.raises(OSError, match=says):
+        consolidate_checkpoint(str(old), str(tmp_path / "out.ckpt"))
+    assert not (tmp_path / "out.ckpt").exists()
 
 
 @pytest.mark.timeout(900)

@@ -7,8 +7,9 @@ are fetched when their turn to be written comes, so the main process never holds
 one other. Optimizer states are those of the plain model's optimizer (merged by parameter name). With a
 ``CheckpointIO`` of your own, or a remote path, the whole checkpoint is gathered first and handed to it.
 
-``state_dict_type="sharded"``: a directory, each process writing its own file (:mod:`lightning_pipe.lightning.
-sharded`); any later balance loads it, and ``consolidate_checkpoint`` turns it into the full file.
+``state_dict_type="sharded"``: a ``torch.distributed.checkpoint`` directory, each process writing its own
+entries (:mod:`lightning_pipe.lightning.sharded`); any later balance or replica count loads it, and
+``consolidate_checkpoint`` turns it into the full file.
 
 Both are written atomically (a temporary beside the target, renamed into place): a crash mid-write leaves the
 previous checkpoint intact. Loading hands each stage its own entries (from a sharded checkpoint, each stage
@@ -224,7 +225,7 @@ class PipelineCheckpoints(PipelineProcesses):
             # The body's load_state_dict hands the remote layers' entries to their stages.
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
             return
-        # Sharded: each process reads its own entries from the files that hold them, whatever split saved them.
+        # Sharded: each process reads its own entries by key, whatever split saved them.
         module, body = self.lightning_module, self._remote()
         names = list(module_state_dict(module, checks.body_of(module, self.module_name), False))
         sharded.check_names(info, names, strict)
@@ -247,7 +248,7 @@ class PipelineCheckpoints(PipelineProcesses):
             else:
                 body = self._remote()
                 futures = body.hosts.start("load_optimizer_shards", info["path"], optimizer._lp_index,
-                                           info["optimizer_index"][k], timeout=0) if body else []
+                                           timeout=0) if body else []
                 optimizer.load_state_dict(sharded.local_optimizer_state(info, k, state, optimizer))
                 for future in futures:
                     future.result()

@@ -1,17 +1,40 @@
-"""One process's part of a sharded checkpoint: its tensors and optimizer states written by name, read back by name.
+"""One process's part of a sharded checkpoint, a ``torch.distributed.checkpoint`` (DCP) directory: written by
+key, read back by key.
 
-A sharded checkpoint is a directory: one file per pipeline process (``stage-<process>.pt``, written by that
-process, in parallel), and ``meta.pt``, written last by the main process, whose index says which file holds
-each entry. Entries are named as in the plain model (``sequential_module.3.weight``), so any process of any
-later split reads the entries its layers need from whichever files hold them: a checkpoint saved at balance
-``[2, 2]`` loads at ``[1, 3]``, or into the plain model once consolidated. Files are opened with
-``mmap=True``: a process reads the pages of its own tensors, never a whole file.
+A sharded checkpoint is one DCP checkpoint: each pipeline process writes its own entries (``__<process>_0.distcp``)
+and the main process, last, DCP's ``.metadata`` for all of them. Keys are paths in a nested dict::
+
+    state_dict/<name>                 a tensor of the module's state dict, by the plain model's name
+    optimizer/<k>/<name>/<key>        optimizer k's state <key> of parameter <name> (exp_avg, step, ...)
+    lightning                         the rest of Lightning's checkpoint (bytes), written by the main process
+
+so any process of any later split reads the entries its layers need by key, whichever process wrote them: a
+checkpoint saved at balance ``[2, 2]`` loads at ``[1, 3]``, at another replica count, or into the plain model
+(``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``, or :func:`~lightning_pipe.lightning.sharded.
+consolidate_checkpoint` for Lightning's one-file format).
+
+Why no process group: DCP's collective save and load take a process group registered with ``torch.distributed``
+(``dist.get_rank(group)``, ``gather_object(dst=<global rank>)``). The processes of one pipeline cannot have one:
+each process's default group is its *stage* group (stage ``i`` of every replica, :mod:`~lightning_pipe.transport.
+session`), whose ranks are replica indices, so every process of replica 0's pipeline has default rank 0 and no
+``new_group`` can name them; a gloo group made through the world store (as :mod:`~lightning_pipe.transport.tied`
+makes one) is unregistered, and DCP's collectives refuse it. What DCP's collectives would exchange, each
+process's plan and its written files, needs no collective here: every process holds distinct keys (no resharding
+of a tensor across processes, nothing to deduplicate), so each runs DCP's save on its own (``no_dist``) into the
+shared directory under its own file prefix, and hands its part of the metadata back to the main process in the
+reply of the RPC that asked for the save (the gather); the main process merges them into the one ``.metadata``.
+Loading is DCP's own ``no_dist`` load: a process of any replica reads its own keys, independently of every other
+process (no replica waits for another, nothing is exchanged).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,73 +42,179 @@ from torch import Tensor
 
 __all__: list[str] = []
 
-#: The name of the main process's file in a sharded checkpoint directory.
-META = "meta.pt"
+#: DCP's metadata file: the last file written, and what makes a directory a sharded checkpoint.
+META = ".metadata"
+
+#: The index of lightning_pipe's first sharded format (``meta.pt`` and a ``stage-NNNNN.pt`` per process).
+LEGACY_META = "meta.pt"
 
 #: What a sharded checkpoint is, for messages about a path that is not one.
 WHAT = ('a sharded checkpoint\'s directory, as PipeStrategy(state_dict_type="sharded") writes one per save (for '
-        'example lightning_logs/version_0/checkpoints/epoch=3-step=400.ckpt/, holding meta.pt and a '
-        'stage-NNNNN.pt per process)')
+        'example lightning_logs/version_0/checkpoints/epoch=3-step=400.ckpt/, a torch.distributed.checkpoint '
+        'directory holding .metadata and a __N_0.distcp file per process)')
+
+#: The top-level keys of a sharded checkpoint's entries.
+STATE, OPTIMIZER, LIGHTNING = "state_dict", "optimizer", "lightning"
 
 
-def shard_name(process: int) -> str:
-    """The file of pipeline process ``process`` in a sharded checkpoint directory."""
-    return f"stage-{process:05d}.pt"
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """Every save and load here is a single process's on purpose (the module's docstring): without DCP's warning
+    that it is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
-def write_shard(directory: str, process: int, tensors: Mapping[str, Tensor],
-                optimizer_states: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
-    """Write one process's entries (by name) and its optimizers' per-parameter states (optimizer index ->
-    parameter name -> state) into ``directory``; return what the index needs: the file and the names in it."""
-    name = shard_name(process)
-    torch.save({"state_dict": dict(tensors), "optimizer_states": {k: dict(s) for k, s in optimizer_states.items()}},
-               os.path.join(directory, name))
-    return {"file": name, "names": list(tensors),
-            "optimizer_names": {k: list(states) for k, states in optimizer_states.items()}}
+def legacy_message(path: str) -> str:
+    """What to say of a sharded checkpoint in the first format."""
+    return (f"{path} is a sharded checkpoint in lightning_pipe's earlier format ({LEGACY_META} and a stage-NNNNN.pt "
+            "file per process), which this version no longer reads: sharded checkpoints are now "
+            "torch.distributed.checkpoint directories (.metadata and __N_0.distcp files). Consolidate it with the "
+            "lightning_pipe version that wrote it (python -m lightning_pipe consolidate DIR FILE): the one-file "
+            "checkpoint it writes resumes exactly with this version (Trainer.fit(ckpt_path=FILE)), and loads with "
+            "Model.load_from_checkpoint")
 
 
-def _by_file(index: Mapping[str, str], names: Iterable[str]) -> dict[str, list[str]]:
-    files: dict[str, list[str]] = {}
-    for name in names:
-        if name in index:
-            files.setdefault(index[name], []).append(name)
-    return files
+def is_legacy(path: Any) -> bool:
+    """Whether ``path`` is a sharded checkpoint of the first format (``meta.pt``, no DCP ``.metadata``)."""
+    return (isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, LEGACY_META))
+            and not os.path.isfile(os.path.join(path, META)))
 
 
-def read_tensors(directory: str, index: Mapping[str, str], names: Iterable[str]) -> dict[str, Tensor]:
-    """The entries ``names`` (those the index has) read from the files that hold them, each file mapped, not
-    read whole; the tensors are copies (the files may be replaced afterwards)."""
-    out: dict[str, Tensor] = {}
-    for file, wanted in _by_file(index, names).items():
-        shard = torch.load(os.path.join(directory, file), mmap=True, weights_only=True, map_location="cpu")
-        out.update({name: shard["state_dict"][name].clone() for name in wanted})
-        del shard
+def entries(tensors: Mapping[str, Tensor], optimizer_states: Mapping[int, Mapping[str, Mapping[str, Any]]],
+            rest: Any = None) -> dict[str, Any]:
+    """One process's entries of a sharded checkpoint: its tensors by name, its optimizers' per-parameter states
+    (optimizer index -> parameter name -> state) and, for the main process, ``rest`` (kept whole, as bytes:
+    DCP's flattening would drop empty dicts, which Lightning's loop states hold, and make int keys strings)."""
+    out: dict[str, Any] = {STATE: dict(tensors),
+                           OPTIMIZER: {str(k): {name: dict(s) for name, s in states.items()}
+                                       for k, states in optimizer_states.items()}}
+    if rest is not None:
+        buffer = io.BytesIO()
+        torch.save(rest, buffer)
+        out[LIGHTNING] = buffer.getvalue()
     return out
 
 
-def read_optimizer_states(directory: str, index: Mapping[str, str], k: int,
-                          names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Optimizer ``k``'s per-parameter states of ``names`` (those the index has), read from their files."""
+def _writer(directory: str, process: int, others: Callable[[], list[Any]] | None) -> Any:
+    """DCP's file-system writer for process ``process``: its files named ``__<process>_N.distcp``; the main
+    process (``others`` given: the other processes' ``(metadata, results)``) writes the merged ``.metadata``,
+    any other process keeps its part (:attr:`part`) for the main process."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    class Writer(FileSystemWriter):
+        part: Any = None
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{process}_")) for plan in plans]
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            if others is None:
+                self.part = (metadata, results)
+                return
+            for their_metadata, their_results in others():
+                for key, value in their_metadata.state_dict_metadata.items():
+                    metadata.state_dict_metadata.setdefault(key, value)
+                metadata.planner_data = {**(their_metadata.planner_data or {}), **(metadata.planner_data or {})}
+                results = [*results, *their_results]
+            super().finish(metadata, results)  # .metadata.tmp, then renamed: last of all
+
+    return Writer(directory, thread_count=1, overwrite=True)
+
+
+def write_shard(directory: str, process: int, state: Mapping[str, Any],
+                others: Callable[[], list[Any]] | None = None) -> Any:
+    """Write process ``process``'s ``state`` (see :func:`entries`) into the DCP checkpoint ``directory``. The main
+    process passes ``others`` (waits for the other processes' parts) and writes ``.metadata``; any other process
+    returns its part of the metadata, for the main process."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = _writer(directory, process, others)
+    with _single_process():
+        dcp.save(dict(state), storage_writer=writer, no_dist=True)
+    return writer.part
+
+
+def read_metadata(directory: str) -> Any:
+    """DCP's metadata of the checkpoint ``directory``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(directory).read_metadata()
+
+
+def paths(metadata: Any) -> dict[str, tuple[Any, ...]]:
+    """Each key of the checkpoint (DCP's flattened name) and its path in the nested entries."""
+    mapping = metadata.planner_data or {}
+    return {key: tuple(mapping.get(key, (key,))) for key in metadata.state_dict_metadata}
+
+
+def read(directory: str, wanted: Callable[[tuple[Any, ...]], bool], metadata: Any = None
+         ) -> dict[tuple[Any, ...], Any]:
+    """The entries whose path ``wanted`` accepts, by path, read on CPU (DCP reads only their bytes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(directory) if metadata is None else metadata
+    keys = {key: path for key, path in paths(metadata).items() if wanted(path)}
+    if not keys:
+        return {}
+    flat: dict[str, Any] = {}
+    for key in keys:
+        md = metadata.state_dict_metadata[key]
+        flat[key] = (torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata)
+                     else None)  # bytes: DCP puts the object it unpickles there
+    with _single_process():
+        dcp.load(flat, storage_reader=FileSystemReader(directory), no_dist=True)
+    return {path: flat[key] for key, path in keys.items()}
+
+
+def read_tensors(directory: str, names: Iterable[str], metadata: Any = None) -> dict[str, Tensor]:
+    """The state-dict entries ``names`` (those the checkpoint has)."""
+    names = set(names)
+    found = read(directory, lambda p: len(p) == 2 and p[0] == STATE and p[1] in names, metadata)
+    return {path[1]: t for path, t in found.items()}
+
+
+def read_optimizer_states(directory: str, k: int, names: Sequence[str], metadata: Any = None
+                          ) -> dict[str, dict[str, Any]]:
+    """Optimizer ``k``'s per-parameter states of ``names`` (those the checkpoint has), by name."""
+    names, optimizer = set(names), str(k)
+    found = read(directory, lambda p: len(p) == 4 and p[0] == OPTIMIZER and p[1] == optimizer and p[2] in names,
+                 metadata)
     out: dict[str, dict[str, Any]] = {}
-    for file, wanted in _by_file(index, names).items():
-        shard = torch.load(os.path.join(directory, file), mmap=True, weights_only=True, map_location="cpu")
-        states = shard["optimizer_states"].get(k, {})
-        for name in wanted:
-            out[name] = {key: v.clone() if isinstance(v, Tensor) else v for key, v in states[name].items()}
-        del shard
+    for path, value in found.items():
+        out.setdefault(path[2], {})[path[3]] = value
     return out
+
+
+def state_names(metadata: Any) -> list[str]:
+    """The names of the state-dict entries a checkpoint holds."""
+    return [path[1] for path in paths(metadata).values() if len(path) == 2 and path[0] == STATE]
+
+
+def read_rest(directory: str, metadata: Any = None) -> Any:
+    """The rest of Lightning's checkpoint, as the main process saved it."""
+    found = read(directory, lambda p: p == (LIGHTNING,), metadata)
+    if (LIGHTNING,) not in found:
+        raise ValueError(f"{directory} is a torch.distributed.checkpoint directory without the '{LIGHTNING}' entry "
+                         "that PipeStrategy(state_dict_type=\"sharded\") writes: not a checkpoint of a Lightning run")
+    return torch.load(io.BytesIO(found[(LIGHTNING,)]), weights_only=False, map_location="cpu")
 
 
 def sharded_checkpoints(folder: str, depth: int = 4) -> list[str]:
-    """The sharded checkpoints (complete: ``meta.pt`` in) in ``folder`` and its folders down to ``depth`` levels
-    (``<default_root_dir>/lightning_logs/version_0/checkpoints/<checkpoint>`` is 4), sorted; hidden folders and
-    a checkpoint's own are not searched."""
+    """The sharded checkpoints (complete: ``.metadata`` in) in ``folder`` and its folders down to ``depth``
+    levels (``<default_root_dir>/lightning_logs/version_0/checkpoints/<checkpoint>`` is 4), sorted; hidden folders
+    and a checkpoint's own are not searched."""
     found: list[str] = []
     try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        scanned = sorted(os.scandir(folder), key=lambda e: e.name)
     except OSError:
         return found
-    for entry in entries:
+    for entry in scanned:
         if not entry.is_dir() or entry.name.startswith("."):
             continue
         if os.path.isfile(os.path.join(entry.path, META)):
@@ -106,9 +235,9 @@ def staging(path: str, kind: str) -> str:
 
 def check_directory(path: str, limit: int = 20) -> None:
     """Refuse ``path`` unless it is a complete sharded checkpoint's directory, saying what it is instead and
-    what to pass: ``FileNotFoundError`` (nothing there; a folder without ``meta.pt``, listing the sharded
-    checkpoints inside it) or ``NotADirectoryError`` (a file: a one-file checkpoint, or a file of a sharded
-    one)."""
+    what to pass: ``FileNotFoundError`` (nothing there; a folder without ``.metadata``, listing the sharded
+    checkpoints inside it), ``NotADirectoryError`` (a file: a one-file checkpoint, or a file of a sharded
+    one), ``OSError`` (a sharded checkpoint of the earlier format)."""
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, META)):
         return
@@ -116,17 +245,19 @@ def check_directory(path: str, limit: int = 20) -> None:
         raise FileNotFoundError(f"{path} does not exist: expected {WHAT}")
     if not os.path.isdir(path):
         parent = os.path.dirname(os.path.abspath(path))
-        if os.path.isfile(os.path.join(parent, META)):
+        if os.path.isfile(os.path.join(parent, META)) or is_legacy(parent):
             raise NotADirectoryError(f"{path} is a file of the sharded checkpoint {parent}: pass that directory")
         raise NotADirectoryError(
             f"{path} is a file, not a directory: a one-file checkpoint (PipeStrategy(state_dict_type=\"full\"), "
             "the default) needs no consolidation, Model.load_from_checkpoint and Trainer.fit(ckpt_path=...) take it "
             f"as it is. Expected {WHAT}")
+    if is_legacy(path):
+        raise OSError(legacy_message(path))
     if ".partial-" in os.path.basename(os.path.normpath(path)) or any(
-            name.startswith("stage-") and name.endswith(".pt") for name in os.listdir(path)):
+            name.endswith(".distcp") for name in os.listdir(path)):
         raise FileNotFoundError(
             f"{path} has no {META}: it is a save that did not finish ({META} is written last, once every "
-            f"stage's file is in), not a checkpoint. Expected {WHAT}")
+            f"process's file is in), not a checkpoint. Expected {WHAT}")
     found = sharded_checkpoints(path)
     if not found:
         raise FileNotFoundError(f"{path} is a folder without {META} and holds no sharded checkpoint: expected {WHAT}")

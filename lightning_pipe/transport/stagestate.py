@@ -1,8 +1,8 @@
 """A stage host's state for checkpoints: weights and optimizer states by the plain model's names, in or out.
 
 Mixed into :class:`~lightning_pipe.transport.host.StageHost`: what the driver asks of a remote stage to save a
-checkpoint (entries to consolidate, or this process's file of a sharded checkpoint), to load one (entries
-handed over, or read here from the checkpoint's files), and to start from replica 0's weights.
+checkpoint (entries to consolidate, or this process's entries of a sharded checkpoint), to load one (entries
+handed over, or read here by key from a sharded checkpoint), and to start from replica 0's weights.
 """
 
 from __future__ import annotations
@@ -85,26 +85,28 @@ class StageState:
         return {key: state[key[1]] if key[0] == "state" else optimizers[key[1]][key[2]][key[3]] for key in keys}
 
     # ------------------------------------------------------------------ sharded checkpoints
-    def save_shard(self, directory: str) -> dict[str, Any]:
-        """Write this process's file of a sharded checkpoint into ``directory``; return its index entries."""
-        return shards.write_shard(directory, self.process, self.state_dict(),
-                                  {k: self.optimizer_state(k) for k in self.optimizers})
+    def save_shard(self, directory: str) -> Any:
+        """Write this process's entries of a sharded checkpoint (a DCP directory) into ``directory``; return its
+        part of DCP's metadata, for the main process to write ``.metadata``."""
+        return shards.write_shard(directory, self.process, shards.entries(
+            self.state_dict(), {k: self.optimizer_state(k) for k in self.optimizers}))
 
-    def load_shards(self, directory: str, index: Mapping[str, str], strict: bool = True) -> None:
-        """Load this process's entries from a sharded checkpoint's files (``index``: name -> file), whatever
+    def load_shards(self, directory: str, index: Sequence[str], strict: bool = True) -> None:
+        """Load this process's entries from a sharded checkpoint (``index``: the names it holds), whatever
         split saved it. ``strict``: every entry of these layers must be there."""
         names = list(self.state_dict_names())
-        missing = [n for n in names if n not in index]
+        held = set(index)
+        missing = [n for n in names if n not in held]
         if strict and missing:
             raise KeyError(f"the checkpoint has no entry for {', '.join(missing[:5])}"
                            f"{' ...' if len(missing) > 5 else ''} (layers of this stage)")
-        self.load_state_dict(shards.read_tensors(directory, index, names), strict=False)
+        self.load_state_dict(shards.read_tensors(directory, [n for n in names if n in held]), strict=False)
 
-    def load_optimizer_shards(self, directory: str, k: int, index: Mapping[str, str]) -> None:
-        """Load optimizer ``k``'s states of this process's parameters from a sharded checkpoint's files."""
+    def load_optimizer_shards(self, directory: str, k: int) -> None:
+        """Load optimizer ``k``'s states of this process's parameters from a sharded checkpoint."""
         if k in self.optimizers:
             _, names = self.optimizers[k]
-            self.load_optimizer_state(k, shards.read_optimizer_states(directory, index, k, names))
+            self.load_optimizer_state(k, shards.read_optimizer_states(directory, k, names))
 
     def state_dict_names(self) -> list[str]:
         """The names of this process's entries, as the LightningModule's ``state_dict`` has them."""

@@ -487,7 +487,9 @@ def crash_at_save(n: int) -> None:
 
     def crashing(real: Any) -> Any:
         def rename(src: Any, dst: Any) -> None:
-            if ".tmp" in str(src) or ".partial-" in str(src):  # a checkpoint put into place
+            # A checkpoint put into place (not a file put into place inside a sharded checkpoint's partial
+            # directory: DCP's .metadata, renamed from .metadata.tmp, written last).
+            if (".tmp" in str(src) or ".partial-" in str(src)) and ".partial-" not in str(dst):
                 calls[0] += 1
                 if calls[0] == n:
                     os.kill(os.getpid(), signal.SIGKILL)
