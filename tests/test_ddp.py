@@ -146,17 +146,22 @@ def test_configure_ddp_of_one_stage_and_small_buckets(jobs, tmp_path):
         assert max(n for _, _, n in c) * 4 <= 2 * 1024  # none much above 0.001 MiB (one tensor may exceed it)
 
 
-@pytest.mark.timeout(900)
-def test_parameters_unused_on_some_replicas_or_on_all(jobs, tmp_path):
-    """A parameter used only by a few samples (some replicas, some steps) is averaged with zero where unused;
-    one used nowhere keeps no gradient (AdamW's weight decay leaves it as it was), as on one device."""
-    name = "ddp-unused-parameters"
+def assert_gated_as_on_one_device(name: str, jobs, tmp_path) -> None:  # noqa: ANN001
+    """Case ``name`` (train.py's RareGate: ``rare`` used by 2 of 64 samples, ``never`` by none) trained one
+    device's weights; ``never`` kept no gradient (AdamW's weight decay left it as it was), ``rare`` trained."""
     piped = load(jobs.directory(name) / "final.ckpt")
     assert_same_weights(piped, plain_weights(case_config(name), tmp_path / "plain"))
     never = next(v for k, v in piped.items() if k.endswith(".never"))
     rare = next(v for k, v in piped.items() if k.endswith(".rare"))
     assert torch.equal(never, torch.full_like(never, 0.2))
     assert not torch.allclose(rare, torch.full_like(rare, 0.1))
+
+
+@pytest.mark.timeout(900)
+def test_parameters_unused_on_some_replicas_or_on_all(jobs, tmp_path):
+    """A parameter used only by a few samples (some replicas, some steps) is averaged with zero where unused;
+    one used nowhere keeps no gradient (AdamW's weight decay leaves it as it was), as on one device."""
+    assert_gated_as_on_one_device("ddp-unused-parameters", jobs, tmp_path)
 
 
 @pytest.mark.timeout(900)
@@ -166,13 +171,7 @@ def test_a_stage_unused_on_one_replica_joins_the_others_reduction(schedule, jobs
     stage 0) ran no backward there, and its reduction left the other replica waiting until the step timed out.
     It joins with zeros, as a DDP rank does for an unused parameter: one device's weights; the parameter no
     replica uses keeps no gradient (AdamW's weight decay leaves it as it was)."""
-    name = f"ddp-idle-stage-{schedule}"
-    piped = load(jobs.directory(name) / "final.ckpt")
-    assert_same_weights(piped, plain_weights(case_config(name), tmp_path / "plain"))
-    never = next(v for k, v in piped.items() if k.endswith(".never"))
-    rare = next(v for k, v in piped.items() if k.endswith(".rare"))
-    assert torch.equal(never, torch.full_like(never, 0.2))
-    assert not torch.allclose(rare, torch.full_like(rare, 0.1))
+    assert_gated_as_on_one_device(f"ddp-idle-stage-{schedule}", jobs, tmp_path)
 
 
 @pytest.mark.timeout(900)
