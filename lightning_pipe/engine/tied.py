@@ -72,12 +72,12 @@ class TiedCopies:
                 continue
             first, *later = sorted(places)
             owner = places[first][0]
+            shared = getattr(*owner)
             copies = []
             for j in later:
-                p = getattr(*owner)
-                copy = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                twin = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
                 for module, name in places[j]:
-                    module._parameters[name] = copy
+                    module._parameters[name] = twin
                 copies.append(places[j][0])
             self.ties.append((owner, copies))
 
@@ -95,9 +95,9 @@ class TiedCopies:
         for owner_place, places in self.ties:
             owner = getattr(*owner_place)
             for place in places:
-                copy = getattr(*place)
-                copy.copy_(owner)
-                copy.requires_grad_(owner.requires_grad)
+                twin = getattr(*place)
+                twin.copy_(owner)
+                twin.requires_grad_(owner.requires_grad)
 
     @torch.no_grad()
     def gather(self) -> None:
@@ -105,11 +105,11 @@ class TiedCopies:
         for owner_place, places in self.ties:
             owner = getattr(*owner_place)
             for place in places:
-                copy = getattr(*place)
-                if copy.grad is None:
+                twin = getattr(*place)
+                if twin.grad is None:
                     continue
-                grad = copy.grad.to(owner.device, owner.dtype)
-                copy.grad = None
+                grad = twin.grad.to(owner.device, owner.dtype)
+                twin.grad = None
                 if not owner.requires_grad:
                     continue
                 if owner.grad is None:
