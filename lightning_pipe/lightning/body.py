@@ -25,6 +25,7 @@ from lightning_pipe.engine.autograd import pipeline_loss, run_pipeline
 from lightning_pipe.engine.loss import LossFn
 from lightning_pipe.engine.microbatch import Batch, TensorOrTensors
 from lightning_pipe.lightning.placeholders import BODIES, listed, version, wrap_placeholders
+from lightning_pipe.transport import sharding
 
 __all__: list[str] = []
 
@@ -253,6 +254,10 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
     """``load_state_dict`` hook: the remote layers' entries go to their stages; their placeholders here are
     given placeholders of the entries (``state`` is load_state_dict's own copy), which still have their
     shapes checked and count as loaded."""
+    for name, target in [*module.named_parameters(), *module.named_buffers()]:
+        key = prefix + name
+        if sharding.is_dtensor(target) and isinstance(state.get(key), Tensor) and not sharding.is_dtensor(state[key]):
+            state[key] = sharding.like(target, state[key])  # a stage sharded over the replicas: its shard here
     parts: dict[int, dict[str, Any]] = {}
     empty: list[str] = []
     real = {f"{child}.{name}" for child, layer in module.named_children() if module.owner[child] != 0

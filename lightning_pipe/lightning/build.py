@@ -30,6 +30,7 @@ from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
 from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
+from lightning_pipe.transport import sharding
 from lightning_pipe.transport import host
 from lightning_pipe.transport.driver import RemotePipeline
 from lightning_pipe.transport.runner import StageRunner
@@ -249,6 +250,8 @@ def _broadcast_state(strategy: PipeStrategy, module: nn.Module, module_name: str
         return
     with torch.no_grad():
         for tensor in _local_tensors(module, module_name, remote).values():
+            if sharding.is_dtensor(tensor):
+                continue  # a stage sharded over the replicas already: each holds its own shard
             buffer = tensor.detach().to(strategy.root_device)
             dist.broadcast(buffer, src=0)
             tensor.copy_(buffer)

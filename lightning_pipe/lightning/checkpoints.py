@@ -38,7 +38,7 @@ from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.optimizers import StageOptimizers, raw
 from lightning_pipe.lightning.processes import PipelineProcesses
 from lightning_pipe.lightning.streamed import Source, save_streamed
-from lightning_pipe.transport import shards
+from lightning_pipe.transport import optim, sharding, shards
 
 __all__: list[str] = []
 
@@ -169,15 +169,28 @@ class PipelineCheckpoints(PipelineProcesses):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the weights of remote stages are loaded into their processes, which setup configures
 
+    def _stages_sharded(self) -> bool:
+        """Whether the stages are sharded over the replicas now (``sharding_strategy``, while fitting): then every
+        replica takes part in each save (each holds shards of every stage)."""
+        replicas = getattr(self, "_replicas", None)
+        return getattr(self, "sharding_strategy", "NO_SHARD") != "NO_SHARD" and replicas is not None and \
+            replicas.count > 1 and any(sharding.is_dtensor(p) for p in self.lightning_module.parameters())
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # The remote layers' entries stay placeholders here: save_checkpoint fetches them as it writes.
+        # The remote layers' entries stay placeholders here: save_checkpoint fetches them as it writes. This
+        # process's shards of a stage sharded over the replicas are gathered whole (every replica runs this at
+        # once, as Lightning dumps a checkpoint on every rank), except for a sharded checkpoint, which saves them.
         module = self.lightning_module
-        return module_state_dict(module, checks.body_of(module, self.module_name), False)
+        state = module_state_dict(module, checks.body_of(module, self.module_name), False)
+        if self.state_dict_type == "sharded":
+            return state
+        return {name: sharding.full(t) if isinstance(t, Tensor) else t for name, t in state.items()}
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return raw(optimizer).state_dict()  # this process's part: save_checkpoint adds the others'
+        state = raw(optimizer).state_dict()  # this process's part: save_checkpoint adds the others'
+        return state if self.state_dict_type == "sharded" else optim.whole(state)
 
     def _remote(self) -> PipelinedSequential | None:
         """The body, if it has remote stages."""
@@ -186,14 +199,34 @@ class PipelineCheckpoints(PipelineProcesses):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if not self.is_global_zero:
-            return
         body, optimizers = self._remote(), [raw(o) for o in self.optimizers]
         path = str(filepath)
-        if self.state_dict_type == "sharded":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            sharded.save(checkpoint, path, body.hosts if body is not None else None, optimizers)
+        together = self._stages_sharded()  # every replica holds shards: each takes part
+        if not self.is_global_zero and not together:
             return
+        if self.state_dict_type == "sharded":
+            if self.is_global_zero:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            if together:  # every replica's processes write their shards into the main process's directory
+                partial = self.broadcast(shards.staging(path, ".partial-") if self.is_global_zero else None)
+                if not self.is_global_zero:
+                    sharded.save_shards(checkpoint, partial, body.hosts if body is not None else None, optimizers)
+                    return
+            sharded.save(checkpoint, path, body.hosts if body is not None else None, optimizers, together)
+            return
+        if together and body is not None:  # each sharded stage gathered whole by its replica 0's process
+            for future in body.hosts.start("gather_whole", timeout=0):
+                future.result()
+        if not self.is_global_zero:
+            return
+        try:
+            self._save_full(checkpoint, path, storage_options, body, optimizers)
+        finally:
+            if together and body is not None:
+                body.hosts.call("release_whole")
+
+    def _save_full(self, checkpoint: dict[str, Any], path: str, storage_options: Any, body: Any,
+                   optimizers: list[torch.optim.Optimizer]) -> None:
         if body is None:
             save_atomically(lambda p: self.checkpoint_io.save_checkpoint(checkpoint, p, storage_options), path)
             return
@@ -249,7 +282,8 @@ class PipelineCheckpoints(PipelineProcesses):
                 body = self._remote()
                 futures = body.hosts.start("load_optimizer_shards", info["path"], optimizer._lp_index,
                                            timeout=0) if body else []
-                optimizer.load_state_dict(sharded.local_optimizer_state(info, k, state, optimizer))
+                optimizer.load_state_dict(optim.as_held(optimizer, sharded.local_optimizer_state(info, k, state,
+                                                                                                 optimizer)))
                 for future in futures:
                     future.result()
             _optimizers_to_device([optimizer], self.root_device)

@@ -62,6 +62,32 @@ def check_arguments(balance: Any, microbatches: Any, checkpoint: Any, balance_mo
     return balance
 
 
+#: The DistributedDataParallel arguments that keep their meaning when stages are sharded (FSDP2 in place of DDP).
+SHARDED_DDP_ARGUMENTS = ("init_sync", "broadcast_buffers")
+
+
+def check_sharding(setting: Any, shard_size: Any, ddp_given: list[str]) -> str:
+    """Reject a ``sharding_strategy`` (and ``hybrid_shard_size``) that cannot work, and DDP arguments that would
+    mean nothing with it (no DDP wraps a sharded stage); return the setting's name."""
+    from lightning_pipe.transport.sharding import SETTINGS
+
+    name = getattr(setting, "name", setting)  # torch's ShardingStrategy enum, as Lightning's FSDPStrategy takes
+    if not isinstance(name, str) or name.upper() not in SETTINGS:
+        raise ValueError(f"sharding_strategy must be one of {', '.join(map(repr, SETTINGS))} (got: {setting!r})")
+    name = name.upper()
+    if shard_size is not None and (name != "HYBRID_SHARD" or isinstance(shard_size, bool)
+                                   or not isinstance(shard_size, int) or shard_size < 1):
+        raise ValueError(f"hybrid_shard_size is the number of replicas per shard group under "
+                         f"sharding_strategy='HYBRID_SHARD', a positive integer (got: {shard_size!r} with "
+                         f"sharding_strategy={name!r})")
+    ignored = [k for k in ddp_given if k not in SHARDED_DDP_ARGUMENTS]
+    if name != "NO_SHARD" and ignored:
+        raise ValueError(f"sharding_strategy={name!r} shards each stage with FSDP2 instead of wrapping it in "
+                         f"DistributedDataParallel, so {', '.join(ignored)} would do nothing: leave them out, or "
+                         "use sharding_strategy='NO_SHARD' (DDP per stage)")
+    return name
+
+
 def check_settings(trainer: pl.Trainer | None, sync_batchnorm: bool) -> None:
     """Reject Trainer settings and callbacks that cannot work across stages in other processes."""
     if sync_batchnorm:

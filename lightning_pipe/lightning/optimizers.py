@@ -183,7 +183,7 @@ class StageOptimizers:
             named = {optimizer._lp_names[int(i)]: s for i, s in state["state"].items()}  # type: ignore[attr-defined]
             for j, states in twin_states(named, self.tied.tied).items():
                 remote.setdefault(j, {}).update(states)
-        optimizer.load_state_dict(own)
+        optimizer.load_state_dict(optim.as_held(optimizer, own))
         # Every stage loads, also one the checkpoint has no state for (saved before any step, as the
         # learning-rate finder's is): what it built since must go, as it does from the driver's.
         for j in range(1, self.processes):

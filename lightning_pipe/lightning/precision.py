@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_pipe.lightning.placeholders import is_placeholder
+from lightning_pipe.transport import sharding
 
 __all__: list[str] = []
 
@@ -42,13 +43,13 @@ class PipePrecision:
             return super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
         sum_tied(optimizer)  # (manual optimization clips before its step)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        norms = [float(torch.linalg.vector_norm(g.detach(), 2.0)) for g in grads]
-        norms += hosts.call("grad_norm", optimizer._lp_index, 2.0)  # type: ignore[attr-defined]
+        remote = hosts.start("grad_norm", optimizer._lp_index, 2.0)  # type: ignore[attr-defined]
+        norms = [sharding.total_norm(grads, 2.0)] + [future.result() for future in remote]
         total = math.sqrt(sum(n * n for n in norms))
         coefficient = clip_val / (total + 1e-6)  # as torch.nn.utils.clip_grad_norm_
         if coefficient < 1.0:
             for g in grads:
-                g.detach().mul_(coefficient)
+                sharding.local(g).detach().mul_(coefficient)
             hosts.call("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
         return None
 
@@ -58,7 +59,9 @@ class PipePrecision:
             return super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
         sum_tied(optimizer)
         params = [p for p in self.main_params(optimizer) if not is_placeholder(p)]  # type: ignore[attr-defined]
-        torch.nn.utils.clip_grad_value_(params, clip_val)
+        for p in params:
+            if p.grad is not None:
+                sharding.local(p.grad).detach().clamp_(-clip_val, clip_val)
         hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
         return None
 

@@ -78,8 +78,9 @@ class Replicas:
         ddp.check_backend(strategy._ddp_comm_hook, strategy._get_process_group_backend())
         # No RPC timeout: DDP's constructor waits for the same stage of the other replicas, which may be a slow
         # setup away; the process group's timeout bounds that wait.
-        futures = body.hosts.start("replicate", ddp.stage_copy(strategy).configure_ddp, timeout=0)
-        body.pipeline.runner.averages.replicate(strategy.configure_ddp)
+        sharding = strategy._sharding()
+        futures = body.hosts.start("replicate", ddp.stage_copy(strategy).configure_ddp, sharding, timeout=0)
+        body.pipeline.runner.averages.replicate(strategy.configure_ddp, sharding)
         for j, future in enumerate(futures, start=1):
             try:
                 future.result()

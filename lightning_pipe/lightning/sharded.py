@@ -46,27 +46,39 @@ def is_sharded(path: Any) -> bool:
                                                       or shards.is_legacy(path))
 
 
-def save(checkpoint: Mapping[str, Any], path: str, hosts: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def _own(checkpoint: Mapping[str, Any], optimizers: Sequence[torch.optim.Optimizer]
+         ) -> tuple[dict[str, Tensor], dict[int, dict[str, dict[str, Any]]]]:
+    """This process's tensors of ``checkpoint`` (not the remote stages' placeholders) and its optimizers' states
+    by parameter name."""
+    local = {name: t for name, t in checkpoint["state_dict"].items() if not (isinstance(t, Tensor) and t.is_meta)}
+    states = checkpoint.get("optimizer_states", [])
+    own = {k: optim.state_by_name(opt, getattr(opt, "_lp_names", [])) for k, opt in enumerate(optimizers)
+           if k < len(states)}
+    return local, own
+
+
+def save(checkpoint: Mapping[str, Any], path: str, hosts: Any, optimizers: Sequence[torch.optim.Optimizer],
+         together: bool = False) -> None:
     """Write ``checkpoint`` (Lightning's, its state dict holding this process's tensors and placeholders for the
     remote stages') as a sharded checkpoint at ``path``: the remote stages (``hosts``) write their entries while
-    this process writes its own, then ``.metadata`` for all."""
+    this process writes its own, then ``.metadata`` for all. ``together``: the stages are sharded over the
+    replicas, and every replica's processes write their shards into the same directory at once (the other
+    drivers call :func:`save_shards` with it)."""
     partial = shards.staging(path, ".partial-")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     futures = []
     try:
         futures = hosts.start("save_shard", partial, timeout=0) if hosts is not None else []
-        local = {name: t for name, t in checkpoint["state_dict"].items() if not (isinstance(t, Tensor) and t.is_meta)}
+        local, own = _own(checkpoint, optimizers)
         states = checkpoint.get("optimizer_states", [])
-        own = {k: optim.state_by_name(opt, getattr(opt, "_lp_names", [])) for k, opt in enumerate(optimizers)
-               if k < len(states)}
         rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
         rest["state_dict"] = {}
         rest["optimizer_states"] = [{"param_groups": state["param_groups"], "names": list(optimizers[k]._lp_names)}
                                     for k, state in enumerate(states)]
         rest["lightning_pipe"] = {**FORMAT, "names": list(checkpoint["state_dict"])}  # the plain model's order
-        shards.write_shard(partial, 0, shards.entries(local, own, rest),
-                           others=lambda: [future.result() for future in futures])
+        shards.write_shard(partial, 0, shards.entries(local, own, rest), group=together,
+                           others=lambda: [part for future in futures for part in [future.result()] if part])
         _swap(partial, path)
     except BaseException:
         for future in futures:  # the others stop writing into it before it goes
@@ -74,6 +86,20 @@ def save(checkpoint: Mapping[str, Any], path: str, hosts: Any, optimizers: Seque
                 future.result()
         shutil.rmtree(partial, ignore_errors=True)
         raise
+
+
+def save_shards(checkpoint: Mapping[str, Any], partial: str, hosts: Any,
+                optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """A replica other than the first, its stages sharded over the replicas: its processes write their shards
+    into the main process's directory ``partial`` while the main process saves (:func:`save` with ``together``),
+    every stage's replicas at once."""
+    futures = hosts.start("save_shard", partial, timeout=0) if hosts is not None else []
+    try:
+        local, own = _own(checkpoint, optimizers)
+        shards.write_shard(partial, 0, shards.entries(local, own), group=True)
+    finally:
+        for future in futures:
+            future.result()
 
 
 def _swap(partial: str, path: str) -> None:

@@ -90,6 +90,13 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
             main process stage by stage; ``'sharded'``: a directory where each process writes its own stage
             (:func:`lightning_pipe.consolidate_checkpoint` makes the full file of it), as Lightning's
             ``FSDPStrategy`` names them.
+        sharding_strategy: with replicas, what each process keeps of its stage, by Lightning's ``FSDPStrategy``
+            names: ``'NO_SHARD'`` (the whole stage, averaged over the replicas by DDP), ``'SHARD_GRAD_OP'``
+            (gradients and optimizer state sharded over the stage's replicas, parameters whole during a step),
+            ``'FULL_SHARD'`` (parameters sharded too, gathered per micro-batch) or ``'HYBRID_SHARD'`` (FULL_SHARD
+            within a node's replicas, replicated across nodes), by torch's FSDP2 (``fully_shard``) over each
+            stage's replicas; see ``docs/large_models.md``.
+        hybrid_shard_size: ``'HYBRID_SHARD'``: replicas per shard group (None: those on one node).
         **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``cluster_environment``, ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``) and
             on to the ``DistributedDataParallel`` of every stage (``find_unused_parameters``, ``bucket_cap_mb``,
@@ -104,7 +111,8 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
                  balance_mode: str = "balance_by_size", pipelined_backward: bool = True,
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
                  deferred_batch_norm: bool = False, timeline: str | None = None, schedule: str = "gpipe",
-                 virtual_stages: int = 1, state_dict_type: str = "full", accelerator: Any = None,
+                 virtual_stages: int = 1, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
+                 hybrid_shard_size: int | None = None, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -115,6 +123,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         ddp.check_arguments(kwargs, [n for n in inspect.signature(PipeStrategy).parameters if n != "kwargs"])
         self._ddp_explicit = [k for k, v in kwargs.items() if (k in ddp.LIGHTNING[:4] and v is not None)
                               or (k not in ddp.LIGHTNING and not ddp.is_default(k, v))]
+        sharding_strategy = checks.check_sharding(sharding_strategy, hybrid_shard_size, self._ddp_explicit)
         ddp.defaults(kwargs)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -132,6 +141,8 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.state_dict_type = state_dict_type
+        self.sharding_strategy = sharding_strategy
+        self.hybrid_shard_size = hybrid_shard_size
         self._body: PipelinedSequential | None = None  # the body this strategy runs, once set up
         self._stage_optimizers: StageOptimizers | None = None
         self._replicas = Replicas(1)
@@ -154,6 +165,15 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         """Reject Trainer settings this strategy cannot honour (run where :meth:`check_model` runs)."""
         checks.check_settings(trainer, self._layer_sync is not None)
         ddp.check_settings(self._ddp_kwargs, trainer)
+
+    def _sharding(self) -> Any:
+        """How each stage is sharded over its replicas (None: DDP, ``NO_SHARD``)."""
+        if self.sharding_strategy == "NO_SHARD":
+            return None
+        from lightning_pipe.transport.sharding import Sharding
+
+        return Sharding(self.sharding_strategy, self.hybrid_shard_size, bool(self._ddp_kwargs.get("init_sync", True)),
+                        self._ddp_kwargs.get("broadcast_buffers", True) is not False)
 
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process

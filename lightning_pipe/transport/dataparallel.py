@@ -91,25 +91,22 @@ class _LastBackward:
         self.replicas.last_backward(call, outputs, upstream, after, self.run)
 
 
-class ReplicatedStage:
-    """``stage``'s gradients averaged with the same stage of every other replica by ``ddp`` (a
-    ``DistributedDataParallel`` over ``stage.partition``, built by ``PipeStrategy.configure_ddp``)."""
+class Reduction:
+    """What every way of averaging one stage over its replicas has: a thread of its own for the reductions, and
+    waiting for them. Its subclasses say what a step does (:class:`ReplicatedStage`, and
+    :class:`~lightning_pipe.transport.sharding.ShardedStage`)."""
 
-    def __init__(self, stage: Stage, ddp: DistributedDataParallel) -> None:
-        if ddp.module is not stage.partition:
-            raise ValueError(f"configure_ddp must wrap the module it is given (stage {stage.index}'s partition), "
-                             f"got a DistributedDataParallel over a {type(ddp.module).__name__}")
+    #: Reduced in every step that has a backward, also while the caller accumulates (its ``no_sync``).
+    always = False
+    #: Parameters' ``.grad`` may be views into buffers that the next reduction overwrites.
+    grad_views = False
+
+    def __init__(self, stage: Stage) -> None:
         self.stage = stage
-        self.ddp = ddp
-        self.reducer = ddp.reducer
-        self.static = bool(ddp.static_graph)
-        self.find_unused = bool(ddp.find_unused_parameters) and not self.static
+        self.static = False  # the reducer counts the step's backwards itself (DDP's static_graph)
         self.worker = Worker(f"lightning_pipe.stage{stage.index}.reduce")
         self.pending: Future[Any] | None = None  # the reduction (and what follows it) still running
         self.local = False  # gradients accumulated here since the last reduction (no_sync, or one replica's own)
-        self.reductions = 0  # reductions finished (static_graph: the first flushes at its end)
-        self._prepared = False  # static_graph: prepared at the step's first backward
-        self._unreached: list[Tensor] = []  # trainable parameters without a gradient when the reduction started
 
     # ------------------------------------------------------------------ waiting for it
     def settle(self) -> None:
@@ -124,6 +121,50 @@ class ReplicatedStage:
             fn()
         else:
             self.pending = self.worker.submit(fn)
+
+    # ------------------------------------------------------------------ a step (see ReplicatedStage)
+    def sync_buffers(self, grad: bool, reduce: bool) -> None:
+        """The stage's first forward of a step."""
+
+    def prepare_step(self) -> None:
+        """The stage's first backward of a step that reduces."""
+
+    def last(self, run: int) -> _LastBackward | None:
+        """What runs the stage's last backward of reducing step ``run`` (None: reduce once it is over)."""
+        return None
+
+    def reduce_now(self, extra: Mapping[Tensor, Tensor] | None = None, run: int = -1) -> None:
+        """Average the gradients the stage holds now (after adding ``extra[p]`` into each ``p.grad``)."""
+        raise NotImplementedError
+
+    def end_step(self) -> None:
+        """The step's actions are over here (its reduction may still run)."""
+
+    def close(self) -> None:
+        """Stop averaging this stage."""
+        try:
+            self.settle()
+        finally:
+            self.worker.stop()
+
+
+class ReplicatedStage(Reduction):
+    """``stage``'s gradients averaged with the same stage of every other replica by ``ddp`` (a
+    ``DistributedDataParallel`` over ``stage.partition``, built by ``PipeStrategy.configure_ddp``)."""
+
+    def __init__(self, stage: Stage, ddp: DistributedDataParallel) -> None:
+        if ddp.module is not stage.partition:
+            raise ValueError(f"configure_ddp must wrap the module it is given (stage {stage.index}'s partition), "
+                             f"got a DistributedDataParallel over a {type(ddp.module).__name__}")
+        super().__init__(stage)
+        self.ddp = ddp
+        self.reducer = ddp.reducer
+        self.static = bool(ddp.static_graph)
+        self.grad_views = bool(ddp.gradient_as_bucket_view)
+        self.find_unused = bool(ddp.find_unused_parameters) and not self.static
+        self.reductions = 0  # reductions finished (static_graph: the first flushes at its end)
+        self._prepared = False  # static_graph: prepared at the step's first backward
+        self._unreached: list[Tensor] = []  # trainable parameters without a gradient when the reduction started
 
     # ------------------------------------------------------------------ a step
     def sync_buffers(self, grad: bool, reduce: bool) -> None:
@@ -268,18 +309,25 @@ class Averages:
 
     def __init__(self, stages: Mapping[int, Stage]) -> None:
         self.stages = stages
-        self.replicas: dict[int, ReplicatedStage] = {}
+        self.replicas: dict[int, Reduction] = {}
         self._at_commit: set[tuple[int, int]] = set()  # (run, stage): averaged once committed
 
-    def replicate(self, configure: Callable[..., DistributedDataParallel] | None) -> None:
+    def replicate(self, configure: Callable[..., DistributedDataParallel] | None, sharding: Any = None) -> None:
         """Average each stage holding trainable parameters through the ``DistributedDataParallel`` that
-        ``configure(module, device_ids, process_group, stage)`` builds over its partition (None: stop
-        averaging). Every replica's process of a stage calls this at once (DDP's constructor is a collective)."""
+        ``configure(module, device_ids, process_group, stage)`` builds over its partition, or, given ``sharding``
+        (a :class:`~lightning_pipe.transport.sharding.Sharding`), shard it over its replicas with FSDP2 (None:
+        stop averaging; a sharded stage stays sharded). Every replica's process of a stage calls this at once
+        (DDP's constructor and FSDP's sharding are collectives of the stage's replicas)."""
         for replica in self.replicas.values():
             replica.close()
         self.replicas = {}
         for s, stage in sorted(self.stages.items()) if configure is not None else ():
             if any(p.requires_grad for p in stage.partition.parameters()):
+                if sharding is not None:
+                    from lightning_pipe.transport.sharding import ShardedStage
+
+                    self.replicas[s] = ShardedStage(stage, stage_group(s), sharding)
+                    continue
                 device_ids = [stage.device.index or 0] if stage.device.type == "cuda" else None
                 self.replicas[s] = ReplicatedStage(stage, configure(stage.partition, device_ids, stage_group(s), s))
 
@@ -293,13 +341,13 @@ class Averages:
         under ``no_sync``; ``eager``: its backwards run before the caller's and are committed later). A stage
         holding gradients that are its own (accumulated under ``no_sync``) has the eager step's gradients
         averaged with them at the commit, once their scale is known, in one reduction as under DDP."""
-        reducing = dict(self.replicas) if reduce else {}
+        reducing = {s: r for s, r in self.replicas.items() if reduce or r.always}
         for s in list(reducing) if eager else ():
             grads = [p for p in self.stages[s].partition.parameters() if p.grad is not None]
             if reducing[s].local and grads:
                 del reducing[s]
                 self._at_commit.add((run, s))
-            elif reducing[s].ddp.gradient_as_bucket_view:
+            elif reducing[s].grad_views:
                 for p in grads:  # set aside for the commit, they must outlive this step's reduction in the buckets
                     p.grad = p.grad.clone() if p.grad._is_view() else p.grad  # type: ignore[union-attr]
         return StepAverages(self, run, actions, reducing, reduce)
@@ -326,7 +374,7 @@ class StepAverages:
     ``reducing`` holds the stages whose last backward of the step averages their gradients."""
 
     def __init__(self, averages: Averages, run: int, actions: Sequence[Action],
-                 reducing: dict[int, ReplicatedStage], reduce: bool) -> None:
+                 reducing: dict[int, Reduction], reduce: bool) -> None:
         self.averages, self.run, self.actions = averages, run, actions
         self.reducing, self.reduce = reducing, reduce
         self.produced = {s: stage.produced for s, stage in averages.stages.items()}
@@ -377,6 +425,8 @@ class StepAverages:
         ``keep(stage)`` (an eager step's gradients set aside) runs on each once its reduction is over."""
         for s, stage in self.averages.stages.items():
             replica = self.averages.replicas.get(s)
+            if replica is not None:
+                replica.end_step()
             if replica is not None and stage.produced != self.produced[s] and s not in self.reducing:
                 replica.local = True
             if keep is not None and replica is not None:

@@ -26,7 +26,7 @@ from lightning_pipe.engine.deferred import Program, materialize, named_tensors
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
-from lightning_pipe.transport import optim
+from lightning_pipe.transport import optim, sharding
 from lightning_pipe.transport.messages import MAILBOX, to_concurrent, where
 from lightning_pipe.transport.runner import StageRunner, register, unregister
 from lightning_pipe.transport.session import SESSION
@@ -121,42 +121,47 @@ class StageHost(StageState):
 
     def grad_norm(self, k: int, norm_type: float) -> float:
         """The ``norm_type`` norm of optimizer ``k``'s gradients here (for the global norm; a tied parameter
-        counted by its first owner only)."""
-        grads = self._grads(k, counted_only=True)
-        if not grads:
+        counted by its first owner only); of all their shards where the stage is sharded over its replicas."""
+        if k not in self.optimizers:
             return 0.0
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads])
-        return float(norms.max() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type))
+        return sharding.total_norm(self._grads(k, counted_only=True), norm_type)
 
     def grad_norms(self, norm_type: float) -> dict[str, Tensor]:
         """The ``norm_type`` norm of each parameter's gradient here, by name, on CPU (parameters without a
-        gradient left out), computed as Lightning's ``grad_norm`` computes it."""
-        return {n: p.grad.detach().norm(norm_type).cpu() for n, p in self.params.items()
+        gradient left out), computed as Lightning's ``grad_norm`` computes it (of the whole gradient where it is
+        sharded over the stage's replicas)."""
+        return {n: sharding.full(p.grad.detach().norm(norm_type)).cpu() for n, p in self.params.items()
                 if p.grad is not None and self.tied.counted(n)}
 
     def scale_grads(self, k: int, coefficient: float) -> None:
         """Multiply optimizer ``k``'s gradients by ``coefficient`` (global-norm clipping)."""
         for g in self._grads(k):
-            g.detach().mul_(coefficient)
+            sharding.local(g).detach().mul_(coefficient)
 
     def unscale_grads(self, k: int, inv_scale: float) -> bool:
-        """Undo loss scaling on optimizer ``k``'s gradients; return whether any is not finite (fp16 AMP)."""
+        """Undo loss scaling on optimizer ``k``'s gradients; return whether any is not finite (fp16 AMP), on any
+        shard of them where the stage is sharded over its replicas."""
         found = False
-        for g in self._grads(k):
-            g.detach().mul_(inv_scale)
+        grads = self._grads(k)
+        for g in grads:
+            g = sharding.local(g).detach()
+            g.mul_(inv_scale)
             found = found or not bool(torch.isfinite(g).all())
-        return found
+        return sharding.any_true(found, grads)
 
     def clamp_grads(self, k: int, value: float) -> None:
         """Clamp optimizer ``k``'s gradients to ``[-value, value]``."""
         for g in self._grads(k):
-            g.detach().clamp_(-value, value)
+            sharding.local(g).detach().clamp_(-value, value)
 
-    def replicate(self, configure: Any) -> None:
+    def replicate(self, configure: Any, sharding: Any = None) -> None:
         """Average this process's stages with the same stages of every other replica through the
         ``DistributedDataParallel`` that ``configure(module, device_ids, process_group, stage)`` builds over
-        each stage's partition (None: stop); see :mod:`lightning_pipe.transport.dataparallel`."""
-        self.runner.averages.replicate(configure)
+        each stage's partition (None: stop); see :mod:`lightning_pipe.transport.dataparallel`. Given
+        ``sharding`` (:class:`~lightning_pipe.transport.sharding.Sharding`), shard each stage over its replicas
+        instead (:mod:`lightning_pipe.transport.sharding`): its parameters become ``DTensor`` shards."""
+        self.runner.averages.replicate(configure, sharding)
+        self.params = {self.prefix + n: p for n, p in self.partition.named_parameters()}
 
     def barrier(self) -> None:
         """Meet the same stage of every other replica (its default process group), once the actions queued on
@@ -167,9 +172,12 @@ class StageHost(StageState):
         self.counts["barriers"] += 1
 
     def stats(self) -> dict[str, Any]:
-        """How many optimizer steps this stage took and barriers it passed, and which tensors it materialised
-        from the driver's recording of a deferred build (by the LightningModule's names)."""
-        return {**self.counts, "materialized": self.materialized}
+        """How many optimizer steps this stage took and barriers it passed, which tensors it materialised
+        from the driver's recording of a deferred build (by the LightningModule's names), and how much of its
+        stage it holds (``held``: see :func:`~lightning_pipe.transport.sharding.held`)."""
+        optimizers = [optimizer for optimizer, _ in self.optimizers.values()]
+        return {**self.counts, "materialized": self.materialized,
+                "held": sharding.held(self.partition.parameters(), optimizers)}
 
     def memory(self) -> dict[str, int]:
         """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""

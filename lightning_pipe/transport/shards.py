@@ -99,9 +99,10 @@ def entries(tensors: Mapping[str, Tensor], optimizer_states: Mapping[int, Mappin
 
 
 def _writer(directory: str, process: int, others: Callable[[], list[Any]] | None) -> Any:
-    """DCP's file-system writer for process ``process``: its files named ``__<process>_N.distcp``; the main
-    process (``others`` given: the other processes' ``(metadata, results)``) writes the merged ``.metadata``,
-    any other process keeps its part (:attr:`part`) for the main process."""
+    """DCP's file-system writer for process ``process``: its files named ``__<process>_N.distcp`` (with several
+    replicas of a sharded stage saving together, ``__<process>-<replica>_N.distcp``); the main process
+    (``others`` given: the other processes' ``(metadata, results)``) writes the merged ``.metadata``, any other
+    process keeps its part (:attr:`part`) for the main process."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import _StoragePrefix
 
@@ -109,7 +110,8 @@ def _writer(directory: str, process: int, others: Callable[[], list[Any]] | None
         part: Any = None
 
         def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-            return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{process}_")) for plan in plans]
+            names = [f"__{process}_"] if len(plans) == 1 else [f"__{process}-{r}_" for r in range(len(plans))]
+            return [dataclasses.replace(plan, storage_data=_StoragePrefix(name)) for plan, name in zip(plans, names)]
 
         def finish(self, metadata: Any, results: list[list[Any]]) -> None:
             if others is None:
@@ -126,16 +128,27 @@ def _writer(directory: str, process: int, others: Callable[[], list[Any]] | None
 
 
 def write_shard(directory: str, process: int, state: Mapping[str, Any],
-                others: Callable[[], list[Any]] | None = None) -> Any:
+                others: Callable[[], list[Any]] | None = None, group: bool = False) -> Any:
     """Write process ``process``'s ``state`` (see :func:`entries`) into the DCP checkpoint ``directory``. The main
     process passes ``others`` (waits for the other processes' parts) and writes ``.metadata``; any other process
-    returns its part of the metadata, for the main process."""
+    returns its part of the metadata, for the main process.
+
+    ``group``: the state holds shards of a stage sharded over its replicas (``DTensor``s), and every replica's
+    process of that stage writes at once, DCP's collective save over the process's default group (the stage's
+    replicas): each writes its shards, and the group's first process (replica 0's) plans for all and gets the
+    part of them all (``others`` is the main process's: replica 0's driver); the others return None."""
     import torch.distributed.checkpoint as dcp
 
+    if not group:
+        writer = _writer(directory, process, others)
+        with _single_process():
+            dcp.save(dict(state), storage_writer=writer, no_dist=True)
+        return writer.part
+    import torch.distributed as dist
+
     writer = _writer(directory, process, others)
-    with _single_process():
-        dcp.save(dict(state), storage_writer=writer, no_dist=True)
-    return writer.part
+    dcp.save(dict(state), storage_writer=writer)
+    return writer.part if dist.get_rank() == 0 else None
 
 
 def read_metadata(directory: str) -> Any:
@@ -170,6 +183,18 @@ def read(directory: str, wanted: Callable[[tuple[Any, ...]], bool], metadata: An
     with _single_process():
         dcp.load(flat, storage_reader=FileSystemReader(directory), no_dist=True)
     return {path: flat[key] for key, path in keys.items()}
+
+
+def read_into(directory: str, targets: Mapping[str, Tensor]) -> None:
+    """Read the state-dict entries ``targets`` names into those tensors, in place: into a ``DTensor`` its own
+    shard alone (DCP reads only the bytes of the chunks that overlap it), whichever layout saved them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not targets:
+        return
+    with _single_process():
+        dcp.load({STATE: dict(targets)}, storage_reader=FileSystemReader(directory), no_dist=True)
 
 
 def read_tensors(directory: str, names: Iterable[str], metadata: Any = None) -> dict[str, Tensor]:

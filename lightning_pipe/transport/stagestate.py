@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipe.transport import optim, shards
+from lightning_pipe.transport import optim, sharding, shards
 
 __all__: list[str] = []
 
@@ -29,29 +29,76 @@ class StageState:
     process: int  # the index of its first stage: names its file in a sharded checkpoint
     optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]]
 
+    _whole: tuple[dict[str, Tensor], dict[int, dict[str, dict[str, Any]]]] | None = None  # see gather_whole
+
     def broadcast_state(self) -> None:
         """Take the same stage of replica 0's weights and buffers (its default group: that stage of every
-        replica), as DDP starts every replica from rank 0's."""
+        replica), as DDP starts every replica from rank 0's (a stage sharded over the replicas already keeps its
+        shards)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
             for t in [*self.partition.parameters(), *self.partition.buffers()]:
-                dist.broadcast(t.detach(), src=0)
+                if not sharding.is_dtensor(t):
+                    dist.broadcast(t.detach(), src=0)
 
-    def optimizer_state(self, k: int) -> dict[str, dict[str, Any]]:
-        """Per-parameter state of optimizer ``k``, by name."""
+    def is_sharded(self) -> bool:
+        """Whether this process's stages are sharded over their replicas (FSDP2: parameters are ``DTensor``s)."""
+        return any(sharding.is_dtensor(p) for p in self.partition.parameters())
+
+    def gather_whole(self) -> None:
+        """With every replica's process of this stage at once (collectives of the stage's group): gather the
+        stage's whole weights, buffers and optimizer states onto CPU; replica 0's keeps them, to be saved from
+        (:meth:`state_dict`, :meth:`optimizer_state`) until :meth:`release_whole`. Nothing to do unsharded."""
+        self._whole = None
+        if not self.is_sharded():
+            return
+        state = {self.prefix + n: sharding.full(t.detach()).cpu() for n, t in self.partition.state_dict().items()}
+        optimizers = {k: {name: {key: sharding.full(v).cpu() if isinstance(v, Tensor) else v for key, v in per.items()}
+                          for name, per in self._optimizer_state(k).items()} for k in sorted(self.optimizers)}
+        if dist.get_rank() == 0:
+            self._whole = (state, optimizers)
+
+    def release_whole(self) -> None:
+        """Forget what :meth:`gather_whole` kept."""
+        self._whole = None
+
+    def _refuse_sharded(self, what: str) -> None:
+        raise RuntimeError(
+            f"{what} of a stage sharded over its replicas (sharding_strategy) needs every replica's shard: save a "
+            "checkpoint (trainer.save_checkpoint, on every replica) or call strategy.rpc_save_model, which gather "
+            "the stages together, or use sharding_strategy='NO_SHARD'")
+
+    def _optimizer_state(self, k: int) -> dict[str, dict[str, Any]]:
+        """Per-parameter state of optimizer ``k`` as this process holds it (shards, where sharded), by name."""
         if k not in self.optimizers:
             return {}
         optimizer, names = self.optimizers[k]
         return optim.state_by_name(optimizer, names)
 
+    def optimizer_state(self, k: int) -> dict[str, dict[str, Any]]:
+        """Per-parameter state of optimizer ``k``, by name, whole."""
+        if self._whole is not None:
+            return self._whole[1].get(k, {})
+        if self.is_sharded() and k in self.optimizers:
+            self._refuse_sharded("The optimizer state")
+        return self._optimizer_state(k)
+
     def load_optimizer_state(self, k: int, states: Mapping[str, Mapping[str, Any]]) -> None:
-        """Load per-parameter state (by name) into optimizer ``k``."""
+        """Load per-parameter state (by name, whole) into optimizer ``k`` (each process its shards of it, where
+        the stage is sharded over its replicas)."""
         if k in self.optimizers:
             optimizer, names = self.optimizers[k]
+            params = dict(zip(names, (p for g in optimizer.param_groups for p in g["params"])))
+            states = {name: {key: sharding.like(params[name], v) if isinstance(v, Tensor) and name in params else v
+                             for key, v in state.items()} for name, state in states.items()}
             optim.load_state_by_name(optimizer, names, states)
 
     # ------------------------------------------------------------------ module state
     def state_dict(self) -> dict[str, Tensor]:
         """The partition's state, by the LightningModule's names, on CPU."""
+        if self._whole is not None:
+            return dict(self._whole[0])
+        if self.is_sharded():
+            self._refuse_sharded("The weights")
         return {self.prefix + n: t.detach().cpu() for n, t in self.partition.state_dict().items()}
 
     def layers(self) -> dict[str, nn.Module]:
@@ -66,8 +113,11 @@ class StageState:
 
     def load_state_dict(self, state: Mapping[str, Tensor], strict: bool = True) -> None:
         """Load the partition's state from entries named as in the LightningModule (``strict``: as in
-        ``nn.Module.load_state_dict``)."""
+        ``nn.Module.load_state_dict``); whole entries, each process taking its shards where sharded."""
         own = {n[len(self.prefix):]: t for n, t in state.items() if n.startswith(self.prefix)}
+        if self.is_sharded():
+            targets = self.partition.state_dict()
+            own = {n: sharding.like(targets[n], t) if n in targets else t for n, t in own.items()}
         self.partition.load_state_dict(own, strict=strict)
 
     # ------------------------------------------------------------------ a consolidated checkpoint, streamed
@@ -87,26 +137,50 @@ class StageState:
     # ------------------------------------------------------------------ sharded checkpoints
     def save_shard(self, directory: str) -> Any:
         """Write this process's entries of a sharded checkpoint (a DCP directory) into ``directory``; return its
-        part of DCP's metadata, for the main process to write ``.metadata``."""
+        part of DCP's metadata, for the main process to write ``.metadata``. A stage sharded over its replicas
+        is saved by all of them at once, each writing its shards (a collective of the stage's group: every
+        replica's process is asked); its replica 0 returns the part of them all, the others None."""
+        if self.is_sharded():
+            state = {self.prefix + n: t.detach() for n, t in self.partition.state_dict().items()}
+            return shards.write_shard(directory, self.process, shards.entries(
+                state, {k: self._optimizer_state(k) for k in self.optimizers}), group=True)
         return shards.write_shard(directory, self.process, shards.entries(
             self.state_dict(), {k: self.optimizer_state(k) for k in self.optimizers}))
 
     def load_shards(self, directory: str, index: Sequence[str], strict: bool = True) -> None:
         """Load this process's entries from a sharded checkpoint (``index``: the names it holds), whatever
-        split saved it. ``strict``: every entry of these layers must be there."""
+        split saved it. ``strict``: every entry of these layers must be there. A stage sharded over its replicas
+        reads its own shard of each entry alone."""
         names = list(self.state_dict_names())
         held = set(index)
         missing = [n for n in names if n not in held]
         if strict and missing:
             raise KeyError(f"the checkpoint has no entry for {', '.join(missing[:5])}"
                            f"{' ...' if len(missing) > 5 else ''} (layers of this stage)")
+        if self.is_sharded():
+            targets = {self.prefix + n: t for n, t in self.partition.state_dict().items()}
+            shards.read_into(directory, {n: t for n, t in targets.items() if n in held})
+            return
         self.load_state_dict(shards.read_tensors(directory, [n for n in names if n in held]), strict=False)
 
     def load_optimizer_shards(self, directory: str, k: int) -> None:
-        """Load optimizer ``k``'s states of this process's parameters from a sharded checkpoint."""
-        if k in self.optimizers:
-            _, names = self.optimizers[k]
+        """Load optimizer ``k``'s states of this process's parameters from a sharded checkpoint (read one
+        parameter at a time where the stage is sharded: no process holds more than one whole state tensor)."""
+        if k not in self.optimizers:
+            return
+        _, names = self.optimizers[k]
+        if not self.is_sharded():
             self.load_optimizer_state(k, shards.read_optimizer_states(directory, k, names))
+            return
+        optimizer, _ = self.optimizers[k]
+        params = dict(zip(names, (p for g in optimizer.param_groups for p in g["params"])))
+        metadata = shards.read_metadata(directory)
+        states = {}
+        for name in names:
+            for n, state in shards.read_optimizer_states(directory, k, [name], metadata).items():
+                states[n] = {key: sharding.like(params[n], v) if isinstance(v, Tensor) else v
+                             for key, v in state.items()}
+        optim.load_state_by_name(optimizer, names, states)
 
     def state_dict_names(self) -> list[str]:
         """The names of this process's entries, as the LightningModule's ``state_dict`` has them."""

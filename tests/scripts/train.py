@@ -47,7 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "default_dtype_layer": False, "accelerator": "cpu", "schedule": "gpipe", "virtual_stages": 1,
     "last_stage_loss": False, "predict": False, "build": "eager", "guard": False, "save_initial": False,
     "init": None, "state_dict_type": "full", "ddp": {}, "hook": None, "rare_gate": False,
-    "dump_replica_state": False,
+    "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None,
 }
 
 
@@ -468,6 +468,7 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
                        checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],
                        rpc_timeout_sec=60, timeline=config["timeline"], schedule=config["schedule"],
                        virtual_stages=config["virtual_stages"], state_dict_type=config["state_dict_type"],
+                       sharding_strategy=config["sharding"], hybrid_shard_size=config["hybrid_shard_size"],
                        **shared, **ddp_arguments(config, out))
     elif strategy == "ddp":  # Lightning's DDPStrategy over the plain model: the reference for replicas
         from pytorch_lightning.strategies import DDPStrategy
@@ -552,6 +553,14 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
                        "route": route, "stages": stats, "trainer": type(trainer).__module__,
                        "strategy": type(trainer.strategy).__module__,
                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
+    if config["sharding"] != "NO_SHARD" and not plain:  # how much of its stage every process holds, per replica
+        from lightning_pipe.transport.sharding import held
+
+        real = [p for p in model.sequential_module.parameters() if not p.is_meta]
+        with open(os.path.join(out, f"held_replica{trainer.global_rank}.json"), "w") as f:
+            json.dump([held(real, [o.optimizer for o in trainer.optimizers]
+                            if hasattr(trainer.optimizers[0], "optimizer") else trainer.optimizers),
+                       *[s["held"] for s in trainer.strategy._body.hosts.call("stats")]], f)
     if config["dump_replica_state"] and not plain:  # every stage's weights and buffers, as each replica has them
         torch.save(model.state_dict(), os.path.join(out, f"state_replica{trainer.global_rank}.pt"))
     if config["predict"] and not plain:  # the outputs, through the pipeline's forward in the schedule's processes

@@ -1,0 +1,322 @@
+"""Each stage sharded over its replicas by torch's FSDP2 (``fully_shard``), in place of the stage's DDP.
+
+With ``sharding_strategy`` other than ``"NO_SHARD"``, every layer of a stage holding parameters becomes an FSDP2
+unit over a ``DeviceMesh`` of that stage's group of replicas (the group its DDP would average over), and the
+stage's partition the root. Each process then keeps its shard of the stage's parameters, of their gradients and
+of the optimizer's state (built afterwards, over the sharded parameters). What a step does, per setting (``m``
+micro-batches, per unit)::
+
+    SHARD_GRAD_OP   forward 1   all-gather at the step's first forward; parameters stay whole for the step
+                    backward    m backwards accumulate whole gradients locally (no communication), then one
+                                reduce-scatter, on the stage's reduction thread once its last backward is
+                                over (overlapping the earlier stages' backwards); parameters resharded
+    FULL_SHARD      forward     all-gather before each micro-batch's forward, resharded after it
+                    backward    all-gather before each micro-batch's backward, its gradients reduce-scattered
+                                and the parameters resharded right after it: at most one unit whole at a time
+    HYBRID_SHARD    FULL_SHARD within each shard group (a node's replicas), gradients then all-reduced across
+                    the groups (the same shard on every node)
+
+So SHARD_GRAD_OP trades memory (a stage's whole parameters and gradients during the step) for the least
+communication (one all-gather and one reduce-scatter per step, as DDP's one all-reduce), and FULL_SHARD the
+reverse (2m all-gathers and m reduce-scatters per step). Gradients are reduced in every step, also while
+Lightning accumulates (``accumulate_grad_batches``): they stay sharded between steps, and a sum of averages is
+the average of the sum.
+
+The collectives are FSDP2's own, over the stage's group: every replica of a stage must run the same layers in
+each forward and backward (as under FSDP: a layer skipped on one replica's batch leaves the others waiting until
+the process group's timeout).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_pipe.engine.stage import Stage
+from lightning_pipe.transport.dataparallel import Reduction
+
+__all__: list[str] = []
+
+#: The settings of ``sharding_strategy``, by Lightning's ``FSDPStrategy`` names.
+SETTINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How each stage is sharded over its replicas: ``setting`` (one of :data:`SETTINGS` but ``NO_SHARD``);
+    for ``HYBRID_SHARD``, ``shard_size`` replicas per shard group (None: the replicas on one node); ``init_sync``:
+    every replica starts from replica 0's weights; ``broadcast_buffers``: buffers follow replica 0's at each
+    step's first forward (as DDP's)."""
+
+    setting: str
+    shard_size: int | None = None
+    init_sync: bool = True
+    broadcast_buffers: bool = True
+
+    @property
+    def per_microbatch(self) -> bool:
+        """Whether parameters are resharded (and gradients reduced) after each micro-batch."""
+        return self.setting in ("FULL_SHARD", "HYBRID_SHARD")
+
+
+def _fsdp() -> Any:
+    from torch.distributed import fsdp
+
+    return fsdp
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` applied)."""
+    return isinstance(module, _fsdp().FSDPModule)
+
+
+def _device_type(stage: Stage) -> str:
+    return stage.device.type
+
+
+def mesh_for(group: dist.ProcessGroup, stage: Stage, sharding: Sharding) -> Any:
+    """The ``DeviceMesh`` of stage ``stage``'s replicas (``group``): one dimension, or for ``HYBRID_SHARD`` two,
+    ``("replicate", "shard")``: rows of ``shard_size`` replicas (by default those on one node)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if sharding.setting != "HYBRID_SHARD":
+        return DeviceMesh.from_group(group, _device_type(stage))
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if sharding.shard_size is None:
+        hosts: list[Any] = [None] * size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        nodes = list(dict.fromkeys(hosts))
+        rows = [[r for r in range(size) if hosts[r] == node] for node in nodes]
+        if len({len(row) for row in rows}) != 1:
+            raise ValueError(f"HYBRID_SHARD needs as many replicas of stage {stage.index} on every node (found "
+                             f"{[len(row) for row in rows]} on {nodes}); pass hybrid_shard_size=N (replicas per "
+                             "shard group) to choose the groups")
+    else:
+        if size % sharding.shard_size:
+            raise ValueError(f"hybrid_shard_size={sharding.shard_size} must divide the number of replicas ({size})")
+        rows = [list(range(start, start + sharding.shard_size)) for start in range(0, size, sharding.shard_size)]
+    columns = [list(column) for column in zip(*rows)]
+    # Every process of the group creates every subgroup, in the same order (new_group is collective).
+    shard = replicate = None
+    for row in rows:
+        made = dist.new_group([_global(group, r) for r in row])
+        if rank in row:
+            shard = made
+    for column in columns:
+        made = dist.new_group([_global(group, r) for r in column])
+        if rank in column:
+            replicate = made
+    mesh = torch.tensor([[_global(group, r) for r in row] for row in rows])
+    return DeviceMesh.from_group([replicate, shard], _device_type(stage), mesh=mesh,
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+def _global(group: dist.ProcessGroup, rank: int) -> int:
+    return dist.get_global_rank(group, rank)
+
+
+@torch.no_grad()
+def broadcast_state(module: nn.Module, group: dist.ProcessGroup, buffers_only: bool = False) -> None:
+    """``module``'s parameters (unless ``buffers_only``) and buffers take the values of the group's first process
+    (as DDP's constructor and its ``broadcast_buffers``)."""
+    tensors = list(module.buffers()) if buffers_only else [*module.parameters(), *module.buffers()]
+    source = _global(group, 0)
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel():
+            dist.broadcast(local, src=source, group=group)
+
+
+def _units(partition: nn.Module) -> list[nn.Module]:
+    """The layers of ``partition`` that become FSDP units: those holding parameters."""
+    return [layer for layer in partition.children() if next(layer.parameters(), None) is not None]
+
+
+def shard(partition: nn.Module, mesh: Any, sharding: Sharding) -> None:
+    """Apply ``fully_shard`` to every layer of ``partition`` holding parameters, then to the partition (the root)."""
+    fsdp = _fsdp()
+    reshard = sharding.per_microbatch
+    for layer in _units(partition):
+        fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fsdp.fully_shard(partition, mesh=mesh, reshard_after_forward=reshard)
+
+
+class ShardedStage(Reduction):
+    """``stage`` sharded over its replicas (``group``) as ``sharding`` says (see the module's docstring): the
+    same interface as :class:`~lightning_pipe.transport.dataparallel.ReplicatedStage`."""
+
+    always = True
+
+    def __init__(self, stage: Stage, group: dist.ProcessGroup, sharding: Sharding) -> None:
+        super().__init__(stage)
+        self.sharding = sharding
+        self.group = group
+        partition = stage.partition
+        if not is_sharded(partition):
+            if sharding.init_sync:
+                broadcast_state(partition, group)
+            shard(partition, mesh_for(group, stage, sharding), sharding)
+        self.root = partition
+        self.root.set_reduce_scatter_unused_params(True)  # every replica joins each reduce-scatter alike
+        self._during_step()
+
+    def _during_step(self) -> None:
+        """The flags for the step's backwards: per micro-batch (FULL_SHARD) or none until the step's end."""
+        each = self.sharding.per_microbatch
+        self.root.set_requires_gradient_sync(each)
+        self.root.set_reshard_after_backward(each)
+        self.root.set_is_last_backward(each)
+
+    def sync_buffers(self, grad: bool, reduce: bool) -> None:
+        """The stage's first forward of a step: its buffers follow replica 0's (as DDP's ``broadcast_buffers``)."""
+        if self.sharding.broadcast_buffers and next(self.root.buffers(), None) is not None:
+            broadcast_state(self.root, self.group, buffers_only=True)
+
+    def reduce_now(self, extra: Mapping[Tensor, Tensor] | None = None, run: int = -1) -> None:
+        """The stage's backwards of the step are over: on the reduction thread, the gradients not reduced yet
+        are reduce-scattered (all of them under SHARD_GRAD_OP) and every unit resharded."""
+        if extra:
+            raise RuntimeError("a sharded stage holds no gradients of its own to average later")
+        recorder = self.stage.recorder
+
+        def job() -> None:
+            import time
+
+            start = time.time()
+            self.finish_backward()
+            if recorder is not None:
+                recorder.record(self.stage.index, "R", [-1], run, start)
+
+        self.settle()
+        self.pending = self.worker.submit(job)
+
+    def finish_backward(self) -> None:
+        """FSDP's post-backward for every unit, with gradients reduced and parameters resharded (what its autograd
+        hooks do after a backward that syncs), then its end-of-backward callback (as torch.distributed.pipelining
+        ends a step of an FSDP stage); per micro-batch, each backward did that already."""
+        if self.sharding.per_microbatch:
+            self.reshard()  # each backward reduced its gradients already
+            return
+        fsdp = _fsdp()
+        self.root.set_requires_gradient_sync(True)
+        self.root.set_reshard_after_backward(True)
+        self.root.set_is_last_backward(True)
+        try:
+            state = fsdp.fully_shard.state(self.root)
+            for unit in state._state_ctx.all_states:
+                for group in unit._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+        finally:
+            self._during_step()
+
+    def end_step(self) -> None:
+        """Once the step's reduction is over: every unit resharded (a step without backward, validation, leaves
+        SHARD_GRAD_OP's parameters whole otherwise)."""
+        self.then(self.reshard)
+
+    def reshard(self) -> None:
+        """Free every unit's whole parameters."""
+        for module in self.root.modules():
+            if is_sharded(module):
+                module.reshard()
+
+
+# ---------------------------------------------------------------------- gradients and weights of sharded stages
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor`` (a shard of a tensor sharded over a stage's replicas)."""
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def local(t: Tensor) -> Tensor:
+    """This process's shard of ``t`` (``t`` itself unless a ``DTensor``)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sharded_groups(t: Tensor) -> list[dist.ProcessGroup]:
+    """The process groups over which ``t`` (a ``DTensor``) is sharded (none for a plain tensor)."""
+    if not hasattr(t, "device_mesh"):
+        return []
+    mesh = t.device_mesh
+    return [mesh.get_group(d) for d, placement in enumerate(t.placements) if placement.is_shard()]
+
+
+def total_norm(grads: Sequence[Tensor], norm_type: float) -> float:
+    """The ``norm_type`` norm of ``grads`` taken as one vector, sharded ones (``DTensor``) over all their shards:
+    a collective of the shards' groups (every replica of the stage calls it at once)."""
+    import math
+
+    inf = math.isinf(norm_type)
+    plain = [g for g in grads if not hasattr(g, "device_mesh")]
+    sharded = [g for g in grads if hasattr(g, "device_mesh")]
+    parts = [torch.linalg.vector_norm(g.detach(), norm_type).float().cpu() for g in plain]
+    value = torch.stack(parts).max() if inf and parts else (
+        torch.stack([p ** norm_type for p in parts]).sum() if parts else torch.zeros(()))
+    if sharded:
+        shards = torch.stack([torch.linalg.vector_norm(local(g).detach(), norm_type).float()
+                              for g in sharded]).to(sharded[0].device_mesh.device_type)
+        combined = shards.max() if inf else (shards ** norm_type).sum()
+        combined = combined.reshape(1)
+        for group in _sharded_groups(sharded[0]):
+            dist.all_reduce(combined, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        combined = combined.cpu()[0]
+        value = torch.maximum(value, combined) if inf else value + combined
+    return float(value if inf else value ** (1.0 / norm_type))
+
+
+def any_true(flag: bool, tensors: Iterable[Tensor]) -> bool:
+    """``flag`` or'ed over the shards of ``tensors`` (a collective where any is sharded)."""
+    sharded = next((t for t in tensors if hasattr(t, "device_mesh")), None)
+    if sharded is None:
+        return flag
+    value = torch.tensor([float(flag)], device=sharded.device_mesh.device_type)
+    for group in _sharded_groups(sharded):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def held(parameters: Iterable[Tensor], optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+    """How many elements of ``parameters`` this process holds (``parameters``: its shards of them), of how many
+    (``whole``), and of its optimizers' state for them (``optimizer``)."""
+    parameters = list(parameters)
+    ids = {id(p) for p in parameters}
+    state = sum(local(v).numel() for optimizer in optimizers for p, s in optimizer.state.items() if id(p) in ids
+                for v in s.values() if isinstance(v, Tensor) and v.dim() > 0)
+    return {"parameters": sum(local(p).numel() for p in parameters), "whole": sum(p.numel() for p in parameters),
+            "optimizer": state}
+
+
+def full(t: Tensor) -> Tensor:
+    """``t`` whole: a ``DTensor`` gathered from its shards (a collective of its mesh), any other as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def load_local(target: Tensor, value: Tensor) -> None:
+    """Copy ``value`` (whole) into ``target``: into this process's shard of it where ``target`` is a DTensor."""
+    with torch.no_grad():
+        if hasattr(target, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            piece = distribute_tensor(value.to(target.device_mesh.device_type), target.device_mesh,
+                                      target.placements, src_data_rank=None)
+            local(target).copy_(local(piece))
+        else:
+            target.copy_(value)
+
+
+def like(param: Tensor, value: Tensor) -> Tensor:
+    """``value`` (whole, the shape of ``param``) as ``param`` is held: its shard as a ``DTensor`` where ``param``
+    is one, else itself."""
+    if not hasattr(param, "device_mesh") or value.shape != param.shape:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements,
+                             src_data_rank=None)
