@@ -60,6 +60,7 @@ class PipelinedSequential(nn.Module):
             self.add_module(child, layer)
         self.tied: list[Any] = []  # the parameters tied across processes (TiedParameter), set by the build
         self.tied_sync: Any = None  # sums their copies' gradients (lightning/tied.py), where there are any
+        self.retie: Callable[[], None] = lambda: None  # remote layers take the local parameters tied to them again
         self.stage_of_layer = dict(stage_of)
         self.owner = owner
         self.pipeline = pipeline

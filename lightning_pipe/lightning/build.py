@@ -127,8 +127,9 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     # This process's copies of the tied parameters join their owners' group while the others set up theirs.
     local_tied = TiedCopies(key, tied, rank) if tied else None
     remote = {name for s in range(n) if s % p for name, _ in parts[s].named_children()}
+    # Materialising, and sharding over the replicas, replace the local parameters: the remote layers follow.
+    retie = keep_ties(body, remote)
     if recording is not None:
-        retie = keep_ties(body, remote)  # materialising replaces the local parameters: remote layers follow
         _materialize_local(module, strategy.module_name, remote, recording)
         retie()
     _broadcast_state(strategy, module, strategy.module_name, remote)  # every replica starts from replica 0's
@@ -153,6 +154,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     pipeline.runner.modes_from_driver = True  # stage 0's layers are the body's: their modes are set
     pipelined.tied = tied
     pipelined.tied_sync = TiedSync(hosts, local_tied, local_params, tied) if local_tied is not None else None
+    pipelined.retie = retie
     setattr(module, strategy.module_name, pipelined)
     # When the model is freed (a script training one model after another), so is what its stages hold.
     weakref.finalize(pipelined, _release, pipeline, hosts).atexit = False

@@ -9,10 +9,12 @@ stages unscale too: an overflow on any stage skips the step everywhere and lower
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from torch import Tensor
 
 from lightning_pipe.lightning.placeholders import is_placeholder
 from lightning_pipe.transport import sharding
@@ -36,6 +38,29 @@ class PipePrecision:
                     device = next(iter(found), torch.device("cpu"))
                     found[device] = found.get(device, torch.zeros((), device=device)) + 1.0
         super()._after_closure(model, optimizer)  # type: ignore[misc]
+
+    def _lp_unscale_shards(self) -> None:
+        """Let the gradient scaler unscale gradients that are shards (``DTensor``s: stage 0 sharded over the
+        replicas), which torch's unscaling kernel refuses: it unscales each shard in place, and an overflow on any
+        shard counts on every replica (all of them skip the step together)."""
+        scaler = getattr(self, "scaler", None)
+        if scaler is None or getattr(scaler, "_lp_shards", False):
+            return
+        original = scaler._unscale_grads_
+
+        def unscale(optimizer: Any, inv_scale: Any, found_inf: Any, allow_fp16: bool) -> Any:
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            shards = [g for g in grads if sharding.is_dtensor(g)]
+            if not shards:
+                return original(optimizer, inv_scale, found_inf, allow_fp16)
+            view = SimpleNamespace(param_groups=[{"params": [_holding(sharding.local(g)) for g in grads]}])
+            per_device = original(view, inv_scale, found_inf, allow_fp16)
+            for flag in per_device.values():
+                flag.copy_(torch.tensor(float(sharding.any_true(bool(flag.item()), shards))))
+            return per_device
+
+        scaler._unscale_grads_ = unscale
+        scaler._lp_shards = True
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         hosts = getattr(optimizer, "_lp_hosts", None)
@@ -64,6 +89,13 @@ class PipePrecision:
                 sharding.local(p.grad).detach().clamp_(-clip_val, clip_val)
         hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
         return None
+
+
+def _holding(grad: Tensor) -> Tensor:
+    """A tensor of ``grad``'s shape holding no memory, whose ``.grad`` is ``grad`` (what a gradient scaler walks)."""
+    holder = torch.empty((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+    holder.grad = grad
+    return holder
 
 
 def sum_tied(optimizer: torch.optim.Optimizer) -> None:

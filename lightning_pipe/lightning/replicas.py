@@ -81,6 +81,11 @@ class Replicas:
         sharding = strategy._sharding()
         futures = body.hosts.start("replicate", ddp.stage_copy(strategy).configure_ddp, sharding, timeout=0)
         body.pipeline.runner.averages.replicate(strategy.configure_ddp, sharding)
+        if sharding is not None:  # stage 0's parameters are shards now: where the driver's names lead to them
+            body.retie()
+            if body.tied_sync is not None:
+                body.tied_sync.params = {f"{body.name}.{name}": p for name, p in
+                                         body.named_parameters(remove_duplicate=False) if not p.is_meta}
         for j, future in enumerate(futures, start=1):
             try:
                 future.result()

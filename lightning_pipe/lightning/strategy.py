@@ -196,6 +196,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
             self.precision_plugin.convert_module(self.model)
         self._attach(build(self, self.lightning_module))
         mix_in(self.precision_plugin, PipePrecision)
+        self.precision_plugin._lp_unscale_shards()
         self.model_to_device()
         if fitting:
             self._replicas.start(self, self._body)  # DDP for every stage, as DDPStrategy wraps its model

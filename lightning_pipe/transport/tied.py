@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_pipe.transport import sharding
 from lightning_pipe.transport.session import SESSION
 
 __all__: list[str] = []
@@ -73,10 +74,11 @@ class TiedCopies:
             group.allreduce([used], dist.AllreduceOptions()).wait()
             if not used.item():
                 continue
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            flat = grad.detach().to("cpu", copy=grad.device.type != "cpu")
-            group.allreduce([flat], dist.AllreduceOptions()).wait()
             if p.grad is None:
-                p.grad = flat.to(p.device)
-            elif flat.data_ptr() != p.grad.data_ptr():
-                p.grad.copy_(flat)
+                p.grad = torch.zeros_like(p)
+            # A stage sharded over its replicas: each owner's copy is sharded alike, shard r of each in replica r.
+            grad = sharding.local(p.grad).detach()
+            flat = grad.to("cpu", copy=grad.device.type != "cpu")
+            group.allreduce([flat], dist.AllreduceOptions()).wait()
+            if flat.data_ptr() != grad.data_ptr():
+                grad.copy_(flat)

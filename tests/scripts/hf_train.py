@@ -169,14 +169,14 @@ def main(config: dict[str, Any], out: str) -> None:
             shutil.rmtree(written)
     model = HFBody(c, pretrained)
     strategy = PipeStrategy(balance=c["balance"], microbatches=c["microbatches"], checkpoint=c["checkpoint"],
-                            schedule=c["schedule"], rpc_timeout_sec=60)
+                            schedule=c["schedule"], rpc_timeout_sec=60, sharding_strategy=c.get("sharding", "NO_SHARD"))
     trainer = pl.Trainer(accelerator="cpu", devices=c["devices"], strategy=strategy, max_epochs=c["epochs"],
                          logger=False, enable_progress_bar=False, enable_checkpointing=False,
                          enable_model_summary=False, default_root_dir=out, gradient_clip_val=c["clip"])
     trainer.fit(model, DataLoader(batches(c["arch"], c["samples"]), batch_size=c["batch_size"]))
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     result: dict[str, Any] = {"global_step": trainer.global_step}
-    if c["tied"]:
+    if c["tied"] and c.get("sharding", "NO_SHARD") == "NO_SHARD":  # (a sharded stage's copy is its replicas' together)
         result.update(tied_copies(model.sequential_module, os.path.join(out, "final.ckpt")))
     if trainer.is_global_zero:
         with open(os.path.join(out, "result.json"), "w") as f:
