@@ -211,6 +211,57 @@ GROUPS["4 processes DDP"].update({
                                    "ddp": {"broadcast_buffers": False}},
 })
 
+# Each stage sharded over its 2 replicas by FSDP2 (sharding_strategy), 2 replicas x 2 stages, AdamW, 4 steps: both
+# settings under GPipe and 1F1B, zero-bubble and interleaved 1F1B, accumulation with clipping by the global norm
+# and logged gradient norms, manual optimization, bf16 and fp16 (a gradient scaler), HYBRID_SHARD (one replica per
+# shard group: replicated; every replica on this node: sharded), a deferred build that materialises each stage in
+# its own processes alone, and checkpoints: DCP directories and full files, resumed at another balance and setting
+# (and, in the next group, at one replica), with unsharded twins to compare with.
+_SHARDED = {**_DDP, "optimizer": "adamw"}
+_SAVED = {**_SHARDED, "scheduler": "step", "epochs": 2, "save_every": "epoch"}
+GROUPS["4 processes sharded"] = {
+    f"sharded-{setting.lower().replace('_', '-')}-{schedule}": {
+        **_SHARDED, **(_ONE_F_ONE_B if schedule == "1f1b" else {}), "sharding": setting,
+        "count_collectives": schedule == "gpipe"}
+    for setting in ("SHARD_GRAD_OP", "FULL_SHARD") for schedule in ("gpipe", "1f1b")}
+GROUPS["4 processes sharded"].update({
+    "sharded-full-shard-zero-bubble": {**_SHARDED, **_ONE_F_ONE_B, "schedule": "zero-bubble", "sharding": "FULL_SHARD"},
+    "sharded-shard-grad-op-interleaved": {**_SHARDED, "schedule": "interleaved-1f1b", "virtual_stages": 2,
+                                          "last_stage_loss": True, "balance": [1, 1, 1, 2],
+                                          "sharding": "SHARD_GRAD_OP"},
+    "sharded-full-shard-accumulate-clip": {**_SHARDED, "sharding": "FULL_SHARD", "accumulate": 2, "samples": 64,
+                                           "checkpoint": "never", "clip": 0.05, "log_grad_norm": True},
+    "sharded-shard-grad-op-manual-validate": {**_SHARDED, "sharding": "SHARD_GRAD_OP", "manual": True,
+                                                "validate": True, "sanity_steps": 2},
+    "sharded-full-shard-bf16": {**_SHARDED, "sharding": "FULL_SHARD", "precision": "bf16-mixed", "microbatches": 1,
+                                "balance": [1, 3]},
+    "unsharded-twin-bf16": {**_SHARDED, "precision": "bf16-mixed", "microbatches": 1, "balance": [1, 3]},
+    "sharded-full-shard-fp16-scaler": {**_SHARDED, "sharding": "FULL_SHARD", "precision": "16-mixed-scaler",
+                                       "microbatches": 1, "balance": [1, 3]},
+    "sharded-hybrid-replicated": {**_SHARDED, "sharding": "HYBRID_SHARD", "hybrid_shard_size": 1},
+    "sharded-hybrid-one-node": {**_SHARDED, "sharding": "HYBRID_SHARD", **_ONE_F_ONE_B},
+    "sharded-deferred-guarded": {**_SHARDED, "sharding": "FULL_SHARD", "build": "init_module", "guard": True},
+    "sharded-save-dcp": {**_SAVED, "sharding": "FULL_SHARD", "state_dict_type": "sharded"},
+    "sharded-resume-dcp-other-balance": {**_SAVED, "sharding": "SHARD_GRAD_OP", "state_dict_type": "sharded",
+                                         "balance": [3, 1], "save_every": None,
+                                         "resume": "sharded-save-dcp/ckpts/epoch=0.ckpt"},
+    "sharded-save-full": {**_SAVED, "sharding": "FULL_SHARD"},
+    "sharded-resume-full-other-balance": {**_SAVED, "sharding": "FULL_SHARD", "balance": [1, 3], "save_every": None,
+                                          "resume": "sharded-save-full/ckpts/epoch=0.ckpt"},
+    "unsharded-twin-save-full": {**_SAVED},
+    "hf-gpt2-tied-2replicas-full-shard": {**HF_CASES["4 processes"]["hf-gpt2-tied-2replicas"],
+                                          "sharding": "FULL_SHARD"},
+})
+# ... resumed at one replica (2 processes, the global batch of 2 replicas), unsharded, from the FULL_SHARD DCP
+# checkpoint and from its unsharded twin's one file.
+_ONE_REPLICA = {**_SAVED, "devices": 2, "batch_size": 8, "save_every": None}
+GROUPS["2 processes after sharded"] = {
+    "one-replica-from-sharded-dcp": {**_ONE_REPLICA,
+                                     "resume": "../4-processes-sharded/sharded-save-dcp/ckpts/epoch=0.ckpt"},
+    "one-replica-from-unsharded-full": {**_ONE_REPLICA,
+                                        "resume": "../4-processes-sharded/unsharded-twin-save-full/ckpts/epoch=0.ckpt"},
+}
+
 
 # Lightning's other package: the same script against lightning.pytorch (its imports rewritten, as the binding's
 # are): the plain model's weights, 1F1B, replicas, sharded checkpoints, and checkpoints crossing packages both
@@ -232,7 +283,7 @@ GROUPS["2 processes, after lightning.pytorch"] = {
         "resume": "../2-processes-lightning.pytorch/L-resume-from-pytorch-lightning/ckpts/epoch=1.ckpt"},
 }
 #: Groups that read what others wrote: those run first.
-NEEDS = {"4 processes": ["2 processes"], "2 processes, lightning.pytorch": ["2 processes"],
+NEEDS = {"4 processes": ["2 processes"], "2 processes after sharded": ["4 processes sharded"], "2 processes, lightning.pytorch": ["2 processes"],
          "2 processes, after lightning.pytorch": ["2 processes, lightning.pytorch"]}
 
 

@@ -35,6 +35,7 @@ class _MirroredOptimizer:
     _lp_hosts: HostGroup
     _lp_index: int
     _lp_stepping: list[Future[Any]] | None
+    _lp_before_update: Callable[[], None]
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         evaluations = [0]
@@ -60,9 +61,11 @@ class _MirroredOptimizer:
         return loss
 
     def _lp_start(self) -> None:
-        """The remote stages start their part of this step, with the hyper-parameters the driver's uses."""
+        """The remote stages start their part of this step, with the hyper-parameters the driver's uses; this
+        process's stages are ready for their update (whole copies of sharded parameters dropped)."""
         self._lp_stepping = self._lp_hosts.start("step", self._lp_index,
                                                  optim.hyperparameters(self))  # type: ignore[arg-type]
+        self._lp_before_update()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
@@ -122,6 +125,7 @@ class StageOptimizers:
         self.stage_of = stage_of
         self.processes = processes
         self.tied = tied  # the parameters tied across processes: every copy in its process's part
+        self.before_update: Callable[[], None] = lambda: None  # this process's stages, before their update
 
     def mirror(self, optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str],
                amp_scaler: Any = None, precision: str = "") -> None:
@@ -144,6 +148,7 @@ class StageOptimizers:
             optim.drop_placeholder_state(optimizer)
             optimizer._lp_hosts = self.hosts  # type: ignore[attr-defined]
             optimizer._lp_index = k  # type: ignore[attr-defined]
+            optimizer._lp_before_update = self.before_update  # type: ignore[attr-defined]
             optimizer._lp_tied = self.tied  # type: ignore[attr-defined] - summed before clipping
             _mirror(optimizer)
         for j, future in enumerate(self.hosts.start_each("build_optimizers", per_stage[1:]), start=1):

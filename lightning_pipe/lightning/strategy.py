@@ -124,6 +124,10 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         self._ddp_explicit = [k for k, v in kwargs.items() if (k in ddp.LIGHTNING[:4] and v is not None)
                               or (k not in ddp.LIGHTNING and not ddp.is_default(k, v))]
         sharding_strategy = checks.check_sharding(sharding_strategy, hybrid_shard_size, self._ddp_explicit)
+        if sharding_strategy != "NO_SHARD" and type(self).configure_ddp is not ReplicatedStages.configure_ddp:
+            raise ValueError(f"{type(self).__name__} overrides configure_ddp, which sharded stages never call "
+                             f"(sharding_strategy={sharding_strategy!r} shards each stage with FSDP2, no DDP): use "
+                             "sharding_strategy='NO_SHARD' with it, or leave configure_ddp alone")
         ddp.defaults(kwargs)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -239,6 +243,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         body.loss_scale = lambda: loss_gradient(self.lightning_module, self.precision_plugin)
         self._replicas.hosts, self._replicas.count = body.hosts, self.world_size
         self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes, body.tied_sync)
+        self._stage_optimizers.before_update = body.pipeline.runner.averages.before_update
         self.record_timeline(self.timeline is not None)
 
     _pipeline = property(lambda self: self._body.pipeline if self._body is not None else None)

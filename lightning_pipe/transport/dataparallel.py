@@ -137,8 +137,13 @@ class Reduction:
         """Average the gradients the stage holds now (after adding ``extra[p]`` into each ``p.grad``)."""
         raise NotImplementedError
 
-    def end_step(self) -> None:
-        """The step's actions are over here (its reduction may still run)."""
+    def around_backward(self) -> contextlib.AbstractContextManager[None]:
+        """Around each backward action of the stage (its recomputation included)."""
+        return contextlib.nullcontext()
+
+    def before_update(self) -> None:
+        """The optimizer is about to update the stage's parameters (its reduction is over)."""
+        self.settle()
 
     def close(self) -> None:
         """Stop averaging this stage."""
@@ -336,6 +341,11 @@ class Averages:
         for replica in self.replicas.values():
             replica.settle()
 
+    def before_update(self) -> None:
+        """The optimizer is about to update this process's stages (see :meth:`Reduction.before_update`)."""
+        for replica in self.replicas.values():
+            replica.before_update()
+
     def step(self, run: int, actions: Sequence[Action], reduce: bool, eager: bool) -> StepAverages:
         """What averaging does in step ``run`` (this process's ``actions``; ``reduce``: the step averages, not
         under ``no_sync``; ``eager``: its backwards run before the caller's and are committed later). A stage
@@ -401,7 +411,8 @@ class StepAverages:
         last = replica.last(self.run) if replica is not None and _is_last(self.actions, k, later) else None
         stage = self.averages.stages[s]
         done = stage.produced
-        yield last
+        with self.averages.replicas[s].around_backward() if s in self.averages.replicas else contextlib.nullcontext():
+            yield last
         if last is not None and last.used:
             self.reduced.add(s)
         if stage.produced != done:
@@ -425,8 +436,6 @@ class StepAverages:
         ``keep(stage)`` (an eager step's gradients set aside) runs on each once its reduction is over."""
         for s, stage in self.averages.stages.items():
             replica = self.averages.replicas.get(s)
-            if replica is not None:
-                replica.end_step()
             if replica is not None and stage.produced != self.produced[s] and s not in self.reducing:
                 replica.local = True
             if keep is not None and replica is not None:

@@ -97,6 +97,7 @@ class StageHost(StageState):
         if k in self.optimizers:
             optimizer, _ = self.optimizers[k]
             optim.apply_hyperparameters(optimizer, hyperparameters)
+            self.runner.averages.before_update()
             optimizer.step()
             self.counts["steps"] += 1
 

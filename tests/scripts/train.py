@@ -47,8 +47,37 @@ DEFAULTS: dict[str, Any] = {
     "default_dtype_layer": False, "accelerator": "cpu", "schedule": "gpipe", "virtual_stages": 1,
     "last_stage_loss": False, "predict": False, "build": "eager", "guard": False, "save_initial": False,
     "init": None, "state_dict_type": "full", "ddp": {}, "hook": None, "rare_gate": False,
-    "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None,
+    "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None, "count_collectives": False,
 }
+
+
+_COUNTED: dict[str, Any] = {"path": None}  # where this case records its collectives (None: it does not)
+
+
+def count_collectives(directory: str | None) -> None:
+    """Record every all-gather and reduce-scatter of FSDP2 (torch.distributed's ``all_gather_single`` and
+    ``reduce_scatter_single``, which it calls) made in this process from now on, a line per call in
+    ``directory/<pid>.log``; None: stop recording (the next case of the same processes)."""
+    import torch.distributed as dist
+
+    if directory is not None:
+        os.makedirs(directory, exist_ok=True)
+        _COUNTED["path"] = os.path.join(directory, f"{os.getpid()}.log")
+    else:
+        _COUNTED["path"] = None
+    if _COUNTED.get("patched"):
+        return
+    _COUNTED["patched"] = True
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        real = getattr(dist, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            if _COUNTED["path"] is not None:
+                with open(_COUNTED["path"], "a") as f:
+                    f.write(f"{_name}\n")
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
 
 
 class Rotate(nn.Module):
@@ -503,6 +532,7 @@ def crash_at_save(n: int) -> None:
 
 def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningModule:
     config = {**DEFAULTS, **config}
+    count_collectives(os.path.join(out, "collectives") if config["count_collectives"] and not plain else None)
     if os.environ.get("LP_CRASH_AT_SAVE"):
         crash_at_save(int(os.environ["LP_CRASH_AT_SAVE"]))
     pl.seed_everything(config["seed"], workers=True)

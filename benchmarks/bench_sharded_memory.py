@@ -1,0 +1,169 @@
+"""Peak memory per process, and step time, of one body at p stages x d replicas under each ``sharding_strategy``.
+
+The body is ``layers`` x ``Linear(width, width)`` (8 x 4096 by default: 0.54 GB of float32 weights, 2.1 GB of
+training state with AdamW's two states and the gradients), built under ``trainer.init_module()`` (each stage
+materialised in its own processes), trained for ``steps`` steps of ``microbatches`` micro-batches, then saved
+(``state_dict_type="sharded"``: every process writes its shards). Every setting is its own job; each replica's
+driver reports the peak resident memory (``VmHWM``) of every process of its pipeline, and the mean time of the
+steps after the first two. Printed, per process above the base every process has (torch and Lightning
+imported): its peak against the theory, ``W`` the weights of one stage (``weights / p``), ``U`` one layer's::
+
+    NO_SHARD       W (weights) + W (gradients) + W (DDP's buckets) + 2W (AdamW)              = 5W
+    SHARD_GRAD_OP  4W/d (shards: weights, gradients, AdamW) + W (weights, whole during a step)
+                   + W (gradients, whole until the step's reduce-scatter)                        = 4W/d + 2W
+    FULL_SHARD     4W/d + 2U (one layer's weights and gradients whole at a time)                  = 4W/d + 2U
+
+and ``RESULT`` lines with each setting's worst process against the same job's worst under ``NO_SHARD``, and its
+step time against ``NO_SHARD``'s (measured one job after another, on the same machine).
+
+    python benchmarks/bench_sharded_memory.py [--layers 8] [--width 4096] [--stages 2] [--replicas 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+GiB = 2**30
+SETTINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+
+
+class Body(pl.LightningModule):
+    """``layers`` x Linear(width, width) with ReLU between, trained by AdamW on a regression loss."""
+
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        self.sequential_module = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU())
+                                                 for _ in range(layers)])
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.sequential_module(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class StepTimes(pl.Callback):
+    """When each training batch ended."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def peak() -> int:
+    """This process's peak resident memory (bytes)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def run(layers: int, width: int, stages: int, replicas: int, setting: str, steps: int, out: str) -> None:
+    """One job; every replica's driver writes its pipeline's peaks and step time to ``out``/replica<r>.json."""
+    from lightning_pipe import PipeStrategy
+
+    pl.seed_everything(0)
+    base = peak()  # the interpreter with torch and Lightning imported, before any model
+    strategy = PipeStrategy(balance=[layers // stages] * stages, microbatches=4, state_dict_type="sharded",
+                            sharding_strategy=setting)
+    times = StepTimes()
+    trainer = pl.Trainer(accelerator="cpu", devices=stages * replicas, strategy=strategy, max_steps=steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[times])
+    with trainer.init_module():
+        model = Body(layers, width)
+    data = TensorDataset(torch.randn(16 * replicas * steps, width), torch.randn(16 * replicas * steps, width))
+    trainer.fit(model, DataLoader(data, batch_size=16))
+    trainer.save_checkpoint(os.path.join(out, "model.ckpt"))
+    remote = [p["peak"] for p in trainer.strategy.memory_per_process()[1:]]
+    later = times.ends[2:]
+    step = (later[-1] - later[0]) / (len(later) - 1) if len(later) > 1 else float("nan")
+    with open(os.path.join(out, f"replica{trainer.global_rank}.json"), "w") as f:
+        json.dump({"base": base, "peaks": [peak(), *remote], "step": step}, f)
+
+
+def theory(setting: str, stage: float, layer: float, replicas: int) -> float:
+    """Bytes a process should hold at its peak (see the module's docstring): ``stage`` and ``layer`` weights."""
+    if setting == "NO_SHARD":
+        return 5 * stage
+    if setting == "SHARD_GRAD_OP":
+        return 4 * stage / replicas + 2 * stage
+    return 4 * stage / replicas + 2 * layer
+
+
+def main() -> None:
+    """Run every setting at every replica count and print the peaks, the theory and the ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--job", nargs=3, metavar=("REPLICAS", "SETTING", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        run(args.layers, args.width, args.stages, int(args.job[0]), args.job[1], args.steps, args.job[2])
+        return
+    layer = (args.width * args.width + args.width) * 4
+    stage = layer * args.layers / args.stages
+    print(f"body: {args.layers} x Linear({args.width}), {args.stages} stages: W = {stage / GiB:.2f} GiB of weights "
+          f"per stage, U = {layer / GiB:.3f} GiB per layer; AdamW", flush=True)
+    worst: dict[tuple[int, str], float] = {}
+    steps: dict[tuple[int, str], float] = {}
+    for replicas in args.replicas:
+        for setting in SETTINGS:
+            out = tempfile.mkdtemp(prefix="lp-bench-sharded-")
+            command = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--width",
+                       str(args.width), "--stages", str(args.stages), "--steps", str(args.steps),
+                       "--job", str(replicas), setting, out]
+            start = time.perf_counter()
+            try:
+                # Its own session: on a timeout every process of the job is ended, by the job's group id.
+                proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True)
+                try:
+                    _, err = proc.communicate(timeout=args.timeout)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    proc.communicate()
+                    raise SystemExit(f"d={replicas} {setting}: no result within {args.timeout:.0f} s") from None
+                if proc.returncode != 0:
+                    raise SystemExit(f"d={replicas} {setting} failed:\n{err[-3000:]}")
+                results = []
+                for r in range(replicas):
+                    with open(os.path.join(out, f"replica{r}.json")) as f:
+                        results.append(json.load(f))
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+            held = [p - result["base"] for result in results for p in result["peaks"]]
+            expected = theory(setting, stage, layer, replicas)
+            worst[replicas, setting] = max(held)
+            steps[replicas, setting] = sum(result["step"] for result in results) / replicas
+            print(f"p={args.stages} d={replicas} {setting:13s} ({time.perf_counter() - start:5.1f} s): peak per "
+                  f"process above base (GiB) {' '.join(f'{b / GiB:.2f}' for b in held)}; theory "
+                  f"{expected / GiB:.2f}, worst/theory {max(held) / expected:.2f}; step "
+                  f"{steps[replicas, setting] * 1000:.0f} ms", flush=True)
+    for replicas in args.replicas:
+        for setting in SETTINGS[1:]:
+            print(f"RESULT p={args.stages} d={replicas} {setting}: worst process / NO_SHARD's worst = "
+                  f"{worst[replicas, setting] / worst[replicas, 'NO_SHARD']:.2f} (theory "
+                  f"{theory(setting, stage, layer, replicas) / theory('NO_SHARD', stage, layer, replicas):.2f}), "
+                  f"step time / NO_SHARD's = {steps[replicas, setting] / steps[replicas, 'NO_SHARD']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

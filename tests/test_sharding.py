@@ -1,0 +1,202 @@
+"""Each stage sharded over its replicas by FSDP2 (``sharding_strategy``): the plain model's weights, every process
+holding its shard, checkpoints across layouts, and what is refused.
+
+2 replicas x 2 stages train in the shared job "4 processes sharded" (tests/jobs.py); the job "2 processes after
+sharded" resumes its checkpoints at one replica.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import GROUPS
+from jobs import config as case_config
+from scripts import train as script
+from strategy_utils import assert_same_weights
+from test_strategy import load, plain_weights
+
+from lightning_pipe import PipeStrategy
+
+TRAINED = [name for name in GROUPS["4 processes sharded"]
+           if name.startswith("sharded-") and not name.startswith(("sharded-save", "sharded-resume"))
+           and "bf16" not in name]
+
+
+def held(out: Path, replicas: int) -> list[list[dict[str, int]]]:
+    """How much of its stage each process held after training, per replica (driver first)."""
+    return [json.loads((out / f"held_replica{r}.json").read_text()) for r in range(replicas)]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", TRAINED)
+def test_sharded_stages_train_the_plain_models_weights_each_process_holding_its_shard(name, jobs, tmp_path):
+    """Both settings, every schedule, accumulation with clipping by the global norm, manual optimization,
+    HYBRID_SHARD, a deferred build, fp16 with a gradient scaler: the weights of one device with the global
+    batch, within rtol 1e-4 / atol 2e-5. In every process of both replicas the stage's parameters are
+    shards (the replicas' shards add up to the stage, none holds it whole) and so is AdamW's state (two
+    tensors per shard); replicated across the two shard groups (HYBRID_SHARD of one replica per group),
+    each holds the whole stage."""
+    config = case_config(name)
+    out = jobs.directory(name)
+    assert_same_weights(load(out / "final.ckpt"), plain_weights(config, tmp_path / "plain"), rtol=1e-4, atol=2e-5)
+    assert jobs.result(name)["global_step"] == config["epochs"] * config["samples"] // 8
+    replicas = held(out, 2)
+    for process in range(len(replicas[0])):
+        parts = [replica[process] for replica in replicas]
+        whole = parts[0]["whole"]
+        assert all(part["whole"] == whole for part in parts)
+        if config.get("hybrid_shard_size") == 1:
+            assert all(part["parameters"] == whole for part in parts), parts
+        else:
+            assert sum(part["parameters"] for part in parts) == whole, parts
+            assert all(0 < part["parameters"] < whole for part in parts), parts
+        assert all(part["optimizer"] == 2 * part["parameters"] for part in parts), parts
+    if config.get("log_grad_norm"):  # every stage's gradients, whole (from every shard), as on one device
+        plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
+        norms = {k: v for k, v in plain.items() if "grad_" in k}
+        assert f"grad_2.0_norm/sequential_module.3.0.weight" in norms
+        assert {k: v for k, v in jobs.result(name)["metrics"].items() if "grad_" in k} == pytest.approx(norms,
+                                                                                                        rel=1e-5)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("setting", ["shard-grad-op", "full-shard"])
+def test_each_setting_gathers_and_reduces_as_often_as_it_promises(setting, jobs):
+    """FSDP2's all-gathers and reduce-scatters, counted in every process (2 layers each, 4 steps of 4 micro-batches,
+    GPipe, every micro-batch but the last recomputed in its backward). SHARD_GRAD_OP: one all-gather per layer and
+    step (the parameters stay whole through the step) and one reduce-scatter (the step's gradients, once its last
+    backward is over). FULL_SHARD: two all-gathers per layer and micro-batch (its forward; its backward, which the
+    recomputation's gather serves), one reduce-scatter per layer and micro-batch; the model summary's forward
+    adds one gather per layer and micro-batch."""
+    name = f"sharded-{setting}-gpipe"
+    config = case_config(name)
+    steps, m, layers = jobs.result(name)["global_step"], config["microbatches"], 2
+    logs = sorted((jobs.directory(name) / "collectives").glob("*.log"))
+    assert len(logs) == 4  # every process of both replicas
+    for log in logs:
+        calls = log.read_text().split()
+        gathers, reductions = calls.count("all_gather_single"), calls.count("reduce_scatter_single")
+        if setting == "shard-grad-op":
+            assert (gathers, reductions) == (steps * layers, steps * layers), log.name
+        else:
+            assert (gathers, reductions) == ((2 * m * steps + m) * layers, m * steps * layers), log.name
+
+
+@pytest.mark.timeout(900)
+def test_bf16_mixed_sharded_trains_as_unsharded(jobs, tmp_path):
+    """bf16-mixed: every stage under autocast, parameters and reductions in float32 (Lightning's FSDP
+    ``*-mixed`` policy): the weights of the same training unsharded, whose gap to float32 is bf16's own."""
+    sharded = load(jobs.directory("sharded-full-shard-bf16") / "final.ckpt")
+    twin = load(jobs.directory("unsharded-twin-bf16") / "final.ckpt")
+    plain = plain_weights(case_config("unsharded-twin-bf16"), tmp_path / "plain")
+    assert_same_weights(sharded, twin, rtol=1e-5, atol=1e-6)
+    assert max(float((twin[k] - plain[k]).abs().max()) for k in plain) > 1e-5  # bf16 did change something
+
+
+@pytest.mark.timeout(900)
+def test_a_sharded_stages_checkpoints_resume_in_another_layout_as_if_uninterrupted(jobs, tmp_path):
+    """Saved at 2 stages x 2 replicas under FULL_SHARD, every process writing its shards into one DCP checkpoint:
+    resumed at another balance under SHARD_GRAD_OP, the uninterrupted run's weights. Its one-file twin
+    (streamed, each stage gathered by its replica 0) resumes at another balance under FULL_SHARD the same way.
+    DCP's own ``dcp_to_torch_save`` turns the directory into one file whose state dict loads strictly into the
+    plain model, equal to the full file of the unsharded twin at the same epoch."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    expected = plain_weights(case_config("sharded-save-dcp"), tmp_path / "plain")
+    for name in ("sharded-save-dcp", "sharded-resume-dcp-other-balance", "sharded-save-full",
+                 "sharded-resume-full-other-balance"):
+        assert_same_weights(load(jobs.directory(name) / "final.ckpt"), expected, rtol=1e-4, atol=2e-5)
+    directory = jobs.directory("sharded-save-dcp") / "ckpts" / "epoch=0.ckpt"
+    files = sorted(p.name for p in directory.iterdir())
+    assert files == [".metadata", "__0-0_0.distcp", "__0-1_0.distcp", "__1-0_0.distcp", "__1-1_0.distcp"], files
+    dcp_to_torch_save(str(directory), str(tmp_path / "dcp.pt"))
+    converted = torch.load(tmp_path / "dcp.pt", weights_only=True)
+    twin = torch.load(jobs.directory("unsharded-twin-save-full") / "ckpts" / "epoch=0.ckpt", weights_only=True)
+    torch.testing.assert_close(converted["state_dict"], twin["state_dict"], rtol=1e-5, atol=1e-7)
+    plain = script.Model(**twin["hyper_parameters"])
+    plain.load_state_dict(converted["state_dict"])  # strict: every entry of the plain model, no other
+    full = torch.load(jobs.directory("sharded-save-full") / "ckpts" / "epoch=0.ckpt", weights_only=True)
+    torch.testing.assert_close(full["state_dict"], twin["state_dict"], rtol=1e-5, atol=1e-7)
+    states = full["optimizer_states"][0]["state"]  # AdamW's state of the plain model, every tensor whole
+    assert {i: {k: tuple(v.shape) for k, v in s.items()} for i, s in states.items()} == \
+        {i: {k: tuple(v.shape) for k, v in s.items()} for i, s in twin["optimizer_states"][0]["state"].items()}
+
+
+@pytest.mark.timeout(900)
+def test_a_sharded_stages_checkpoint_resumes_at_one_replica_unsharded(jobs, tmp_path):
+    """The FULL_SHARD DCP checkpoint resumed by one pipeline, unsharded (each process reads whole entries made of
+    the two replicas' shards): the weights of one device resumed from it, and of the same resume from the
+    unsharded twin's file."""
+    import lightning_pipe
+
+    mine = load(jobs.directory("one-replica-from-sharded-dcp") / "final.ckpt")
+    twin = load(jobs.directory("one-replica-from-unsharded-full") / "final.ckpt")
+    assert_same_weights(mine, twin, rtol=1e-5, atol=1e-6)
+    epoch0 = tmp_path / "epoch=0.ckpt"
+    lightning_pipe.consolidate_checkpoint(
+        str(jobs.directory("sharded-save-dcp") / "ckpts" / "epoch=0.ckpt"), str(epoch0))
+    config = {**case_config("one-replica-from-sharded-dcp"), "resume": str(epoch0)}
+    assert_same_weights(mine, plain_weights(config, tmp_path / "plain"), rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.timeout(900)
+def test_gpt2_with_a_tied_head_sharded_over_replicas_trains_the_hugging_face_models_weights(jobs):
+    """GPT-2's head tied to its embedding across stages, each copy sharded over the 2 replicas (the owners sum
+    their gradients shard by shard): the Hugging Face model trained on its own, clipped by a global norm."""
+    from scripts.hf_train import DEFAULTS, tiny, train_plain
+
+    from lightning_pipe.models import hf_state_dict, to_sequential
+
+    config = {**DEFAULTS, **case_config("hf-gpt2-tied-2replicas-full-shard")}
+    reference = train_plain(config).state_dict()
+    checkpoint = torch.load(jobs.directory("hf-gpt2-tied-2replicas-full-shard") / "final.ckpt",
+                            weights_only=True)["state_dict"]
+    state = hf_state_dict(to_sequential(tiny(config["arch"], config["tied"])), checkpoint,
+                          prefix="sequential_module.")
+    for key, value in state.items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-5, msg=key)
+
+
+# ---------------------------------------------------------------------------------------------- refused up front
+def test_sharding_strategy_names_are_lightnings_and_others_are_refused():
+    """Lightning's FSDPStrategy names (also as torch's enum, in any case); anything else refused with the list."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    assert PipeStrategy(sharding_strategy="full_shard").sharding_strategy == "FULL_SHARD"
+    assert PipeStrategy(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).sharding_strategy == "SHARD_GRAD_OP"
+    assert PipeStrategy().sharding_strategy == "NO_SHARD"
+    with pytest.raises(ValueError, match=r"sharding_strategy must be one of 'NO_SHARD', 'SHARD_GRAD_OP', "
+                                         r"'FULL_SHARD', 'HYBRID_SHARD' \(got: 'ZERO3'\)"):
+        PipeStrategy(sharding_strategy="ZERO3")
+    with pytest.raises(ValueError, match=r"hybrid_shard_size .* \(got: 2 with sharding_strategy='FULL_SHARD'\)"):
+        PipeStrategy(sharding_strategy="FULL_SHARD", hybrid_shard_size=2)
+    with pytest.raises(ValueError, match=r"\(got: 0 with sharding_strategy='HYBRID_SHARD'\)"):
+        PipeStrategy(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=0)
+
+
+@pytest.mark.parametrize("kwargs", [{"bucket_cap_mb": 1}, {"static_graph": True},
+                                    {"find_unused_parameters": True}, {"gradient_as_bucket_view": True}])
+def test_ddp_arguments_that_mean_nothing_when_sharded_are_refused(kwargs):
+    """No DDP wraps a sharded stage: its arguments would be accepted and ignored, so they are refused, naming
+    them; init_sync and broadcast_buffers keep their meaning and are taken."""
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=rf"sharding_strategy='FULL_SHARD' shards each stage with FSDP2 instead "
+                                         rf"of wrapping it in DistributedDataParallel, so {name} would do nothing"):
+        PipeStrategy(sharding_strategy="FULL_SHARD", **kwargs)
+    PipeStrategy(sharding_strategy="FULL_SHARD", init_sync=True, broadcast_buffers=False)
+    PipeStrategy(**kwargs)  # unsharded, DDP takes it
+
+
+def test_a_configure_ddp_of_a_subclass_is_refused_with_sharding():
+    """An overridden configure_ddp would never be called on sharded stages: refused, saying so."""
+
+    class Hooked(PipeStrategy):
+        def configure_ddp(self, module, device_ids, process_group, stage):  # noqa: ANN001, ANN201
+            return super().configure_ddp(module, device_ids, process_group, stage)
+
+    Hooked()
+    with pytest.raises(ValueError, match=r"Hooked overrides configure_ddp, which sharded stages never call"):
+        Hooked(sharding_strategy="SHARD_GRAD_OP")
