@@ -42,7 +42,7 @@ def test_sharded_stages_train_the_plain_models_weights_each_process_holding_its_
     config = case_config(name)
     out = jobs.directory(name)
     assert_same_weights(load(out / "final.ckpt"), plain_weights(config, tmp_path / "plain"), rtol=1e-4, atol=2e-5)
-    assert jobs.result(name)["global_step"] == config["epochs"] * config["samples"] // 8
+    assert jobs.result(name)["global_step"] == config["epochs"] * config["samples"] // (8 * config.get("accumulate", 1))
     replicas = held(out, 2)
     for process in range(len(replicas[0])):
         parts = [replica[process] for replica in replicas]
@@ -53,7 +53,9 @@ def test_sharded_stages_train_the_plain_models_weights_each_process_holding_its_
         else:
             assert sum(part["parameters"] for part in parts) == whole, parts
             assert all(0 < part["parameters"] < whole for part in parts), parts
-        assert all(part["optimizer"] == 2 * part["parameters"] for part in parts), parts
+        # (fp16's scaler skipped every step of this short run on overflows, as one device does: no state yet)
+        state = 0 if config.get("precision") == "16-mixed-scaler" else 2
+        assert all(part["optimizer"] == state * part["parameters"] for part in parts), parts
     if config.get("log_grad_norm"):  # every stage's gradients, whole (from every shard), as on one device
         plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
         norms = {k: v for k, v in plain.items() if "grad_" in k}
@@ -72,7 +74,7 @@ def test_each_setting_gathers_and_reduces_as_often_as_it_promises(setting, jobs)
     recomputation's gather serves), one reduce-scatter per layer and micro-batch; the model summary's forward
     adds one gather per layer and micro-batch."""
     name = f"sharded-{setting}-gpipe"
-    config = case_config(name)
+    config = {**script.DEFAULTS, **case_config(name)}
     steps, m, layers = jobs.result(name)["global_step"], config["microbatches"], 2
     logs = sorted((jobs.directory(name) / "collectives").glob("*.log"))
     assert len(logs) == 4  # every process of both replicas

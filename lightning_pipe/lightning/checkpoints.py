@@ -155,12 +155,20 @@ def placeholders(checkpoint: dict[str, Any], body: PipelinedSequential,
     return table
 
 
+#: Why the whole model cannot be put together in the main process alone when the stages are sharded.
+_SHARDED_WHOLE = ("{what} cannot gather stages sharded over the replicas (sharding_strategy={setting!r}) into the "
+                  "main process alone: every replica holds a shard. Save them with trainer.save_checkpoint (called "
+                  "on every replica, as Lightning does): its one file (state_dict_type='full') loads into the plain "
+                  "model")
+
+
 class PipelineCheckpoints(PipelineProcesses):
     """Lightning's checkpoint hooks for a pipelined LightningModule (``PipeStrategy``'s base): what is saved is
     the plain model's, and what is loaded reaches every stage (see the module's docstring)."""
 
     module_name: str
     state_dict_type: str
+    sharding_strategy: str
     _body: PipelinedSequential | None
     _stage_optimizers: StageOptimizers | None
 
@@ -172,9 +180,11 @@ class PipelineCheckpoints(PipelineProcesses):
     def _stages_sharded(self) -> bool:
         """Whether the stages are sharded over the replicas now (``sharding_strategy``, while fitting): then every
         replica takes part in each save (each holds shards of every stage)."""
-        replicas = getattr(self, "_replicas", None)
-        return getattr(self, "sharding_strategy", "NO_SHARD") != "NO_SHARD" and replicas is not None and \
-            replicas.count > 1 and any(sharding.is_dtensor(p) for p in self.lightning_module.parameters())
+        body = self._body
+        if body is None or not any(sharding.is_sharded(m) for m in body.modules()):
+            return False
+        body.pipeline.runner.averages.before_update()  # its parameters the shards again (after a forward alone)
+        return True
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -182,6 +192,7 @@ class PipelineCheckpoints(PipelineProcesses):
         # process's shards of a stage sharded over the replicas are gathered whole (every replica runs this at
         # once, as Lightning dumps a checkpoint on every rank), except for a sharded checkpoint, which saves them.
         module = self.lightning_module
+        self._stages_sharded()
         state = module_state_dict(module, checks.body_of(module, self.module_name), False)
         if self.state_dict_type == "sharded":
             return state
@@ -253,6 +264,7 @@ class PipelineCheckpoints(PipelineProcesses):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._stages_sharded()  # sharded stages: the shards are what loads (each process cuts its own)
         info = checkpoint.get("lightning_pipe")
         if info is None:
             # The body's load_state_dict hands the remote layers' entries to their stages.
@@ -301,6 +313,8 @@ class PipelineCheckpoints(PipelineProcesses):
         if not self.is_global_zero:
             raise RuntimeError("PipeStrategy.gathered() gathers the model on the main process only (global "
                                f"rank 0); this is replica {self.global_rank}: guard it with trainer.is_global_zero")
+        if self._stages_sharded():
+            raise RuntimeError(_SHARDED_WHOLE.format(what="PipeStrategy.gathered()", setting=self.sharding_strategy))
         with gathered(self.lightning_module, self.module_name) as module:
             yield module
 
@@ -312,6 +326,8 @@ class PipelineCheckpoints(PipelineProcesses):
 
         ``trainer.save_checkpoint`` needs no such help: it writes the whole model's checkpoint already.
         """
+        if self._stages_sharded():  # refused on every replica alike
+            raise RuntimeError(_SHARDED_WHOLE.format(what="rpc_save_model", setting=self.sharding_strategy))
         if self.is_global_zero:
             with self.gathered():
                 save_model_fn(trainer, filepath)

@@ -352,6 +352,8 @@ class Averages:
         holding gradients that are its own (accumulated under ``no_sync``) has the eager step's gradients
         averaged with them at the commit, once their scale is known, in one reduction as under DDP."""
         reducing = {s: r for s, r in self.replicas.items() if reduce or r.always}
+        if eager:  # the gradients set aside are the parameters' own (a sharded stage's shards, not whole copies)
+            self.before_update()
         for s in list(reducing) if eager else ():
             grads = [p for p in self.stages[s].partition.parameters() if p.grad is not None]
             if reducing[s].local and grads:

@@ -104,6 +104,7 @@ class StageHost(StageState):
     def zero_grad(self, k: int | None, set_to_none: bool = True) -> None:
         """Zero the gradients of optimizer ``k``'s parameters (``None``: of every parameter)."""
         if k is None:
+            self.runner.averages.before_update()  # (a sharded stage's module holds its shards again)
             self.partition.zero_grad(set_to_none=set_to_none)
         elif k in self.optimizers:
             self.optimizers[k][0].zero_grad(set_to_none=set_to_none)

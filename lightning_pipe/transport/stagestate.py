@@ -25,6 +25,7 @@ class StageState:
     turns those into the LightningModule's; ``optimizers``: its part of each of the driver's optimizers)."""
 
     partition: nn.Sequential
+    runner: Any  # the StageRunner of its stages
     prefix: str
     process: int  # the index of its first stage: names its file in a sharded checkpoint
     optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]]
@@ -41,8 +42,13 @@ class StageState:
                     dist.broadcast(t.detach(), src=0)
 
     def is_sharded(self) -> bool:
-        """Whether this process's stages are sharded over their replicas (FSDP2: parameters are ``DTensor``s)."""
-        return any(sharding.is_dtensor(p) for p in self.partition.parameters())
+        """Whether this process's stages are sharded over their replicas (FSDP2 units); if so, every unit is
+        resharded now (a forward without backward leaves SHARD_GRAD_OP's parameters whole, and FSDP registers
+        the whole ones on the module meanwhile), so that the module's parameters and state are the shards."""
+        if not any(sharding.is_sharded(m) for m in self.partition.modules()):
+            return False
+        self.runner.averages.before_update()
+        return True
 
     def gather_whole(self) -> None:
         """With every replica's process of this stage at once (collectives of the stage's group): gather the
@@ -64,8 +70,8 @@ class StageState:
     def _refuse_sharded(self, what: str) -> None:
         raise RuntimeError(
             f"{what} of a stage sharded over its replicas (sharding_strategy) needs every replica's shard: save a "
-            "checkpoint (trainer.save_checkpoint, on every replica) or call strategy.rpc_save_model, which gather "
-            "the stages together, or use sharding_strategy='NO_SHARD'")
+            "checkpoint with trainer.save_checkpoint (called on every replica, as Lightning does), which gathers "
+            "each stage's shards together, or use sharding_strategy='NO_SHARD'")
 
     def _optimizer_state(self, k: int) -> dict[str, dict[str, Any]]:
         """Per-parameter state of optimizer ``k`` as this process holds it (shards, where sharded), by name."""

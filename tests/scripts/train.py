@@ -51,29 +51,34 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-_COUNTED: dict[str, Any] = {"path": None}  # where this case records its collectives (None: it does not)
+_COUNTED: dict[str, Any] = {"control": None}  # the file naming where the current case records (see below)
 
 
-def count_collectives(directory: str | None) -> None:
+def count_collectives(out: str, record: bool) -> None:
     """Record every all-gather and reduce-scatter of FSDP2 (torch.distributed's ``all_gather_single`` and
-    ``reduce_scatter_single``, which it calls) made in this process from now on, a line per call in
-    ``directory/<pid>.log``; None: stop recording (the next case of the same processes)."""
+    ``reduce_scatter_single``, which it calls) made in this process, a line per call in
+    ``<case>/collectives/<pid>.log`` while the current case records (``record``). Stage processes serve every
+    case of a job but run this only at its first: the file ``collectives-case`` beside the cases' directories
+    names the case that records now (empty: none), written by the main process as each case starts."""
     import torch.distributed as dist
 
-    if directory is not None:
-        os.makedirs(directory, exist_ok=True)
-        _COUNTED["path"] = os.path.join(directory, f"{os.getpid()}.log")
-    else:
-        _COUNTED["path"] = None
-    if _COUNTED.get("patched"):
+    control = os.path.join(os.path.dirname(os.path.abspath(out)), "collectives-case")
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
+        with open(control, "w") as f:
+            f.write(os.path.join(out, "collectives") if record else "")
+        if record:
+            os.makedirs(os.path.join(out, "collectives"), exist_ok=True)
+    if _COUNTED["control"] is not None:
         return
-    _COUNTED["patched"] = True
+    _COUNTED["control"] = control
     for name in ("all_gather_single", "reduce_scatter_single"):
         real = getattr(dist, name)
 
         def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            if _COUNTED["path"] is not None:
-                with open(_COUNTED["path"], "a") as f:
+            with open(_COUNTED["control"]) as f:
+                directory = f.read()
+            if directory:
+                with open(os.path.join(directory, f"{os.getpid()}.log"), "a") as f:
                     f.write(f"{_name}\n")
             return _real(*args, **kwargs)
 
@@ -532,7 +537,8 @@ def crash_at_save(n: int) -> None:
 
 def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningModule:
     config = {**DEFAULTS, **config}
-    count_collectives(os.path.join(out, "collectives") if config["count_collectives"] and not plain else None)
+    if not plain:
+        count_collectives(out, config["count_collectives"])
     if os.environ.get("LP_CRASH_AT_SAVE"):
         crash_at_save(int(os.environ["LP_CRASH_AT_SAVE"]))
     pl.seed_everything(config["seed"], workers=True)
