@@ -283,7 +283,8 @@ GROUPS["2 processes, after lightning.pytorch"] = {
         "resume": "../2-processes-lightning.pytorch/L-resume-from-pytorch-lightning/ckpts/epoch=1.ckpt"},
 }
 #: Groups that read what others wrote: those run first.
-NEEDS = {"4 processes": ["2 processes"], "2 processes after sharded": ["4 processes sharded"], "2 processes, lightning.pytorch": ["2 processes"],
+NEEDS = {"4 processes": ["2 processes"], "2 processes after sharded": ["4 processes sharded"],
+         "2 processes, lightning.pytorch": ["2 processes"],
          "2 processes, after lightning.pytorch": ["2 processes, lightning.pytorch"]}
 
 

@@ -59,7 +59,7 @@ def test_sharded_stages_train_the_plain_models_weights_each_process_holding_its_
     if config.get("log_grad_norm"):  # every stage's gradients, whole (from every shard), as on one device
         plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
         norms = {k: v for k, v in plain.items() if "grad_" in k}
-        assert f"grad_2.0_norm/sequential_module.3.0.weight" in norms
+        assert "grad_2.0_norm/sequential_module.3.0.weight" in norms
         assert {k: v for k, v in jobs.result(name)["metrics"].items() if "grad_" in k} == pytest.approx(norms,
                                                                                                         rel=1e-5)
 

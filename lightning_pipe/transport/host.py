@@ -9,7 +9,6 @@ checkpoints).
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 from collections import OrderedDict
