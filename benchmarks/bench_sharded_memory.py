@@ -4,9 +4,10 @@ The body is ``layers`` x ``Linear(width, width)`` (8 x 4096 by default: 0.54 GB 
 training state with AdamW's two states and the gradients), built under ``trainer.init_module()`` (each stage
 materialised in its own processes), trained for ``steps`` steps of ``microbatches`` micro-batches, then saved
 (``state_dict_type="sharded"``: every process writes its shards). Every setting is its own job; each replica's
-driver reports the peak resident memory (``VmHWM``) of every process of its pipeline, and the mean time of the
-steps after the first two. Printed, per process above the base every process has (torch and Lightning
-imported): its peak against the theory, ``W`` the weights of one stage (``weights / p``), ``U`` one layer's::
+driver reports the peak resident memory (``VmHWM``) of every process of its pipeline once training is over (and
+again after the save), and the mean time of the steps after the first two. Printed, per process above the base
+every process has (torch and Lightning imported): its peak against the theory, ``W`` the weights of one stage
+(``weights / p``), ``U`` one layer's::
 
     NO_SHARD       W (weights) + W (gradients) + W (DDP's buckets) + 2W (AdamW)              = 5W
     SHARD_GRAD_OP  4W/d (shards: weights, gradients, AdamW) + W (weights, whole during a step)
@@ -87,12 +88,13 @@ def run(layers: int, width: int, stages: int, replicas: int, setting: str, steps
         model = Body(layers, width)
     data = TensorDataset(torch.randn(16 * replicas * steps, width), torch.randn(16 * replicas * steps, width))
     trainer.fit(model, DataLoader(data, batch_size=16))
+    trained = [peak(), *[p["peak"] for p in trainer.strategy.memory_per_process()[1:]]]
     trainer.save_checkpoint(os.path.join(out, "model.ckpt"))
-    remote = [p["peak"] for p in trainer.strategy.memory_per_process()[1:]]
+    saved = [peak(), *[p["peak"] for p in trainer.strategy.memory_per_process()[1:]]]
     later = times.ends[2:]
     step = (later[-1] - later[0]) / (len(later) - 1) if len(later) > 1 else float("nan")
     with open(os.path.join(out, f"replica{trainer.global_rank}.json"), "w") as f:
-        json.dump({"base": base, "peaks": [peak(), *remote], "step": step}, f)
+        json.dump({"base": base, "peaks": trained, "saved": saved, "step": step}, f)
 
 
 def theory(setting: str, stage: float, layer: float, replicas: int) -> float:
@@ -150,13 +152,14 @@ def main() -> None:
             finally:
                 shutil.rmtree(out, ignore_errors=True)
             held = [p - result["base"] for result in results for p in result["peaks"]]
+            saving = [p - result["base"] for result in results for p in result["saved"]]
             expected = theory(setting, stage, layer, replicas)
             worst[replicas, setting] = max(held)
             steps[replicas, setting] = sum(result["step"] for result in results) / replicas
             print(f"p={args.stages} d={replicas} {setting:13s} ({time.perf_counter() - start:5.1f} s): peak per "
                   f"process above base (GiB) {' '.join(f'{b / GiB:.2f}' for b in held)}; theory "
-                  f"{expected / GiB:.2f}, worst/theory {max(held) / expected:.2f}; step "
-                  f"{steps[replicas, setting] * 1000:.0f} ms", flush=True)
+                  f"{expected / GiB:.2f}, worst/theory {max(held) / expected:.2f}; with the sharded save "
+                  f"{max(saving) / GiB:.2f}; step {steps[replicas, setting] * 1000:.0f} ms", flush=True)
     for replicas in args.replicas:
         for setting in SETTINGS[1:]:
             print(f"RESULT p={args.stages} d={replicas} {setting}: worst process / NO_SHARD's worst = "

@@ -202,3 +202,17 @@ def test_a_configure_ddp_of_a_subclass_is_refused_with_sharding():
     Hooked()
     with pytest.raises(ValueError, match=r"Hooked overrides configure_ddp, which sharded stages never call"):
         Hooked(sharding_strategy="SHARD_GRAD_OP")
+
+
+def test_two_layers_of_one_stage_sharing_a_parameter_are_refused_before_sharding():
+    """Each layer of a sharded stage is an FSDP unit, which cannot share a parameter with another: refused,
+    saying what to do, before anything is sharded."""
+    from torch import nn
+
+    from lightning_pipe.transport.sharding import Sharding, shard
+
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    with pytest.raises(ValueError, match=r"two layers of one stage share a parameter \(shape \(4, 4\)\): FSDP cannot "
+                                         r"shard it in both"):
+        shard(nn.Sequential(first, nn.ReLU(), second), None, Sharding("FULL_SHARD"))

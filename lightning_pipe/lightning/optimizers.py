@@ -65,7 +65,9 @@ class _MirroredOptimizer:
         process's stages are ready for their update (whole copies of sharded parameters dropped)."""
         self._lp_stepping = self._lp_hosts.start("step", self._lp_index,
                                                  optim.hyperparameters(self))  # type: ignore[arg-type]
-        self._lp_before_update()
+        before = getattr(self, "_lp_before_update", None)
+        if before is not None:
+            before()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_pipe.engine.backward_split import _nothing
 from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.stage import Stage
-from lightning_pipe.engine.worker import Worker
+from lightning_pipe.transport.reduction import Reduction
 
 __all__: list[str] = []
 
@@ -89,68 +89,6 @@ class _LastBackward:
             raise RuntimeError(f"stage {self.replicas.stage.index} ran a second last backward in one step")
         self.used = True
         self.replicas.last_backward(call, outputs, upstream, after, self.run)
-
-
-class Reduction:
-    """What every way of averaging one stage over its replicas has: a thread of its own for the reductions, and
-    waiting for them. Its subclasses say what a step does (:class:`ReplicatedStage`, and
-    :class:`~lightning_pipe.transport.sharding.ShardedStage`)."""
-
-    #: Reduced in every step that has a backward, also while the caller accumulates (its ``no_sync``).
-    always = False
-    #: Parameters' ``.grad`` may be views into buffers that the next reduction overwrites.
-    grad_views = False
-
-    def __init__(self, stage: Stage) -> None:
-        self.stage = stage
-        self.static = False  # the reducer counts the step's backwards itself (DDP's static_graph)
-        self.worker = Worker(f"lightning_pipe.stage{stage.index}.reduce")
-        self.pending: Future[Any] | None = None  # the reduction (and what follows it) still running
-        self.local = False  # gradients accumulated here since the last reduction (no_sync, or one replica's own)
-
-    # ------------------------------------------------------------------ waiting for it
-    def settle(self) -> None:
-        """Wait until this stage's reduction (and what was queued after it) is over; raise its error, once."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
-
-    def then(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once the pending reduction is over (at once if none is)."""
-        if self.pending is None:
-            fn()
-        else:
-            self.pending = self.worker.submit(fn)
-
-    # ------------------------------------------------------------------ a step (see ReplicatedStage)
-    def sync_buffers(self, grad: bool, reduce: bool) -> None:
-        """The stage's first forward of a step."""
-
-    def prepare_step(self) -> None:
-        """The stage's first backward of a step that reduces."""
-
-    def last(self, run: int) -> _LastBackward | None:
-        """What runs the stage's last backward of reducing step ``run`` (None: reduce once it is over)."""
-        return None
-
-    def reduce_now(self, extra: Mapping[Tensor, Tensor] | None = None, run: int = -1) -> None:
-        """Average the gradients the stage holds now (after adding ``extra[p]`` into each ``p.grad``)."""
-        raise NotImplementedError
-
-    def around_backward(self) -> contextlib.AbstractContextManager[None]:
-        """Around each backward action of the stage (its recomputation included)."""
-        return contextlib.nullcontext()
-
-    def before_update(self) -> None:
-        """The optimizer is about to update the stage's parameters (its reduction is over)."""
-        self.settle()
-
-    def close(self) -> None:
-        """Stop averaging this stage."""
-        try:
-            self.settle()
-        finally:
-            self.worker.stop()
 
 
 class ReplicatedStage(Reduction):
@@ -329,9 +267,7 @@ class Averages:
         for s, stage in sorted(self.stages.items()) if configure is not None else ():
             if any(p.requires_grad for p in stage.partition.parameters()):
                 if sharding is not None:
-                    from lightning_pipe.transport.sharding import ShardedStage
-
-                    self.replicas[s] = ShardedStage(stage, stage_group(s), sharding)
+                    self.replicas[s] = sharding.stage(stage, stage_group(s))
                     continue
                 device_ids = [stage.device.index or 0] if stage.device.type == "cuda" else None
                 self.replicas[s] = ReplicatedStage(stage, configure(stage.partition, device_ids, stage_group(s), s))

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe.engine.stage import Stage
-from lightning_pipe.transport.dataparallel import Reduction
+from lightning_pipe.transport.reduction import Reduction
 
 __all__: list[str] = []
 
@@ -59,6 +59,10 @@ class Sharding:
     shard_size: int | None = None
     init_sync: bool = True
     broadcast_buffers: bool = True
+
+    def stage(self, stage: Stage, group: dist.ProcessGroup) -> ShardedStage:
+        """``stage`` sharded so over its replicas (``group``)."""
+        return ShardedStage(stage, group, self)
 
     @property
     def per_microbatch(self) -> bool:
@@ -145,6 +149,15 @@ def shard(partition: nn.Module, mesh: Any, sharding: Sharding) -> None:
     fsdp = _fsdp()
     reshard = sharding.per_microbatch
     units = _units(partition)
+    owner: dict[int, int] = {}
+    for k, layer in enumerate(units):
+        for p in layer.parameters():
+            if owner.setdefault(id(p), k) != k:
+                raise ValueError(
+                    f"sharding_strategy={sharding.setting!r} makes each layer of a stage an FSDP unit, and two layers "
+                    f"of one stage share a parameter (shape {tuple(p.shape)}): FSDP cannot shard it in both. Put the "
+                    "two layers in one (an nn.Sequential of both), or in different stages, or use "
+                    "sharding_strategy='NO_SHARD'")
     for layer in units:
         fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fsdp.fully_shard(partition, mesh=mesh, reshard_after_forward=reshard)
