@@ -349,8 +349,7 @@ class StepAverages:
         last = replica.last(self.run) if replica is not None and _is_last(self.actions, k, later) else None
         stage = self.averages.stages[s]
         done = stage.produced
-        with self.averages.replicas[s].around_backward() if s in self.averages.replicas else contextlib.nullcontext():
-            yield last
+        yield last
         if last is not None and last.used:
             self.reduced.add(s)
         if stage.produced != done:

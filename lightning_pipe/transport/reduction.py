@@ -4,7 +4,6 @@ hooks a step calls (DDP's :class:`~lightning_pipe.transport.dataparallel.Replica
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -62,10 +61,6 @@ class Reduction:
     def reduce_now(self, extra: Mapping[Tensor, Tensor] | None = None, run: int = -1) -> None:
         """Average the gradients the stage holds now (after adding ``extra[p]`` into each ``p.grad``)."""
         raise NotImplementedError
-
-    def around_backward(self) -> contextlib.AbstractContextManager[None]:
-        """Around each backward action of the stage (its recomputation included)."""
-        return contextlib.nullcontext()
 
     def before_update(self) -> None:
         """The optimizer is about to update the stage's parameters (its reduction is over)."""

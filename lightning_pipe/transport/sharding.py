@@ -29,9 +29,8 @@ the process group's timeout).
 
 from __future__ import annotations
 
-import contextlib
 import socket
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,19 +195,6 @@ class ShardedStage(Reduction):
         self.root.set_requires_gradient_sync(each)
         self.root.set_reshard_after_backward(each)
         self.root.set_is_last_backward(each)
-
-    @contextlib.contextmanager
-    def around_backward(self) -> Iterator[None]:
-        """Parameters gathered to recompute a micro-batch's forward in its backward stay whole for that backward
-        (FULL_SHARD: one all-gather less per recomputed micro-batch); they are resharded after it."""
-        if not self.sharding.per_microbatch:
-            yield
-            return
-        self.root.set_reshard_after_forward(False)
-        try:
-            yield
-        finally:
-            self.root.set_reshard_after_forward(True)
 
     def sync_buffers(self, grad: bool, reduce: bool) -> None:
         """The stage's first forward of a step: its buffers follow replica 0's (as DDP's ``broadcast_buffers``)."""
