@@ -176,8 +176,8 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
             return None
         from lightning_pipe.transport.sharding import Sharding
 
-        return Sharding(self.sharding_strategy, self.hybrid_shard_size, bool(self._ddp_kwargs.get("init_sync", True)),
-                        self._ddp_kwargs.get("broadcast_buffers", True) is not False)
+        return Sharding(self.sharding_strategy, self.hybrid_shard_size,
+                        broadcast_buffers=self._ddp_kwargs.get("broadcast_buffers", True) is not False)
 
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process

@@ -10,17 +10,19 @@ micro-batches, per unit)::
                     backward    m backwards accumulate whole gradients locally (no communication), then one
                                 reduce-scatter, on the stage's reduction thread once its last backward is
                                 over (overlapping the earlier stages' backwards); parameters resharded
-    FULL_SHARD      forward     all-gather before each micro-batch's forward, resharded after it
+    FULL_SHARD      forward     all-gather before each micro-batch's forward (and its recomputation, if it
+                                recomputes), resharded after it
                     backward    all-gather before each micro-batch's backward, its gradients reduce-scattered
-                                and the parameters resharded right after it: at most one unit whole at a time
+                                and the parameters resharded right after it: one unit whole at a time (and the
+                                one before it, prefetched)
     HYBRID_SHARD    FULL_SHARD within each shard group (a node's replicas), gradients then all-reduced across
                     the groups (the same shard on every node)
 
 So SHARD_GRAD_OP trades memory (a stage's whole parameters and gradients during the step) for the least
 communication (one all-gather and one reduce-scatter per step, as DDP's one all-reduce), and FULL_SHARD the
-reverse (2m all-gathers and m reduce-scatters per step). Gradients are reduced in every step, also while
-Lightning accumulates (``accumulate_grad_batches``): they stay sharded between steps, and a sum of averages is
-the average of the sum.
+reverse (2m all-gathers, one more per recomputed micro-batch, and m reduce-scatters per step). Gradients are
+reduced in every step, also while Lightning accumulates (``accumulate_grad_batches``): they stay sharded between
+steps, and a sum of averages is the average of the sum.
 
 The collectives are FSDP2's own, over the stage's group: every replica of a stage must run the same layers in
 each forward and backward (as under FSDP: a layer skipped on one replica's batch leaves the others waiting until
@@ -30,6 +32,7 @@ the process group's timeout).
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,13 +53,11 @@ SETTINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 @dataclass(frozen=True)
 class Sharding:
     """How each stage is sharded over its replicas: ``setting`` (one of :data:`SETTINGS` but ``NO_SHARD``);
-    for ``HYBRID_SHARD``, ``shard_size`` replicas per shard group (None: the replicas on one node); ``init_sync``:
-    every replica starts from replica 0's weights; ``broadcast_buffers``: buffers follow replica 0's at each
-    step's first forward (as DDP's)."""
+    for ``HYBRID_SHARD``, ``shard_size`` replicas per shard group (None: the replicas on one node);
+    ``broadcast_buffers``: buffers follow replica 0's at each step's first forward (as DDP's)."""
 
     setting: str
     shard_size: int | None = None
-    init_sync: bool = True
     broadcast_buffers: bool = True
 
     def stage(self, stage: Stage, group: dist.ProcessGroup) -> ShardedStage:
@@ -127,15 +128,13 @@ def _global(group: dist.ProcessGroup, rank: int) -> int:
 
 
 @torch.no_grad()
-def broadcast_state(module: nn.Module, group: dist.ProcessGroup, buffers_only: bool = False) -> None:
-    """``module``'s parameters (unless ``buffers_only``) and buffers take the values of the group's first process
-    (as DDP's constructor and its ``broadcast_buffers``)."""
-    tensors = list(module.buffers()) if buffers_only else [*module.parameters(), *module.buffers()]
+def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """``module``'s buffers take the values of the group's first process (as DDP's ``broadcast_buffers``; FSDP
+    leaves buffers whole in every process)."""
     source = _global(group, 0)
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.numel():
-            dist.broadcast(local, src=source, group=group)
+    for t in module.buffers():
+        if t.numel():
+            dist.broadcast(t, src=source, group=group)
 
 
 def _units(partition: nn.Module) -> list[nn.Module]:
@@ -181,9 +180,7 @@ class ShardedStage(Reduction):
         self.sharding = sharding
         self.group = group
         partition = stage.partition
-        if not is_sharded(partition):
-            if sharding.init_sync:
-                broadcast_state(partition, group)
+        if not is_sharded(partition):  # (every replica starts from replica 0's weights: the build broadcast them)
             shard(partition, mesh_for(group, stage, sharding), sharding)
         self.root = partition
         self.root.set_reduce_scatter_unused_params(True)  # every replica joins each reduce-scatter alike
@@ -199,7 +196,7 @@ class ShardedStage(Reduction):
     def sync_buffers(self, grad: bool, reduce: bool) -> None:
         """The stage's first forward of a step: its buffers follow replica 0's (as DDP's ``broadcast_buffers``)."""
         if self.sharding.broadcast_buffers and next(self.root.buffers(), None) is not None:
-            broadcast_state(self.root, self.group, buffers_only=True)
+            broadcast_buffers(self.root, self.group)
 
     def reduce_now(self, extra: Mapping[Tensor, Tensor] | None = None, run: int = -1) -> None:
         """The stage's backwards of the step are over: on the reduction thread, the gradients not reduced yet
@@ -209,8 +206,6 @@ class ShardedStage(Reduction):
         recorder = self.stage.recorder
 
         def job() -> None:
-            import time
-
             start = time.time()
             self.finish_backward()
             if recorder is not None:
