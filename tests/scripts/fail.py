@@ -100,6 +100,10 @@ def raising_hook(state, bucket):  # type: ignore[no-untyped-def] # noqa: ANN001
 
 
 def main(what: str, out: str) -> None:
+    if what == "interrupt":
+        # Ctrl+C in a terminal: the default handler, whatever the test runner's parent left (a shell's background
+        # job, as CI may be, starts its commands with SIGINT ignored, which a process inherits).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # slow: 8 samples, one step (4 micro-batches of 1.5 s each on stage 1)
     config = {"samples": 8 if what == "slow" else 64, "batch_size": 8,
               "optimizer": "adam-fused" if what == "fused_scaler" else "sgd", "manual": what == "bare_backward"}
