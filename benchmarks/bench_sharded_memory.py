@@ -40,27 +40,10 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
+from bench_large_model_memory import Body, GiB, peak  # the same body, peak measured the same way
 from torch.utils.data import DataLoader, TensorDataset
 
-GiB = 2**30
 SETTINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
-
-
-class Body(pl.LightningModule):
-    """``layers`` x Linear(width, width) with ReLU between, trained by AdamW on a regression loss."""
-
-    def __init__(self, layers: int, width: int) -> None:
-        super().__init__()
-        self.sequential_module = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU())
-                                                 for _ in range(layers)])
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.sequential_module(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 class StepTimes(pl.Callback):
@@ -71,12 +54,6 @@ class StepTimes(pl.Callback):
 
     def on_train_batch_end(self, *args: object) -> None:
         self.ends.append(time.perf_counter())
-
-
-def peak() -> int:
-    """This process's peak resident memory (bytes)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def run(layers: int, width: int, stages: int, replicas: int, setting: str, steps: int, out: str) -> None:

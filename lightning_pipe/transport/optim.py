@@ -195,5 +195,7 @@ def split(state_dict: Mapping[str, Any], names: Sequence[str], owner: Callable[[
 def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with its tensors on CPU (a shard of a stage sharded over its replicas, a ``DTensor``, stays as it
     is: whole or saved by DCP, it is read where it lives)."""
-    return {k: v.detach() if hasattr(v, "device_mesh") else v.detach().cpu() if isinstance(v, Tensor) else v
+    from lightning_pipe.transport import sharding
+
+    return {k: v.detach() if sharding.is_dtensor(v) else v.detach().cpu() if isinstance(v, Tensor) else v
             for k, v in state.items()}

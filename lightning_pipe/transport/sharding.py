@@ -255,12 +255,12 @@ def is_dtensor(t: Any) -> bool:
 
 def local(t: Tensor) -> Tensor:
     """This process's shard of ``t`` (``t`` itself unless a ``DTensor``)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _sharded_groups(t: Tensor) -> list[dist.ProcessGroup]:
     """The process groups over which ``t`` (a ``DTensor``) is sharded (none for a plain tensor)."""
-    if not hasattr(t, "device_mesh"):
+    if not is_dtensor(t):
         return []
     mesh = t.device_mesh
     return [mesh.get_group(d) for d, placement in enumerate(t.placements) if placement.is_shard()]
@@ -272,8 +272,8 @@ def total_norm(grads: Sequence[Tensor], norm_type: float) -> float:
     import math
 
     inf = math.isinf(norm_type)
-    plain = [g for g in grads if not hasattr(g, "device_mesh")]
-    sharded = [g for g in grads if hasattr(g, "device_mesh")]
+    plain = [g for g in grads if not is_dtensor(g)]
+    sharded = [g for g in grads if is_dtensor(g)]
     parts = [torch.linalg.vector_norm(g.detach(), norm_type).float().cpu() for g in plain]
     value = torch.stack(parts).max() if inf and parts else (
         torch.stack([p ** norm_type for p in parts]).sum() if parts else torch.zeros(()))
@@ -291,7 +291,7 @@ def total_norm(grads: Sequence[Tensor], norm_type: float) -> float:
 
 def any_true(flag: bool, tensors: Iterable[Tensor]) -> bool:
     """``flag`` or'ed over the shards of ``tensors`` (a collective where any is sharded)."""
-    sharded = next((t for t in tensors if hasattr(t, "device_mesh")), None)
+    sharded = next((t for t in tensors if is_dtensor(t)), None)
     if sharded is None:
         return flag
     value = torch.tensor([float(flag)], device=sharded.device_mesh.device_type)
@@ -313,26 +313,13 @@ def held(parameters: Iterable[Tensor], optimizers: Iterable[torch.optim.Optimize
 
 def full(t: Tensor) -> Tensor:
     """``t`` whole: a ``DTensor`` gathered from its shards (a collective of its mesh), any other as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def load_local(target: Tensor, value: Tensor) -> None:
-    """Copy ``value`` (whole) into ``target``: into this process's shard of it where ``target`` is a DTensor."""
-    with torch.no_grad():
-        if hasattr(target, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
-
-            piece = distribute_tensor(value.to(target.device_mesh.device_type), target.device_mesh,
-                                      target.placements, src_data_rank=None)
-            local(target).copy_(local(piece))
-        else:
-            target.copy_(value)
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def like(param: Tensor, value: Tensor) -> Tensor:
     """``value`` (whole, the shape of ``param``) as ``param`` is held: its shard as a ``DTensor`` where ``param``
     is one, else itself."""
-    if not hasattr(param, "device_mesh") or value.shape != param.shape:
+    if not is_dtensor(param) or value.shape != param.shape:
         return value
     from torch.distributed.tensor import distribute_tensor
 
