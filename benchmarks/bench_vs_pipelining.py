@@ -66,11 +66,20 @@ def build(args: argparse.Namespace) -> nn.Sequential:
 
 
 def halves(args: argparse.Namespace) -> list[nn.Sequential]:
+    """The model cut into ``args.processes`` stages of whole blocks (two halves by default)."""
     from lightning_pipe.engine import split_module
 
     model = build(args)
-    n = len(model)
-    return [nn.Sequential(*part) for part in split_module(model, [n // 2, n - n // 2])]
+    n, p = len(model), args.processes
+    blocks = [1 if isinstance(m, nn.Embedding) or m is model[-1] and args.model == "lm" else 2 for m in model
+              if not isinstance(m, nn.ReLU)]
+    per = [len(blocks) // p + (1 if j < len(blocks) % p else 0) for j in range(p)]
+    balance, k = [], 0
+    for count in per:
+        balance.append(sum(blocks[k:k + count]))
+        k += count
+    assert sum(balance) == n, (balance, n)
+    return [nn.Sequential(*part) for part in split_module(model, balance)]
 
 
 def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,22 +103,28 @@ def _grad_norm(part: nn.Sequential) -> float:
 
 
 # ---------------------------------------------------------------------- ours: RemotePipeline over RPC
-def _start_ours(rank: int, port: int, args: argparse.Namespace) -> tuple[list[nn.Sequential], Any]:
-    """Join RPC (rendezvous on ``port``) and set up our 2-stage pipeline: the halves and, in process 0, the
-    pipeline (None in process 1, whose RPC threads serve its stage)."""
+def _start_ours(rank: int, port: int, args: argparse.Namespace) -> tuple[list[nn.Sequential], Any, Any]:
+    """Join RPC (rendezvous on ``port``) and set up our pipeline: the stages and, in process 0, the pipeline
+    over ``args.data_plane`` and one over RPC alone where that is another (None in the other processes, whose
+    threads serve their stages)."""
     import torch.distributed.rpc as rpc
 
     from lightning_pipe.transport import pipeline_over_rpc
 
     kwargs: dict[str, Any] = {} if args.transport == "default" else {"_transports": [args.transport]}
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=args.processes,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
                      init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=RPC_TIMEOUT, num_worker_threads=16,
                      **kwargs))
     parts = halves(args)
-    pipeline = pipeline_over_rpc("bench", nn.Sequential(*parts[0], *parts[1]), [len(parts[0]), len(parts[1])],
-                                 ["worker0", "worker1"], timeout=RPC_TIMEOUT)
-    return parts, pipeline
+    names = [f"worker{r}" for r in range(args.processes)]
+    pipeline = pipeline_over_rpc("bench", nn.Sequential(*[m for part in parts for m in part]), [len(q) for q in parts],
+                                 names, timeout=RPC_TIMEOUT, data_plane=args.data_plane)
+    over_rpc = None
+    if args.data_plane != "rpc" and args.paired:  # the same weights, the other plane
+        over_rpc = pipeline_over_rpc("bench-rpc", nn.Sequential(*[m for part in halves(args) for m in part]),
+                                     [len(q) for q in parts], names, timeout=RPC_TIMEOUT, data_plane="rpc")
+    return parts, pipeline, over_rpc
 
 
 def ours_step(pipeline: Any, parts: list[nn.Sequential], x: torch.Tensor, y: torch.Tensor,
@@ -131,7 +146,7 @@ def ours_step(pipeline: Any, parts: list[nn.Sequential], x: torch.Tensor, y: tor
 def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed.rpc as rpc
 
-    parts, pipeline = _start_ours(rank, port, args)
+    parts, pipeline, _ = _start_ours(rank, port, args)
     if pipeline is None:
         rpc.shutdown(timeout=args.timeout)  # serves this stage until the driver is done
         return None
@@ -158,7 +173,7 @@ def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
 def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.processes,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
     try:
         part = halves(args)[rank]
@@ -169,12 +184,14 @@ def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
         def step() -> None:
             if rank == 0:
                 schedule.step(x)
-            else:
+            elif rank == args.processes - 1:
                 schedule.step(target=y, losses=losses)
+            else:
+                schedule.step()
 
         step()
         # The whole batch's mean = the mean of the micro-batches' means (equal micro-batch sizes).
-        first_loss = torch.stack(losses).mean().item() if rank == 1 else None
+        first_loss = torch.stack(losses).mean().item() if rank == args.processes - 1 else None
         first_grad = _grad_norm(part) if rank == 0 else None
         for _ in range(args.warmup - 1):
             step()
@@ -191,11 +208,11 @@ def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
 
 
 def their_schedule(part: nn.Sequential, rank: int, args: argparse.Namespace, schedule: str) -> Any:
-    """torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B over ``part`` (stage ``rank`` of 2), its
-    loss on the last stage, gradients scaled by 1 / micro-batches (the whole batch's mean loss)."""
+    """torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B over ``part`` (stage ``rank``), its loss on
+    the last stage, gradients scaled by 1 / micro-batches (the whole batch's mean loss)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    stage = PipelineStage(part, rank, args.processes, torch.device("cpu"))
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, args.chunks, loss_fn=loss_fn)
 
 
@@ -236,39 +253,44 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.processes,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
     # The same port as the gloo group: tcp:// rendezvous stores are multi-tenant within a process.
-    parts, ours = _start_ours(rank, port, args)
+    parts, ours, over_rpc = _start_ours(rank, port, args)
+    engines = ("ours", "ours-rpc", "theirs") if args.data_plane != "rpc" else ("ours", "theirs")
     part = halves(args)[rank]  # theirs: its own copy of the same weights
     theirs = {name: their_schedule(part, rank, args, name) for name in args.schedules}
     x, y = batch(args)
-    losses: dict[str, list[float]] = {f"{engine} {name}": [] for engine in ("ours", "theirs") for name in theirs}
+    losses: dict[str, list[float]] = {f"{engine} {name}": [] for engine in engines for name in theirs}
 
     def step(engine: str, name: str) -> None:
-        if engine == "ours":
-            if ours is not None:  # process 1 serves its stage from RPC threads meanwhile
-                losses[f"ours {name}"].append(ours_step(ours, parts, x, y, args, name))
+        if engine.startswith("ours"):
+            pipeline = ours if engine == "ours" else over_rpc
+            if pipeline is not None:  # the other processes serve their stages from RPC threads meanwhile
+                losses[f"{engine} {name}"].append(ours_step(pipeline, parts, x, y, args, name))
         elif rank == 0:
             theirs[name].step(x)
-        else:
+        elif rank == args.processes - 1:
             out: list[torch.Tensor] = []
             theirs[name].step(target=y, losses=out)
             losses[f"theirs {name}"].append(torch.stack(out).mean().item())
+        else:
+            theirs[name].step()
 
     # CPU by kind of thread, per engine: each step's share is what the threads used from the barrier before
     # it to the barrier after it (read outside the timed part). Compute: where each engine runs its stage.
     from lightning_pipe.transport.runner import _RUNNERS
 
     def compute(engine: str) -> set[int]:  # the stage's worker thread has started once a step has run
-        thread = _RUNNERS["bench"].worker._thread if engine == "ours" else threading.current_thread()
+        runner = _RUNNERS.get({"ours": "bench", "ours-rpc": "bench-rpc"}.get(engine, ""))
+        thread = runner.worker._thread if runner is not None else threading.current_thread()
         return {thread.native_id} if thread is not None and thread.native_id is not None else set()
 
-    cpu: dict[str, dict[str, float]] = {"ours": {}, "theirs": {}}
+    cpu: dict[str, dict[str, float]] = {engine: {} for engine in engines}
     times: dict[str, list[float]] = {key: [] for key in losses}
     for k in range(args.warmup + args.paired):
         for name in args.schedules:
-            for engine in ("ours", "theirs")[:: 1 if k % 2 == 0 else -1]:
+            for engine in engines[:: 1 if k % 2 == 0 else -1]:
                 dist.barrier()
                 before = _thread_cpu()
                 start = time.perf_counter()
@@ -281,8 +303,9 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
                         kind = _kind(tid, thread, compute(engine))
                         cpu[engine][kind] = cpu[engine].get(kind, 0.0) + used - before.get(tid, (thread, 0.0))[1]
     steps = args.paired * len(args.schedules)
-    if ours is not None:
-        ours.close()
+    for pipeline in (ours, over_rpc):
+        if pipeline is not None:
+            pipeline.close()
     rpc.shutdown(timeout=args.timeout)
     dist.destroy_process_group()
     return {"times": times, "losses": losses,
@@ -290,60 +313,70 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
 
 
 def paired(args: argparse.Namespace) -> None:
-    """Both engines in one job, alternating step by step, for each schedule (``args.jobs`` such jobs); print
-    the per-pair ratios of our step time to theirs, per schedule and job, and over everything."""
+    """The engines in one job, alternating step by step, for each schedule (``args.jobs`` such jobs): ours over
+    ``args.data_plane``, ours over RPC alone (where that is another) and theirs; print the per-pair ratios of
+    each of our step times to theirs, per schedule and job, and over everything."""
     start = time.perf_counter()
-    print(f"{args.jobs} job(s) of {args.paired} pairs of steps per schedule ({', '.join(args.schedules)}), each "
-          "job holding both engines, alternating (first of a pair swapped each time), a barrier before each step; "
-          "timed on process 0\n")
-    ratios: dict[str, list[float]] = {name: [] for name in args.schedules}  # our step time / theirs, per pair
+    engines = ["ours", "ours-rpc", "theirs"] if args.data_plane != "rpc" else ["ours", "theirs"]
+    print(f"{args.jobs} job(s) of {args.paired} rounds of steps per schedule ({', '.join(args.schedules)}), each "
+          f"job holding every engine ({', '.join(engines)}), alternating (the order reversed each round), a "
+          "barrier before each step; timed on process 0\n")
+    ratios: dict[str, list[float]] = {}  # "<engine> <schedule>" -> our step time / theirs, per round
     steps: dict[str, list[float]] = {}
     medians: list[float] = []
     cpu: dict[tuple[int, str, str], list[float]] = {}  # (process, engine, kind of thread) -> per job
     losses: dict[str, float] = {}
     for job in range(args.jobs):
-        both = run_processes(_job, 2, "paired", args, timeout=args.timeout, label="paired")
-        for rank, result in both.items():
+        every = run_processes(_job, args.processes, "paired", args, timeout=args.timeout, label="paired")
+        for rank, result in every.items():
             for engine, kinds in result["cpu"].items():
                 for kind, used in kinds.items():
                     cpu.setdefault((rank, engine, kind), []).append(used)
             for key, values in result["losses"].items():
                 if values:
                     losses.setdefault(key, values[0])
-        times = both[0]["times"]
+        times = every[0]["times"]
         line = []
         for name in args.schedules:
-            mine = [o / t for o, t in zip(times[f"ours {name}"], times[f"theirs {name}"])]
-            ratios[name] += mine
-            medians.append(statistics.median(mine))
-            for engine in ("ours", "theirs"):
+            for engine in engines:
                 steps.setdefault(f"{engine} {name}", []).extend(times[f"{engine} {name}"])
-            line.append(f"{name}: ours {statistics.median(times[f'ours {name}']) * 1e3:.1f} ms, theirs "
-                        f"{statistics.median(times[f'theirs {name}']) * 1e3:.1f} ms, ours/theirs {medians[-1]:.3f}")
+            for engine in engines[:-1]:
+                mine = [o / t for o, t in zip(times[f"{engine} {name}"], times[f"theirs {name}"])]
+                ratios.setdefault(f"{engine} {name}", []).extend(mine)
+                if engine == "ours":
+                    medians.append(statistics.median(mine))
+            line.append(f"{name}: " + ", ".join(f"{engine} {statistics.median(times[f'{engine} {name}']) * 1e3:.1f} "
+                                                 "ms" for engine in engines) + f", ours/theirs {medians[-1]:.3f}")
         print(f"job {job + 1}: " + "; ".join(line), flush=True)
-    print(f"\n{'schedule':<10}{'engine':<8}{'median step':>13}{'ours/theirs, median of pairs (quartiles)':>44}")
+    print(f"\n{'schedule':<10}{'engine':<10}{'median step':>13}{'/ theirs, median of rounds (quartiles)':>42}")
     for name in args.schedules:
-        r = sorted(ratios[name])
-        q = lambda f, r=r: r[min(len(r) - 1, int(f * len(r)))]  # noqa: E731
-        for engine in ("ours", "theirs"):
-            extra = f"{statistics.median(r):.3f} ({q(0.25):.3f}-{q(0.75):.3f})" if engine == "ours" else ""
-            print(f"{name:<10}{engine:<8}{statistics.median(steps[f'{engine} {name}']) * 1e3:>11.1f}ms{extra:>44}")
+        for engine in engines:
+            extra = ""
+            if engine != "theirs":
+                r = sorted(ratios[f"{engine} {name}"])
+                q = lambda f, r=r: r[min(len(r) - 1, int(f * len(r)))]  # noqa: E731
+                extra = f"{statistics.median(r):.3f} ({q(0.25):.3f}-{q(0.75):.3f})"
+            print(f"{name:<10}{engine:<10}{statistics.median(steps[f'{engine} {name}']) * 1e3:>11.1f}ms{extra:>42}")
     print("\nthe same work? the first step's loss, same weights and batch:")
     for key, value in sorted(losses.items()):
-        print(f"  {key:<14} {value:.6f}")
+        print(f"  {key:<16} {value:.6f}")
     if cpu:
         print("\nCPU per step by thread, ms (median over jobs; compute: the thread running the stage, which "
               "also starts its sends; a step's share runs from the barrier before it to the one after):")
-        for rank in (0, 1):
-            for engine in ("ours", "theirs"):
+        for rank in range(args.processes):
+            for engine in engines:
                 kinds = sorted((k for r, e, k in cpu if (r, e) == (rank, engine)), key=lambda k: k != "compute")
                 line = ", ".join(f"{k} {statistics.median(cpu[(rank, engine, k)]) * 1e3:.1f}" for k in kinds)
-                print(f"  process {rank}, {engine:<6}: {line}")
+                print(f"  process {rank}, {engine:<8}: {line}")
     if args.jobs > 1:
-        print(f"per-job medians: {min(medians):.3f}-{max(medians):.3f}")
-    every = sorted(x for r in ratios.values() for x in r)
+        print(f"per-job medians (ours): {min(medians):.3f}-{max(medians):.3f}")
     print(f"wall time of the benchmark: {time.perf_counter() - start:.1f} s")
-    print(f"RESULT {args.model}_ours_over_theirs={statistics.median(every):.3f}")
+    for name in args.schedules:
+        for engine in engines[:-1]:
+            print(f"RESULT {args.model}_p{args.processes}_{name}_{engine.replace('-', '_')}_over_theirs="
+                  f"{statistics.median(ratios[f'{engine} {name}']):.3f}")
+    every_ratio = sorted(x for name in args.schedules for x in ratios[f"ours {name}"])
+    print(f"RESULT {args.model}_ours_over_theirs={statistics.median(every_ratio):.3f}")
 
 
 def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace) -> Any:
@@ -357,9 +390,15 @@ def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace
 # ---------------------------------------------------------------------- report
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp", choices=["mlp", "lm"],
+    parser.add_argument("--model", default="mlp", choices=["mlp", "lm", "comm"],
                         help="mlp: Linear+ReLU blocks; lm: embedding, blocks and a vocabulary head (defaults: paired "
-                             "steps, both schedules, the loss on the last stage)")
+                             "steps, both schedules, the loss on the last stage); comm: bound by its hand-offs, one "
+                             "Linear(64) + ReLU per process, micro-batches of 64 rows (defaults: 16 micro-batches, "
+                             "paired steps, both schedules, the loss on the last stage)")
+    parser.add_argument("--processes", type=int, default=2, help="processes, one stage each (default 2)")
+    parser.add_argument("--data-plane", default="auto", choices=["auto", "p2p", "rpc"],
+                        help="ours: how tensors go between processes (pipeline_over_rpc's data_plane); paired "
+                             "jobs also run ours over RPC alone, where this is another")
     parser.add_argument("--width", type=int, default=None, help="default: 1024 (mlp), 256 (lm)")
     parser.add_argument("--layers", type=int, default=None, help="Linear+ReLU blocks, split in two halves; "
                                                                  "default: 8 (mlp), 4 (lm)")
@@ -385,6 +424,15 @@ def main() -> None:
                         help="with --paired: K such jobs, one after another")
     parser.add_argument("--pin", action="store_true", help="run process r on core r only (needs 2 cores)")
     args = parser.parse_args()
+    if args.model == "comm":  # an MLP of one small block per process, where the hand-offs are the cost
+        args.model = "mlp"
+        args.width = args.width or 64
+        args.layers = args.layers or args.processes
+        args.chunks = 16 if args.chunks == 8 else args.chunks
+        args.batch = args.batch or 64 * args.chunks
+        args.schedules = args.schedules or "gpipe,1f1b"
+        args.loss = args.loss or "last"
+        args.paired = args.paired or 40
     lm = args.model == "lm"
     args.width = args.width or (256 if lm else 1024)
     args.layers = args.layers or (4 if lm else 8)

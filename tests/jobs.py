@@ -148,6 +148,13 @@ for _name, _extra in SCHEDULES.items():
         "epochs": 1}
 
 
+# The data planes (data_plane): every hand-off by RPC, and every one point-to-point whatever its size (the
+# default, "auto", runs every other case).
+GROUPS["4 processes"]["rpc-plane-1f1b-2replicas"] = {**GROUPS["4 processes"]["1f1b-2replicas"], "data_plane": "rpc"}
+GROUPS["4 processes"]["p2p-plane-zero-bubble-2replicas"] = {**GROUPS["4 processes"]["zero-bubble-2replicas"],
+                                                            "data_plane": "p2p"}
+
+
 # Hugging Face models as bodies (lightning_pipe.models; tests/scripts/hf_train.py): GPT-2 under GPipe, Llama
 # (grouped-query attention) under 1F1B with the loss on the last stage, BERT, Qwen2 (sliding-window layers) over 3
 # stages; heads tied to their embedding across stages (a copy in the first and last stage, gradients summed),

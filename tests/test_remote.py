@@ -75,10 +75,12 @@ class _InlineStage0:
         return self.pipeline.backward(run, grads, **{**kwargs, "inline_device": self.pipeline.runner.stage.device})
 
 
-def _transparency(rank: int, world: int, balances: list[list[int]], configs: list[tuple[int, str, bool | str]]):
+def _transparency(rank: int, world: int, balances: list[list[int]], configs: list[tuple[int, str, bool | str]],
+                  plane: str = "auto"):
     checked = []
     for k, balance in enumerate(balances):  # one pipeline after another in the same processes
-        pipeline = pipeline_over_rpc(f"test{k}", build(), balance, [f"worker{r}" for r in range(world)], timeout=20)
+        pipeline = pipeline_over_rpc(f"test{k}", build(), balance, [f"worker{r}" for r in range(world)], timeout=20,
+                                     data_plane=plane)
         if pipeline is not None:  # else this process hosts its stage (until rpc.shutdown)
             checked.append(_compare(pipeline, balance, configs))
     return checked if rank == 0 else None
@@ -117,16 +119,18 @@ def _compare(pipeline, balance: list[int], configs: list[tuple[int, str, bool | 
 
 
 @pytest.mark.timeout(180)
-def test_remote_stages_match_one_process():
+@pytest.mark.parametrize("plane", ["auto", "rpc"])
+def test_remote_stages_match_one_process(plane):
+    """Over the default data plane (point-to-point) and over RPC alone."""
     configs = [(1, "never", True), (4, "always", True), (3, "except_last", True), (10, "never", True),
                (4, "always", False), (5, "never", False), (4, "except_last", "inline")]
-    out = run_processes(_transparency, 3, [[2, 3, 2], [1, 5, 1]], configs, timeout=150)
+    out = run_processes(_transparency, 3, [[2, 3, 2], [1, 5, 1]], configs, plane, timeout=150)
     assert out[0] == [6 * len(configs)] * 2  # every parameter's gradient compared, in every configuration
 
 
-def _schedules(rank: int, world: int, cases: list[tuple[str, int, int, str]]):
+def _schedules(rank: int, world: int, cases: list[tuple[str, int, int, str]], plane: str = "auto"):
     """Every schedule through processes, the loss on the last stage: the plain model's loss, parameters' and
-    input's gradients (with 2 processes x 2 stages each for the interleaved one)."""
+    input's gradients (with 2 processes x 2 stages each for the interleaved one), over data plane ``plane``."""
     compared = []
     for k, (schedule, v, chunks, checkpoint) in enumerate(cases):
         model = build()
@@ -134,7 +138,7 @@ def _schedules(rank: int, world: int, cases: list[tuple[str, int, int, str]]):
         parts = world * v
         balance = [n // parts + (1 if j < n % parts else 0) for j in range(parts)]
         pipeline = pipeline_over_rpc(f"schedule{k}", model, balance, [f"worker{r}" for r in range(world)],
-                                     timeout=20, virtual_stages=v)
+                                     timeout=20, virtual_stages=v, data_plane=plane)
         if pipeline is None:
             continue
         reference = build()
@@ -163,10 +167,11 @@ def _schedules(rank: int, world: int, cases: list[tuple[str, int, int, str]]):
 
 
 @pytest.mark.timeout(180)
-def test_every_schedule_across_processes_matches_one_process():
+@pytest.mark.parametrize("plane", ["auto", "rpc"])
+def test_every_schedule_across_processes_matches_one_process(plane):
     cases = [("gpipe", 1, 4, "except_last"), ("1f1b", 1, 4, "never"), ("zero-bubble", 1, 5, "always"),
              ("interleaved-1f1b", 2, 4, "except_last")]
-    out = run_processes(_schedules, 2, cases, timeout=150)
+    out = run_processes(_schedules, 2, cases, plane, timeout=150)
     assert out[0] == [c[0] for c in cases]
 
 

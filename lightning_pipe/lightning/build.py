@@ -31,6 +31,7 @@ from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
 from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
 from lightning_pipe.transport import host, sharding
+from lightning_pipe.transport.dataplane import connect
 from lightning_pipe.transport.driver import RemotePipeline
 from lightning_pipe.transport.runner import StageRunner
 from lightning_pipe.transport.session import worker_name
@@ -144,6 +145,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     stages = [Stage(s, parts[s], strategy.root_device, offset=offsets[s], exports=layout.exports[s].keys(),
                     imports=layout.imports[s].keys()) for s in range(0, n, p)]
     pipeline = RemotePipeline(StageRunner(key, stages, peers, layout, timeout), processes=p)
+    connect(pipeline.runner, [worker_name(r) for r in ranks], strategy.data_plane)
     hosts = host.HostGroup(key, [worker_name(r) for r in ranks[1:]], timeout)
     stage_of = {name: s for s, part in enumerate(parts) for name, _ in part.named_children()}
     pipelined = PipelinedSequential(body, stage_of, pipeline, chunks=strategy.microbatches,

@@ -44,6 +44,7 @@ from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, mix_in, raw
 from lightning_pipe.lightning.precision import PipePrecision, loss_gradient, sum_tied
 from lightning_pipe.lightning.replicas import Replicas, ReplicatedStages
+from lightning_pipe.transport.dataplane import DATA_PLANES
 from lightning_pipe.transport.session import SESSION, abort_world
 
 __all__ = ["PipeStrategy"]
@@ -97,6 +98,10 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
             within a node's replicas, replicated across nodes), by torch's FSDP2 (``fully_shard``) over each
             stage's replicas; see ``docs/large_models.md``.
         hybrid_shard_size: ``'HYBRID_SHARD'``: replicas per shard group (None: those on one node).
+        data_plane: how stages hand each other activations and gradients: ``'auto'`` (point-to-point over gloo
+            for CPU stages, each hand-off one message into a receive posted ahead; by RPC above 1.5 MiB and
+            between GPUs, where RPC sends from GPU to GPU), ``'p2p'`` (point-to-point whatever the size; CPU
+            stages) or ``'rpc'`` (every hand-off by RPC); see ``docs/design.md``, "The data plane".
         **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``cluster_environment``, ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``) and
             on to the ``DistributedDataParallel`` of every stage (``find_unused_parameters``, ``bucket_cap_mb``,
@@ -112,7 +117,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
                  deferred_batch_norm: bool = False, timeline: str | None = None, schedule: str = "gpipe",
                  virtual_stages: int = 1, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
-                 hybrid_shard_size: int | None = None, accelerator: Any = None,
+                 hybrid_shard_size: int | None = None, data_plane: str = "auto", accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -120,6 +125,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         balance = checks.check_arguments(balance, microbatches, checkpoint, balance_mode, rpc_timeout_sec,
                                          module_name, schedule, virtual_stages, kwargs)
         checks.check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
+        checks.check_choice("data_plane", data_plane, DATA_PLANES)
         ddp.check_arguments(kwargs, [n for n in inspect.signature(PipeStrategy).parameters if n != "kwargs"])
         self._ddp_explicit = [k for k, v in kwargs.items() if (k in ddp.LIGHTNING[:4] and v is not None)
                               or (k not in ddp.LIGHTNING and not ddp.is_default(k, v))]
@@ -147,6 +153,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         self.state_dict_type = state_dict_type
         self.sharding_strategy = sharding_strategy
         self.hybrid_shard_size = hybrid_shard_size
+        self.data_plane = data_plane
         self._body: PipelinedSequential | None = None  # the body this strategy runs, once set up
         self._stage_optimizers: StageOptimizers | None = None
         self._replicas = Replicas(1)

@@ -26,6 +26,7 @@ from lightning_pipe.engine.schedule import Plan, forward_only, gpipe
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Grads, Stage, _move
 from lightning_pipe.engine.worker import Inline
+from lightning_pipe.transport.dataplane import connect, detach
 from lightning_pipe.transport.messages import (
     _PROGRESS,
     _PROGRESS_LOCK,
@@ -66,7 +67,7 @@ def wait_registered(peers: Sequence[str], key: str, timeout: float) -> None:
 
 def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], names: Sequence[str], *,
                       device: torch.device | str = "cpu", timeout: float = 60.0,
-                      virtual_stages: int = 1) -> RemotePipeline | None:
+                      virtual_stages: int = 1, data_plane: str = "auto") -> RemotePipeline | None:
     """Split ``module`` by ``balance`` across the processes ``names``: stage ``s`` in process
     ``names[s % len(names)]`` (``len(balance) == len(names) * virtual_stages``).
 
@@ -74,7 +75,8 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
     stage 0 it returns the pipeline to run with :func:`~lightning_pipe.engine.autograd.run_pipeline` or
     :func:`~lightning_pipe.engine.autograd.pipeline_loss` once every stage is ready; elsewhere it hosts this
     process's stages and returns None (RPC threads serve them until ``rpc.shutdown``). This is what
-    ``PipeStrategy`` does for Lightning, without Lightning.
+    ``PipeStrategy`` does for Lightning, without Lightning. ``data_plane``: how tensors go from process to
+    process (:data:`~lightning_pipe.transport.dataplane.DATA_PLANES`).
     """
     me = rpc.get_worker_info().name
     if me not in names:
@@ -98,6 +100,7 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
         return None
     pipeline = RemotePipeline(runner, processes=p)
     wait_registered(list(names[1:]), key, timeout)
+    connect(runner, list(names), data_plane)
     return pipeline
 
 
@@ -355,4 +358,10 @@ class RemotePipeline:
     def close(self) -> None:
         """Stop the local worker and forget this pipeline here."""
         unregister(self.key)
+        if self.runner.plane is not None:
+            for peer in self.peers[1:]:
+                try:
+                    rpc.rpc_async(peer, detach, args=(self.key,), timeout=self.runner.timeout)
+                except Exception:  # noqa: BLE001 - a process already gone has no plane left
+                    pass
         self.runner.stop()

@@ -174,11 +174,14 @@ class StageHost(StageState):
 
     def stats(self) -> dict[str, Any]:
         """How many optimizer steps this stage took and barriers it passed, which tensors it materialised
-        from the driver's recording of a deferred build (by the LightningModule's names), and how much of its
-        stage it holds (``held``: see :func:`~lightning_pipe.transport.sharding.held`)."""
+        from the driver's recording of a deferred build (by the LightningModule's names), how much of its
+        stage it holds (``held``: see :func:`~lightning_pipe.transport.sharding.held`) and how many messages
+        its data plane sent and received (``plane``; None where every hand-off goes by RPC)."""
         optimizers = [optimizer for optimizer, _ in self.optimizers.values()]
+        plane = self.runner.plane  # what its data plane carried (None: every hand-off by RPC)
         return {**self.counts, "materialized": self.materialized,
-                "held": sharding.held(self.partition.parameters(), optimizers)}
+                "held": sharding.held(self.partition.parameters(), optimizers),
+                "plane": None if plane is None else {"sent": plane.sent, "received": plane.received}}
 
     def memory(self) -> dict[str, int]:
         """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""

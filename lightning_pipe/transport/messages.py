@@ -91,6 +91,16 @@ class Mailbox:
                 self._cond.wait(remaining)
             return self._items.pop(slot)
 
+    def poll(self, slot: Slot) -> tuple[bool, Any]:
+        """``(True, value)`` taken from ``slot`` if it was delivered, else ``(False, None)``; raises
+        :class:`_Skipped` if the slot's run was aborted."""
+        with self._cond:
+            if slot in self._items:
+                return True, self._items.pop(slot)
+            if slot[:2] in self._aborted:
+                raise _Skipped()
+            return False, None
+
     def pending(self) -> int:
         """How many delivered messages wait for their consumer."""
         with self._cond:
@@ -241,3 +251,40 @@ def _located(exc: BaseException, describe: Callable[[], str]) -> BaseException:
         exc.add_note(describe() + (": its process exited or was killed" if lost else ""))
         exc._lightning_pipe_where = True  # type: ignore[attr-defined]
     return exc
+
+
+def _chain(submit: Callable[[Callable[[], Any]], Future[Any]], work: Callable[[], tuple[list[Future[Any]], Any]]
+           ) -> torch.futures.Future:
+    """Run ``work`` by ``submit`` (on a stage's worker); once it and the sends it started are done, answer with
+    the value it returned beside them."""
+    out: torch.futures.Future = torch.futures.Future()
+
+    def finish(f: Future[Any]) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_result(_Failure(exc))
+            return
+        sends, value = f.result()
+        pending = [len(sends)]
+        if not sends:
+            out.set_result(value)
+            return
+        lock = threading.Lock()
+
+        def sent(s: Future[Any]) -> None:
+            with lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            with lock:
+                if out.done():
+                    return
+                if s.exception() is not None:
+                    out.set_result(_Failure(s.exception()))  # type: ignore[arg-type]
+                elif last:
+                    out.set_result(value)
+
+        for s in sends:
+            s.add_done_callback(sent)
+
+    submit(work).add_done_callback(finish)
+    return out

@@ -15,7 +15,6 @@ by the RPC timeout, so a lost process becomes an error, not a hang.
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -39,9 +38,9 @@ from lightning_pipe.transport.messages import (
     Slot,
     StepSpec,
     _alive,
+    _chain,
     _chain_into,
     _deliver,
-    _Failure,
     _landed,
     _located,
     _maps,
@@ -92,6 +91,7 @@ class StageRunner:
         self.modes_from_driver = False
         self._direct: dict[tuple[int, int], torch.device | None] = {}
         self.averages = Averages(self.stages)  # with replicas: each stage averaged with the others' by DDP
+        self.plane: Any = None  # tensors to other processes: by RPC, or this DataPlane where it carries them
 
     def direct(self, dst: int, src: int | None = None) -> torch.device | None:
         """Stage ``src``'s GPU (default: this process's first stage) if its tensors go to stage ``dst`` (``n``:
@@ -121,12 +121,17 @@ class StageRunner:
         if peer == self.me:
             MAILBOX.put(slot, payload)
             return None
-        sent: Future[Any] = Future()
         describe = lambda: f"{self.describe(slot[5] if isinstance(slot[5], int) else None)} could not send to " \
             f"stage {dst} ({where(peer)})"  # noqa: E731
+        if self.plane is not None and (sent := self.plane.send(peer, slot, payload, describe)) is not None:
+            return sent  # point-to-point (:mod:`~lightning_pipe.transport.dataplane`)
+        sent = Future()
+        plane = self.plane
 
         def send() -> None:
             _chain_into(rpc.rpc_async(peer, _deliver, args=(slot, payload), timeout=self.timeout), sent, describe)
+            if plane is not None:
+                plane.sent_by_rpc(peer, slot)  # the receiver waits for it in the mailbox
 
         def started(f: Future[Any]) -> None:
             exc = f.exception()
@@ -146,8 +151,13 @@ class StageRunner:
             source = "the driver (the target)"
         else:
             source = f"the stage stashing '{src[1]}'"
-        return MAILBOX.take(slot, timeout or self.timeout,
-                            lambda: f"{self.describe(slot[4])}, micro-batch {slot[3]} ({slot[2]}) from {source}")
+        describe = lambda: f"{self.describe(slot[4])}, micro-batch {slot[3]} ({slot[2]}) from {source}"  # noqa: E731
+        if self.plane is not None and (isinstance(src, int) and src < self.n or isinstance(src, tuple)):
+            layout = self.layout.imports if slot[2] == "F" else self.layout.exports
+            peer = self.peers[src if isinstance(src, int) else layout[slot[4]][src]]
+            if self.plane.carries(peer):  # waits on the channel from the sender itself
+                return self.plane.take(peer, slot, timeout or self.timeout, describe)
+        return MAILBOX.take(slot, timeout or self.timeout, describe)
 
     def forward(self, run: int, s: int, i: int, spec: StepSpec, inputs: Batch | None = None) -> list[Future[Any]]:
         """Stage ``s``'s forward of micro-batch ``i`` in the step's mode, under the driver's autocast; sends the
@@ -256,6 +266,8 @@ class StageRunner:
                     self._still_working(run)
                 averages.finish()
             finally:
+                if self.plane is not None:
+                    self.plane.flush(run in self._failed)  # the step's sends are taken: their futures complete
                 for finish in later.values():  # after a failure: what an I left for its W is dropped
                     finish(False)
                 averages.close((lambda stage: stage.aside.keep(run)) if spec.eager else None)
@@ -295,10 +307,14 @@ class StageRunner:
         self._failed.append(run)
         self._held.pop(run, None)
         MAILBOX.abort(self.key, run)
+        if self.plane is not None:
+            self.plane.abort(run)
 
     def stop(self) -> None:
         """Let this process's threads of the pipeline finish their queued work and exit."""
         self.worker.stop()
+        if self.plane is not None:
+            self.plane.close()
         if isinstance(self.sender, Worker):
             self.sender.stop()
 
@@ -322,42 +338,6 @@ def unregister(key: str) -> None:
     _RUNNERS.pop(key, None)
 
 
-def _chain(runner: StageRunner, work: Callable[[], tuple[list[Future[Any]], Any]]) -> torch.futures.Future:
-    """Run ``work`` on the stage's worker; once it and the sends it started are done, answer with the value
-    it returned beside them."""
-    out: torch.futures.Future = torch.futures.Future()
-
-    def finish(f: Future[Any]) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_result(_Failure(exc))
-            return
-        sends, value = f.result()
-        pending = [len(sends)]
-        if not sends:
-            out.set_result(value)
-            return
-        lock = threading.Lock()
-
-        def sent(s: Future[Any]) -> None:
-            with lock:
-                pending[0] -= 1
-                last = pending[0] == 0
-            with lock:
-                if out.done():
-                    return
-                if s.exception() is not None:
-                    out.set_result(_Failure(s.exception()))  # type: ignore[arg-type]
-                elif last:
-                    out.set_result(value)
-
-        for s in sends:
-            s.add_done_callback(sent)
-
-    runner.worker.submit(work).add_done_callback(finish)
-    return out
-
-
 @rpc.functions.async_execution
 def _act(key: str, run: int, actions: list[Action], spec: StepSpec,
          deliveries: Sequence[tuple[Slot, Any]] = ()) -> torch.futures.Future:
@@ -369,7 +349,7 @@ def _act(key: str, run: int, actions: list[Action], spec: StepSpec,
         sends, _ = runner.run_actions(run, actions, spec)
         return sends, runner.take_held(run)
 
-    return _chain(runner, work)
+    return _chain(runner.worker.submit, work)
 
 
 def _commit(key: str, run: int, scale: float) -> None:

@@ -107,9 +107,10 @@ def start_session(topology: Topology, rank: int, main_address: str, main_port: i
         for peer, device in enumerate(devices or ()):
             if peer != rank and device is not None and device.type == "cuda":
                 options.set_device_map(worker_name(peer), {mine: device})
+    # The store first: this process serves RPCs (which may build groups through it) before init_rpc returns.
+    SESSION.rank, SESSION.store, SESSION.backend, SESSION.pg_timeout = rank, store, backend, pg_timeout
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=topology.world, rpc_backend_options=options)
-    SESSION.topology, SESSION.rank, SESSION.store, SESSION.backend = topology, rank, store, backend
-    SESSION.pg_timeout = pg_timeout
+    SESSION.topology = topology
     _start_orphan_watchdog()
     if topology.is_driver(rank):
         previous = sys.excepthook

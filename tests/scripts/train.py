@@ -48,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "last_stage_loss": False, "predict": False, "build": "eager", "guard": False, "save_initial": False,
     "init": None, "state_dict_type": "full", "ddp": {}, "hook": None, "rare_gate": False,
     "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None, "count_collectives": False,
+    "data_plane": "auto",
 }
 
 
@@ -503,7 +504,7 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
                        rpc_timeout_sec=60, timeline=config["timeline"], schedule=config["schedule"],
                        virtual_stages=config["virtual_stages"], state_dict_type=config["state_dict_type"],
                        sharding_strategy=config["sharding"], hybrid_shard_size=config["hybrid_shard_size"],
-                       **shared, **ddp_arguments(config, out))
+                       data_plane=config["data_plane"], **shared, **ddp_arguments(config, out))
     elif strategy == "ddp":  # Lightning's DDPStrategy over the plain model: the reference for replicas
         from pytorch_lightning.strategies import DDPStrategy
 
@@ -597,6 +598,11 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
             json.dump([held(real, [o.optimizer for o in trainer.optimizers]
                             if hasattr(trainer.optimizers[0], "optimizer") else trainer.optimizers),
                        *[s["held"] for s in trainer.strategy._body.hosts.call("stats")]], f)
+    if isinstance(trainer.strategy, lightning_pipe.PipeStrategy):  # what each process's data plane carried
+        plane = trainer.strategy._pipeline.runner.plane
+        with open(os.path.join(out, f"plane_replica{trainer.global_rank}.json"), "w") as f:
+            json.dump([None if plane is None else {"sent": plane.sent, "received": plane.received},
+                       *[s["plane"] for s in trainer.strategy._body.hosts.call("stats")]], f)
     if config["dump_replica_state"] and not plain:  # every stage's weights and buffers, as each replica has them
         torch.save(model.state_dict(), os.path.join(out, f"state_replica{trainer.global_rank}.pt"))
     if config["predict"] and not plain:  # the outputs, through the pipeline's forward in the schedule's processes
