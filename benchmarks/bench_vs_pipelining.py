@@ -51,6 +51,7 @@ from processes import run_processes
 from torch import nn
 
 RPC_TIMEOUT = 120.0
+THEIRS = ("gpipe", "1f1b")  # the schedules of theirs for one stage per process
 
 
 def build(args: argparse.Namespace) -> nn.Sequential:
@@ -259,9 +260,10 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     parts, ours, over_rpc = _start_ours(rank, port, args)
     engines = ("ours", "ours-rpc", "theirs") if args.data_plane != "rpc" else ("ours", "theirs")
     part = halves(args)[rank]  # theirs: its own copy of the same weights
-    theirs = {name: their_schedule(part, rank, args, name) for name in args.schedules}
+    theirs = {name: their_schedule(part, rank, args, name) for name in args.schedules if name in THEIRS}
     x, y = batch(args)
-    losses: dict[str, list[float]] = {f"{engine} {name}": [] for engine in engines for name in theirs}
+    losses: dict[str, list[float]] = {f"{engine} {name}": [] for engine in engines for name in args.schedules
+                                      if engine != "theirs" or name in theirs}
 
     def step(engine: str, name: str) -> None:
         if engine.startswith("ours"):
@@ -291,6 +293,8 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     for k in range(args.warmup + args.paired):
         for name in args.schedules:
             for engine in engines[:: 1 if k % 2 == 0 else -1]:
+                if f"{engine} {name}" not in losses:
+                    continue  # a schedule theirs does not offer
                 dist.barrier()
                 before = _thread_cpu()
                 start = time.perf_counter()
@@ -324,6 +328,7 @@ def paired(args: argparse.Namespace) -> None:
     ratios: dict[str, list[float]] = {}  # "<engine> <schedule>" -> our step time / theirs, per round
     steps: dict[str, list[float]] = {}
     medians: list[float] = []
+    bests: list[float] = []  # our fastest schedule's step / their fastest's, per round
     cpu: dict[tuple[int, str, str], list[float]] = {}  # (process, engine, kind of thread) -> per job
     losses: dict[str, float] = {}
     for job in range(args.jobs):
@@ -337,26 +342,37 @@ def paired(args: argparse.Namespace) -> None:
                     losses.setdefault(key, values[0])
         times = every[0]["times"]
         line = []
+        # A schedule theirs does not offer is compared with their best in this job, round by round.
+        best = min((name for name in args.schedules if name in THEIRS),
+                   key=lambda name: statistics.median(times[f"theirs {name}"]))
         for name in args.schedules:
             for engine in engines:
-                steps.setdefault(f"{engine} {name}", []).extend(times[f"{engine} {name}"])
+                if f"{engine} {name}" in times:
+                    steps.setdefault(f"{engine} {name}", []).extend(times[f"{engine} {name}"])
             for engine in engines[:-1]:
-                mine = [o / t for o, t in zip(times[f"{engine} {name}"], times[f"theirs {name}"])]
+                against = f"theirs {name if name in THEIRS else best}"
+                mine = [o / t for o, t in zip(times[f"{engine} {name}"], times[against])]
+                ours_best = min((n for n in args.schedules), key=lambda n: statistics.median(times[f"ours {n}"]))
+                if engine == "ours" and name == ours_best:
+                    bests.extend(o / t for o, t in zip(times[f"ours {name}"], times[f"theirs {best}"]))
                 ratios.setdefault(f"{engine} {name}", []).extend(mine)
                 if engine == "ours":
                     medians.append(statistics.median(mine))
             line.append(f"{name}: " + ", ".join(f"{engine} {statistics.median(times[f'{engine} {name}']) * 1e3:.1f} "
-                                                 "ms" for engine in engines) + f", ours/theirs {medians[-1]:.3f}")
+                                                 "ms" for engine in engines if f"{engine} {name}" in times)
+                        + f", ours/theirs {medians[-1]:.3f}")
         print(f"job {job + 1}: " + "; ".join(line), flush=True)
-    print(f"\n{'schedule':<10}{'engine':<10}{'median step':>13}{'/ theirs, median of rounds (quartiles)':>42}")
+    print(f"\n{'schedule':<13}{'engine':<10}{'median step':>13}{'/ theirs, median of rounds (quartiles)':>42}")
     for name in args.schedules:
         for engine in engines:
             extra = ""
+            if f"{engine} {name}" not in steps:
+                continue
             if engine != "theirs":
                 r = sorted(ratios[f"{engine} {name}"])
                 q = lambda f, r=r: r[min(len(r) - 1, int(f * len(r)))]  # noqa: E731
                 extra = f"{statistics.median(r):.3f} ({q(0.25):.3f}-{q(0.75):.3f})"
-            print(f"{name:<10}{engine:<10}{statistics.median(steps[f'{engine} {name}']) * 1e3:>11.1f}ms{extra:>42}")
+            print(f"{name:<13}{engine:<10}{statistics.median(steps[f'{engine} {name}']) * 1e3:>11.1f}ms{extra:>42}")
     print("\nthe same work? the first step's loss, same weights and batch:")
     for key, value in sorted(losses.items()):
         print(f"  {key:<16} {value:.6f}")
@@ -377,6 +393,8 @@ def paired(args: argparse.Namespace) -> None:
                   f"{statistics.median(ratios[f'{engine} {name}']):.3f}")
     every_ratio = sorted(x for name in args.schedules for x in ratios[f"ours {name}"])
     print(f"RESULT {args.model}_ours_over_theirs={statistics.median(every_ratio):.3f}")
+    if any(name not in THEIRS for name in args.schedules):  # each engine at its fastest schedule, round by round
+        print(f"RESULT {args.model}_best_ours_over_best_theirs={statistics.median(bests):.3f}")
 
 
 def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace) -> Any:
@@ -393,7 +411,7 @@ def main() -> None:
     parser.add_argument("--model", default="mlp", choices=["mlp", "lm", "comm"],
                         help="mlp: Linear+ReLU blocks; lm: embedding, blocks and a vocabulary head (defaults: paired "
                              "steps, both schedules, the loss on the last stage); comm: bound by its hand-offs, one "
-                             "Linear(64) + ReLU per process, micro-batches of 64 rows (defaults: 16 micro-batches, "
+                             "Linear(512) + ReLU per process, micro-batches of 64 rows (defaults: 16 micro-batches, "
                              "paired steps, both schedules, the loss on the last stage)")
     parser.add_argument("--processes", type=int, default=2, help="processes, one stage each (default 2)")
     parser.add_argument("--data-plane", default="auto", choices=["auto", "p2p", "rpc"],
@@ -406,7 +424,8 @@ def main() -> None:
     parser.add_argument("--sequence", type=int, default=128, help="lm: tokens per sequence")
     parser.add_argument("--vocab", type=int, default=32000, help="lm: vocabulary")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches")
-    parser.add_argument("--schedules", default=None, help="comma-separated: gpipe, 1f1b (default: gpipe for mlp, "
+    parser.add_argument("--schedules", default=None, help="comma-separated: gpipe, 1f1b, zero-bubble (ours alone, "
+                                                          "compared with their fastest; default: gpipe for mlp, "
                                                           "gpipe,1f1b for lm)")
     parser.add_argument("--loss", default=None, choices=["last", "driver"],
                         help="ours: the loss on the last stage (default for lm) or on the driver, the output "
@@ -426,7 +445,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.model == "comm":  # an MLP of one small block per process, where the hand-offs are the cost
         args.model = "mlp"
-        args.width = args.width or 64
+        args.width = args.width or 512
         args.layers = args.layers or args.processes
         args.chunks = 16 if args.chunks == 8 else args.chunks
         args.batch = args.batch or 64 * args.chunks
@@ -441,9 +460,12 @@ def main() -> None:
     args.loss = args.loss or ("last" if lm else "driver")
     if lm and not args.paired:
         args.paired = 10
-    if set(args.schedules) - {"gpipe", "1f1b"} or (args.loss == "driver" and args.schedules != ["gpipe"]):
-        parser.error(f"--schedules takes gpipe and 1f1b, and the loss on the driver runs gpipe alone (got "
-                     f"--schedules {','.join(args.schedules)}, --loss {args.loss})")
+    ours_only = set(args.schedules) - set(THEIRS)
+    if set(args.schedules) - {*THEIRS, "zero-bubble"} or (args.loss == "driver" and args.schedules != ["gpipe"]) \
+            or (ours_only and not (args.paired and set(args.schedules) & set(THEIRS))):
+        parser.error(f"--schedules takes gpipe, 1f1b and zero-bubble (ours alone: with --paired and one of theirs, "
+                     f"compared with their fastest), and the loss on the driver runs gpipe alone (got --schedules "
+                     f"{','.join(args.schedules)}, --loss {args.loss})")
     if args.pin and len(os.sched_getaffinity(0)) < 2:
         parser.error(f"--pin needs 2 cores; this process may use {len(os.sched_getaffinity(0))}")
     if args.warmup < 1 or args.batch % args.chunks:
@@ -461,12 +483,15 @@ def main() -> None:
         print(f"model: {args.layers} x (Linear({args.width}, {args.width}) + ReLU), 2 stages of "
               f"{args.layers // 2} and {args.layers - args.layers // 2} blocks; batch {args.batch}, {args.chunks} "
               f"micro-batches; loss = mean(output**2); 2 processes, 1 intra-op thread each")
-    where = ("the loss on the last stage (process 1), per micro-batch; only losses come back" if args.loss == "last"
+    where = (f"the loss on the last stage (process {args.processes - 1}), per micro-batch; only losses come back"
+             if args.loss == "last"
              else "the loss on the driver (process 0): the last stage's output travels back to it and the output "
                   "gradient travels out")
-    print(f"ours:   RemotePipeline over TensorPipe RPC (transport: {args.transport}), {', '.join(args.schedules)}; "
+    print(f"ours:   RemotePipeline, data plane {args.data_plane!r} (RPC over TensorPipe transport {args.transport}), "
+          f"{', '.join(args.schedules)}; "
           f"{where}")
-    print(f"theirs: torch.distributed.pipelining PipelineStage + {', '.join(args.schedules)} over gloo; loss on the "
+    print(f"theirs: torch.distributed.pipelining PipelineStage + {', '.join(n for n in args.schedules if n in THEIRS)} "
+          "over gloo; loss on the "
           "last stage (process 1), grads scaled by 1/n_microbatches (= the whole batch's mean loss)")
     if args.pin:
         print("pinned: process r runs on core r only, helper threads included")

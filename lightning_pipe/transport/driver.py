@@ -309,7 +309,9 @@ class RemotePipeline:
             _PROGRESS[progress] = 0.0
         try:
             # Inside the try: a process that cannot be reached aborts those that already have their actions.
-            for r in [*range(1, self.processes), 0] if inline else range(self.processes):
+            # The others' actions first: stage 0 starting here would compete with sending them (for the GIL,
+            # and for the cores), and the later stages need their actions before their first input.
+            for r in [*range(1, self.processes), 0]:
                 if r == 0:
                     future = (Inline() if inline else self.runner.worker).submit(start)
                 else:
