@@ -185,8 +185,8 @@ def _stage_state(key: str) -> dict[str, int]:
         original = runner.release
 
         def release(run: int) -> None:
-            runner.released += 1
             original(run)
+            runner.released += 1  # counted once done: a state read meanwhile must not see it half-released
 
         runner.release = release
     return {"saved": len(runner.stage._saved), "seeds": len(runner._seeds), "held": len(runner._held),
