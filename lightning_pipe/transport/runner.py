@@ -92,6 +92,7 @@ class StageRunner:
         self._direct: dict[tuple[int, int], torch.device | None] = {}
         self.averages = Averages(self.stages)  # with replicas: each stage averaged with the others' by DDP
         self.plane: Any = None  # tensors to other processes: by RPC, or this DataPlane where it carries them
+        self.plane_store: Any = None  # the store the driver hosts for its plane, without PipeStrategy's session
 
     def direct(self, dst: int, src: int | None = None) -> torch.device | None:
         """Stage ``src``'s GPU (default: this process's first stage) if its tensors go to stage ``dst`` (``n``:
