@@ -2,11 +2,12 @@
 through which its driver reaches it.
 
 Each stage executes its actions in schedule order on one worker thread, exactly like the local pipeline,
-with the same :class:`~lightning_pipe.engine.stage.Stage` doing the work; inputs are taken from the
-mailbox, outputs sent straight to the stage that needs them::
+with the same :class:`~lightning_pipe.engine.stage.Stage` doing the work; outputs go straight to the stage
+that needs them, over the data plane (:mod:`~lightning_pipe.transport.dataplane`, point-to-point) where it
+carries them, else by RPC into the receiver's mailbox; inputs are taken from the channel or the mailbox::
 
     driver ──act F(i)──► stage 1 ──act F(i)──► ...        (one RPC per stage and step, its actions in order)
-    stage 0 ══ x_i ══► stage 1 ══ x_i ══► stage 2 ══ y_i ══► driver
+    stage 0 ══ x_i ══► stage 1 ══ x_i ══► stage 2 ══ y_i ══► driver   (the data plane; y_i in the answer)
 
 A failure anywhere aborts the run on every stage (waiting actions wake up and skip). Every wait is bounded
 by the RPC timeout, so a lost process becomes an error, not a hang.
