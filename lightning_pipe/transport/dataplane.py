@@ -94,6 +94,7 @@ class DataPlane:
         self.group = groups[rank]  # what this process sends goes through its own group
         self.rank = rank
         self.names = list(names)
+        self._rank_of = {name: r for r, name in enumerate(self.names)}  # looked up on every message
         self.timeout = timeout
         self.max_bytes = max_bytes
         self.closed = False
@@ -110,7 +111,7 @@ class DataPlane:
     # ------------------------------------------------------------------ sending
     def carries(self, name: str) -> bool:
         """Whether messages to and from process ``name`` go this way."""
-        peer = self.names.index(name) if name in self.names else None
+        peer = self._rank_of.get(name)
         return not self.closed and peer in self._channels and self._channels[peer].error is None
 
     def send(self, name: str, slot: Slot, payload: Any, describe: Callable[[], str] | None = None
@@ -127,14 +128,14 @@ class DataPlane:
         if self.max_bytes is not None and len(message) > self.max_bytes:
             return None
         sent: Future[Any] = Future()
-        self._send(self.names.index(name), message, sent, describe or (lambda: f"sending to {where(name)}"))
+        self._send(self._rank_of[name], message, sent, describe or (lambda: f"sending to {where(name)}"))
         self.sent += 1
         return sent
 
     def sent_by_rpc(self, name: str, slot: Slot) -> None:
         """Tell process ``name`` that the payload for ``slot`` went by RPC (it waits for it in the mailbox)."""
         if self.carries(name):
-            self._send(self.names.index(name), encode(BY_RPC, slot), Future(), lambda: "")
+            self._send(self._rank_of[name], encode(BY_RPC, slot), Future(), lambda: "")
 
     def abort(self, run: int) -> None:
         """Tell every peer that run ``run`` failed: a stage waiting for one of its messages wakes and skips."""
@@ -188,7 +189,7 @@ class DataPlane:
     def take(self, name: str, slot: Slot, timeout: float, describe: Callable[[], str]) -> Any:
         """The payload for ``slot`` from process ``name``, waiting at most ``timeout`` seconds: from the
         mailbox if it is there, else from the channel (messages for other slots go to the mailbox)."""
-        channel = self._channels[self.names.index(name)]
+        channel = self._channels[self._rank_of[name]]
         deadline = time.monotonic() + timeout
         while True:
             found, value = MAILBOX.poll(slot)
