@@ -345,6 +345,7 @@ def paired(args: argparse.Namespace) -> None:
         # A schedule theirs does not offer is compared with their best in this job, round by round.
         best = min((name for name in args.schedules if name in THEIRS),
                    key=lambda name: statistics.median(times[f"theirs {name}"]))
+        ours_best = min(args.schedules, key=lambda name: statistics.median(times[f"ours {name}"]))
         for name in args.schedules:
             for engine in engines:
                 if f"{engine} {name}" in times:
@@ -352,7 +353,6 @@ def paired(args: argparse.Namespace) -> None:
             for engine in engines[:-1]:
                 against = f"theirs {name if name in THEIRS else best}"
                 mine = [o / t for o, t in zip(times[f"{engine} {name}"], times[against])]
-                ours_best = min((n for n in args.schedules), key=lambda n: statistics.median(times[f"ours {n}"]))
                 if engine == "ours" and name == ours_best:
                     bests.extend(o / t for o, t in zip(times[f"ours {name}"], times[f"theirs {best}"]))
                 ratios.setdefault(f"{engine} {name}", []).extend(mine)

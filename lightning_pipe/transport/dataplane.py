@@ -37,7 +37,7 @@ from torch import Tensor
 
 from lightning_pipe.engine.pipeline import _Skipped
 from lightning_pipe.transport.codec import ABORT, BY_RPC, CLOSE, DATA, GROW, Unsuitable, control, decode, encode, header
-from lightning_pipe.transport.messages import MAILBOX, Slot, _located, where
+from lightning_pipe.transport.messages import MAILBOX, Slot, _located, no_input, where
 from lightning_pipe.transport.runner import _RUNNERS, StageRunner
 from lightning_pipe.transport.session import SESSION
 
@@ -208,9 +208,7 @@ class DataPlane:
                     late = time.monotonic() >= deadline - 0.01
                     channel.error = "a wait timed out" if late else f"the channel failed: {exc}"
                     if late:
-                        raise TimeoutError(f"{describe()} waited {timeout:.1f} s for its input and got none; the "
-                                           "process that should send it is stuck or gone (rpc_timeout_sec bounds "
-                                           "this wait)") from None
+                        raise no_input(describe, timeout) from None
                     raise _located(exc, lambda: f"{describe()}: receiving from {where(name)}") from None
             finally:
                 channel.lock.release()

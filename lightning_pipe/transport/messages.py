@@ -86,9 +86,7 @@ class Mailbox:
                     raise _Skipped()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"{describe()} waited {timeout:.1f} s for its input and got none; the "
-                                       "process that should send it is stuck or gone (rpc_timeout_sec bounds "
-                                       "this wait)")
+                    raise no_input(describe, timeout)
                 self._cond.wait(remaining)
             return self._items.pop(slot)
 
@@ -117,6 +115,12 @@ class Mailbox:
 
 
 MAILBOX = Mailbox()
+
+
+def no_input(describe: Callable[[], str], timeout: float) -> TimeoutError:
+    """The error of a wait for an input that did not come within ``timeout`` (mailbox or data plane alike)."""
+    return TimeoutError(f"{describe()} waited {timeout:.1f} s for its input and got none; the process that should "
+                        "send it is stuck or gone (rpc_timeout_sec bounds this wait)")
 
 # When a driver last heard that a remote stage is still working on a step: (pipeline key, run) -> the
 # time.monotonic() of that sign of life. An entry exists while the driver waits for that step.
