@@ -28,8 +28,9 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from processes import free_port, run_processes
 
-from lightning_pipe.transport.dataplane import DataPlane, _groups
+from lightning_pipe.transport.dataplane import DataPlane
 from lightning_pipe.transport.messages import MAILBOX, _deliver
+from lightning_pipe.transport.rendezvous import _groups
 
 
 def _payload(t: torch.Tensor) -> Any:

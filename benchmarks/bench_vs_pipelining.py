@@ -283,10 +283,15 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     # it to the barrier after it (read outside the timed part). Compute: where each engine runs its stage.
     from lightning_pipe.transport.runner import _RUNNERS
 
-    def compute(engine: str) -> set[int]:  # the stage's worker thread has started once a step has run
+    def compute(engine: str) -> set[int]:
+        """The threads that run the stage: the worker's (steps by RPC), the step listener (steps on the data plane:
+        it runs them), and the main thread (theirs; ours on the driver, where stage 0 runs on it with the plane)."""
         runner = _RUNNERS.get({"ours": "bench", "ours-rpc": "bench-rpc"}.get(engine, ""))
-        thread = runner.worker._thread if runner is not None else threading.current_thread()
-        return {thread.native_id} if thread is not None and thread.native_id is not None else set()
+        threads = [threading.current_thread()]
+        if runner is not None:
+            threads = [runner.worker._thread] + ([threading.current_thread()] if rank == 0 else [])
+            threads += [t for t in threading.enumerate() if t.name == f"lightning_pipe.{runner.key}.steps"]
+        return {t.native_id for t in threads if t is not None and t.native_id is not None}
 
     cpu: dict[str, dict[str, float]] = {engine: {} for engine in engines}
     times: dict[str, list[float]] = {key: [] for key in losses}
@@ -386,6 +391,14 @@ def paired(args: argparse.Namespace) -> None:
                 print(f"  process {rank}, {engine:<8}: {line}")
     if args.jobs > 1:
         print(f"per-job medians (ours): {min(medians):.3f}-{max(medians):.3f}")
+    bound = busiest_stage(args)
+    theirs_best = min(statistics.median(steps[f"theirs {name}"]) for name in args.schedules if name in THEIRS)
+    ours_best = min(statistics.median(steps[f"ours {name}"]) for name in args.schedules)
+    print(f"\nthe busiest stage's work alone (forward{' and loss' if args.loss == 'last' else ''} and backward of "
+          f"every micro-batch, one thread, no pipeline): {bound * 1e3:.1f} ms, a step's lower bound for any engine "
+          f"with this layout; their fastest schedule {theirs_best / bound:.3f}x it, ours {ours_best / bound:.3f}x; "
+          f"so ours / theirs cannot go below {bound / theirs_best:.3f} here")
+    print(f"RESULT {args.model}_p{args.processes}_lowest_possible_ours_over_theirs={bound / theirs_best:.3f}")
     print(f"wall time of the benchmark: {time.perf_counter() - start:.1f} s")
     for name in args.schedules:
         for engine in engines[:-1]:
@@ -395,6 +408,37 @@ def paired(args: argparse.Namespace) -> None:
     print(f"RESULT {args.model}_ours_over_theirs={statistics.median(every_ratio):.3f}")
     if any(name not in THEIRS for name in args.schedules):  # each engine at its fastest schedule, round by round
         print(f"RESULT {args.model}_best_ours_over_best_theirs={statistics.median(bests):.3f}")
+
+
+def busiest_stage(args: argparse.Namespace, repeats: int = 7) -> float:
+    """Seconds of the busiest stage's share of a step done alone, in this process on one thread: the forward (and
+    the loss, on the last stage) and the backward of each micro-batch, one after another (median of ``repeats``
+    after one warm-up). No pipeline step can be shorter: each stage does its share on one thread of its own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    parts = halves(args)
+    x, y = batch(args)
+    xs, ys = x.chunk(args.chunks), y.chunk(args.chunks)
+    shares = []
+    for r, part in enumerate(parts):
+        inputs = [xb for xb in xs]
+        for earlier in parts[:r]:  # the stage's own inputs: what the stages before it hand on
+            with torch.no_grad():
+                inputs = [earlier(xb) for xb in inputs]
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for xb, yb in zip(inputs, ys):
+                xb = xb.detach().requires_grad_(xb.is_floating_point())
+                out = part(xb)
+                if r == len(parts) - 1 and args.loss == "last":
+                    loss_fn(out, yb).backward()
+                else:
+                    out.backward(torch.ones_like(out))
+            times.append(time.perf_counter() - start)
+        shares.append(statistics.median(times[1:]))
+    torch.set_num_threads(threads)
+    return max(shares)
 
 
 def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace) -> Any:

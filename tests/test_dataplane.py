@@ -21,7 +21,8 @@ from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import pipeline_loss, run_pipeline
 from lightning_pipe.transport import pipeline_over_rpc
 from lightning_pipe.transport.codec import DATA, Unsuitable, decode, encode, header
-from lightning_pipe.transport.dataplane import AUTO_MAX_BYTES, connect
+from lightning_pipe.transport.dataplane import AUTO_MAX_BYTES
+from lightning_pipe.transport.rendezvous import connect
 
 
 # ---------------------------------------------------------------------- one message
@@ -173,6 +174,192 @@ def test_every_process_hands_off_over_the_plane_asked_for(plane):
     # stage 0 sends 4 activations + 4 skips and receives 4 + 4 gradients; stage 1: 4 out, 4 in each way;
     # stage 2 receives 4 activations + 4 skips and sends 4 + 4 gradients back.
     assert counts == [{"sent": 8, "received": 8}, {"sent": 8, "received": 8}, {"sent": 8, "received": 8}], counts
+
+
+# ---------------------------------------------------------------------- steps on the plane
+def _record_threads(key: str) -> None:
+    """Record, in this process, the thread that runs each share of a step of pipeline ``key``."""
+    import threading
+
+    from lightning_pipe.transport.runner import _RUNNERS
+
+    runner = _RUNNERS[key]
+    run_actions = runner.run_actions
+    runner.threads = []
+
+    def recorded(*args, **kwargs):
+        runner.threads.append(threading.current_thread().name)
+        return run_actions(*args, **kwargs)
+
+    runner.run_actions = recorded
+
+
+def _threads(key: str) -> list[str]:
+    from lightning_pipe.transport.runner import _RUNNERS
+
+    return _RUNNERS[key].threads
+
+
+def _steps(rank: int, world: int, plane: str):
+    """3 processes, a GPipe step (its forward and its backward, each one plan) and a 1F1B step with the loss on
+    the last stage; returns the threads that ran each process's shares, and whether the results were the plain
+    model's."""
+    key = f"steps-{plane}"
+    pipeline = pipeline_over_rpc(key, build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20,
+                                 data_plane=plane)
+    if pipeline is None:
+        return None
+    for r in range(1, world):
+        rpc.rpc_sync(f"worker{r}", _record_threads, args=(key,))
+    reference = build()
+    x = torch.randn(8, 6, requires_grad=True)
+    y = torch.randn_like(reference(x))
+    out = run_pipeline(pipeline, x, chunks=4, checkpoint="except_last", training=True, parameters=iter([]))
+    torch.testing.assert_close(out, reference(x))
+    out.sum().backward()
+    loss = pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True, parameters=iter([]),
+                         schedule="1f1b")
+    torch.testing.assert_close(loss, _mse(reference(x), y))
+    loss.backward()
+    threads = [rpc.rpc_sync(f"worker{r}", _threads, args=(key,)) for r in range(1, world)]
+    pipeline.close()
+    return threads
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("plane", ["auto", "rpc"])
+def test_each_process_gets_its_steps_on_the_plane_and_runs_them_on_its_listener(plane):
+    """Over the data plane each process's actions of a step come on the driver's channel and run on the
+    process's step listener, which answers on the plane (3 plans: GPipe's forward and backward, then 1F1B's);
+    over RPC they come by ``_act`` and run on the stage's worker. The results are the plain model's either way."""
+    threads = run_processes(_steps, 3, plane, timeout=100)[0]
+    name = "lightning_pipe.steps-auto.steps" if plane == "auto" else None
+    for process, ran in enumerate(threads, start=1):
+        assert len(ran) == 3, (process, ran)
+        if name:
+            assert ran == [name] * 3, (process, ran)
+        else:
+            assert all(thread.startswith("lightning_pipe.steps-rpc.stage") for thread in ran), (process, ran)
+
+
+class Slow(nn.Module):
+    """Sleeps ``seconds`` in each forward: a stage slower than the driver waits for its answer, without being stuck."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        import time
+
+        time.sleep(self.seconds)
+        return x
+
+
+def _slow(rank: int, world: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Slow(0.8), nn.Linear(4, 4))
+    pipeline = pipeline_over_rpc("slow", model, [1, 2], [f"worker{r}" for r in range(world)], timeout=2.0)
+    if pipeline is None:
+        return None
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        out = run_pipeline(pipeline, x, chunks=4, checkpoint="never", training=False, parameters=iter([]))
+        expected = model(x)
+    pipeline.close()
+    return out.tolist(), expected.tolist()  # plain values: a tensor returned shares memory with a process that ends
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_still_working_after_the_driver_is_done_is_waited_for_past_the_timeout():
+    """4 forwards of 0.8 s on stage 1 with a 2 s timeout: the driver's share is over at once and its answer takes
+    3.2 s. The stage's signs of life, sent on the plane every third of the timeout, restart the driver's wait:
+    the outputs come back, the plain model's."""
+    out, expected = run_processes(_slow, 2, timeout=100)[0]
+    torch.testing.assert_close(torch.tensor(out), torch.tensor(expected))
+
+
+def _slow_commit(key: str) -> None:
+    """Make this process's commits of a step's gradients take a second."""
+    import time
+
+    from lightning_pipe.transport.runner import _RUNNERS
+
+    runner = _RUNNERS[key]
+    commit = runner.commit
+
+    def slow(run, scale):
+        time.sleep(1.0)
+        commit(run, scale)
+
+    runner.commit = slow
+
+
+def _commits(rank: int, world: int):
+    pipeline = pipeline_over_rpc("commits", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    for r in range(1, world):
+        rpc.rpc_sync(f"worker{r}", _slow_commit, args=("commits",))
+    reference = build()
+    x = torch.randn(8, 6, requires_grad=True)
+    y = torch.randn_like(reference(x))
+    seen = []
+    for _ in range(2):
+        loss = pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True, parameters=iter([]),
+                             schedule="1f1b")
+        loss.backward()  # the commits in the other processes are still sleeping
+        seen.append([{name: grad.tolist() for name, grad in pipeline.call(r, "named_grads").items()} for r in (1, 2)])
+    _mse(reference(x), y).backward()
+    reference_once = {name: p.grad.tolist() for name, p in reference.named_parameters()}
+    pipeline.close()
+    return seen, reference_once  # plain values: a tensor returned shares memory with a process that ends
+
+
+@pytest.mark.timeout(120)
+def test_gradients_read_right_after_backward_include_the_commits_still_in_flight():
+    """``loss.backward()`` of an eager schedule does not wait for the other processes to commit the step's
+    gradients (a round trip per step); what reaches them next waits for those commits first. With commits
+    made to take a second, gradients read at once are the whole step's, twice accumulated after two steps."""
+    (first, second), once = run_processes(_commits, 3, timeout=100)[0]
+    for step, seen in enumerate((first, second), start=1):
+        for grads in seen:
+            for name, grad in grads.items():
+                layer = int(name.split(".")[0])
+                assert grad is not None, (step, name)
+                expected = step * torch.tensor(once[f"{layer}.{name.split('.', 1)[1]}"])
+                torch.testing.assert_close(torch.tensor(grad), expected, msg=name)
+
+
+def _large_targets(rank: int, world: int, stages: list[int]):
+    torch.manual_seed(0)
+    width = 256
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(sum(stages))])
+    key = f"targets-{len(stages)}"
+    pipeline = pipeline_over_rpc(key, model, stages, [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    x, y = torch.randn(512, width), torch.randn(512, width)  # a target of 128 KiB per micro-batch
+    loss = pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True,
+                         parameters=model[0].parameters(), schedule="1f1b")
+    torch.testing.assert_close(loss, _mse(model(x), y))
+    counts = [_counts(key)] + [rpc.rpc_sync(f"worker{r}", _counts, args=(key,)) for r in range(1, world)]
+    pipeline.close()
+    return counts
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stages", [[1, 1], [1, 1, 1]], ids=["next", "two-away"])
+def test_targets_too_large_for_a_step_travel_with_stage_0s_outputs(stages):
+    """Targets of 128 KiB per micro-batch would make the step's message 512 KiB, held up before stage 0 starts:
+    each goes right after stage 0's forward of its micro-batch instead, in the very message of its output where
+    the last stage is next (4 messages out, 4 gradients back), on its own otherwise (the last stage receives 4
+    activations and 4 targets)."""
+    counts = run_processes(_large_targets, len(stages), stages, timeout=100)[0]
+    if len(stages) == 2:
+        assert counts == [{"sent": 4, "received": 4}, {"sent": 4, "received": 4}], counts
+    else:
+        assert counts == [{"sent": 8, "received": 4}, {"sent": 8, "received": 8}, {"sent": 4, "received": 8}], counts
 
 
 # ---------------------------------------------------------------------- through Lightning

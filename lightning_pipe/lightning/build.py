@@ -31,8 +31,8 @@ from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
 from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
 from lightning_pipe.transport import host, sharding
-from lightning_pipe.transport.dataplane import connect
 from lightning_pipe.transport.driver import RemotePipeline
+from lightning_pipe.transport.rendezvous import connect
 from lightning_pipe.transport.runner import StageRunner
 from lightning_pipe.transport.session import worker_name
 from lightning_pipe.transport.tied import TiedCopies

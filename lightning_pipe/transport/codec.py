@@ -7,7 +7,8 @@
 The skeleton is the pickled ``(slot, payload)`` with each tensor replaced by its place in the message, so any
 payload that pickles today crosses, whatever its shapes (they change from step to step under dynamic
 padding); the receiver's tensors are views of the buffer it received into. Control messages (a receive grown,
-a run aborted, a channel closed, a payload sent by RPC instead) are a header alone, or a header and a slot.
+a run aborted, a channel closed, a payload sent by RPC instead, a sign of life) are a header alone, or a header
+and a slot; a step's actions travel as a payload.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ __all__: list[str] = []
 HEADER = 64  # bytes: 4 int64 (kind, length, data bytes, value), padded so that tensors start aligned
 _ALIGN = 64
 #: Kinds of message: a payload; the receiver's next receives grow to ``value`` bytes; run ``value`` failed;
-#: the sender sends no more; the payload for the slot went by RPC.
-DATA, GROW, ABORT, CLOSE, BY_RPC = 1, 2, 3, 4, 5
+#: the sender sends no more; the payload for the slot went by RPC; a process's actions of one step (the
+#: driver's); the sender is still working on run ``value`` (a slow stage's sign of life to its driver).
+DATA, GROW, ABORT, CLOSE, BY_RPC, STEP, ALIVE = 1, 2, 3, 4, 5, 6, 7
 
 
 class Unsuitable(Exception):

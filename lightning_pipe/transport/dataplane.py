@@ -22,24 +22,31 @@ from __future__ import annotations
 
 import collections
 import datetime
-import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from lightning_pipe.engine.pipeline import _Skipped
-from lightning_pipe.transport.codec import ABORT, BY_RPC, CLOSE, DATA, GROW, Unsuitable, control, decode, encode, header
-from lightning_pipe.transport.messages import MAILBOX, Slot, _located, no_input, where
-from lightning_pipe.transport.runner import _RUNNERS, StageRunner
-from lightning_pipe.transport.session import SESSION
+from lightning_pipe.transport.codec import (
+    ABORT,
+    ALIVE,
+    BY_RPC,
+    CLOSE,
+    DATA,
+    GROW,
+    STEP,
+    Unsuitable,
+    control,
+    decode,
+    encode,
+    header,
+)
+from lightning_pipe.transport.messages import MAILBOX, Slot, _alive, _located, no_input, where
 
 __all__ = ["AUTO_MAX_BYTES", "DATA_PLANES", "DataPlane"]
 
@@ -51,6 +58,12 @@ DATA_PLANES = ("auto", "p2p", "rpc")
 #: 1.30-1.47x at 4 MiB, where TensorPipe moves large messages faster than gloo's loopback TCP).
 AUTO_MAX_BYTES = 3 << 19  # 1.5 MiB
 _START = 64 << 10  # every channel's first capacity
+#: The kind (third field) of the slot of a message holding several ``(slot, payload)`` items (``send_many``).
+BUNDLE = "bundle"
+#: The kind of the slot of a process's answer to a step (:mod:`~lightning_pipe.transport.steps`): not a hand-off.
+ANSWER = "A"
+_SHARED = 0.005  # s: how often a wait for a channel another thread receives on looks in the mailbox again
+_IDLE = 365 * 86400.0  # s: how long the step listener waits for a step (a gloo wait that times out closes its pair)
 
 
 class _Channel:
@@ -98,7 +111,7 @@ class DataPlane:
         self.timeout = timeout
         self.max_bytes = max_bytes
         self.closed = False
-        self.sent = self.received = 0  # data messages, for tests and benchmarks
+        self.sent = self.received = 0  # hand-offs (data messages but the answers to steps), for tests and benchmarks
         self._channels = {peer: _Channel(groups[peer], peer, depth) for peer in range(len(self.names)) if peer != rank}
         # Per peer, the capacities of the receives it has posted for this process's messages, in order; it posts
         # one more, at its capacity then, as it starts waiting for each message (see ``_Channel.receive``).
@@ -107,6 +120,7 @@ class DataPlane:
         self._lock = threading.Lock()
         self._pending: list[tuple[Any, Future[Any], Callable[[], str]]] = []
         self._lingering: list[Any] = []  # sends of failed runs: kept alive (gloo drops a send whose work is freed)
+        self._steps: collections.deque[Any] = collections.deque()  # steps' actions received, for the listener
 
     # ------------------------------------------------------------------ sending
     def carries(self, name: str) -> bool:
@@ -129,31 +143,63 @@ class DataPlane:
             return None
         sent: Future[Any] = Future()
         self._send(self._rank_of[name], message, sent, describe or (lambda: f"sending to {where(name)}"))
-        self.sent += 1
+        self.sent += slot[2] != ANSWER
         return sent
+
+    def send_step(self, name: str, run: int, step: Any) -> bool:
+        """Start sending ``step`` (process ``name``'s actions of run ``run``) to its listener (:meth:`serve`);
+        False where this plane does not carry it (the caller sends it by RPC, where an error in pickling it is
+        raised as it always was)."""
+        if not self.carries(name):
+            return False
+        try:
+            message = encode(STEP, (self.key, run, "S", 0, 0, "step"), step)
+        except Exception:  # noqa: BLE001 - what RPC carries, or refuses with its own error
+            return False
+        if self.max_bytes is not None and len(message) > self.max_bytes:
+            return False
+        sent: Future[Any] = Future()
+        self._send(self._rank_of[name], message, sent, lambda: f"sending a step to {where(name)}")
+        return not (sent.done() and sent.exception() is not None)
+
+    def alive(self, name: str, run: int) -> bool:
+        """Tell process ``name`` (the driver) that this one still works on run ``run``; False where this plane
+        does not carry it."""
+        if not self.carries(name):
+            return False
+        self._send(self._rank_of[name], control(ALIVE, run), None, lambda: "")
+        return True
+
+    def send_many(self, name: str, run: int, items: Sequence[tuple[Slot, Any]]) -> Future[Any] | None:
+        """Start sending several ``(slot, payload)`` items of run ``run`` to process ``name`` in one message
+        (its receiver puts each into its mailbox); None where this plane does not carry them (as :meth:`send`)."""
+        return self.send(name, (self.key, run, BUNDLE, 0, 0, 0), list(items))
 
     def sent_by_rpc(self, name: str, slot: Slot) -> None:
         """Tell process ``name`` that the payload for ``slot`` went by RPC (it waits for it in the mailbox)."""
         if self.carries(name):
-            self._send(self._rank_of[name], encode(BY_RPC, slot), Future(), lambda: "")
+            self._send(self._rank_of[name], encode(BY_RPC, slot), None, lambda: "")
 
     def abort(self, run: int) -> None:
         """Tell every peer that run ``run`` failed: a stage waiting for one of its messages wakes and skips."""
         for peer in self._channels:
             if self.carries(self.names[peer]):
-                self._send(peer, control(ABORT, run), Future(), lambda: "")
+                self._send(peer, control(ABORT, run), None, lambda: "")
 
-    def _send(self, peer: int, message: Tensor, sent: Future[Any], describe: Callable[[], str]) -> None:
+    def _send(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str]) -> None:
         with self._lock:
             posted = self._posted[peer]
             if len(message) > (posted[0] if posted else self._capacity[peer]):
                 grown = max(len(message), 2 * self._capacity[peer])
                 while len(message) > (posted[0] if posted else self._capacity[peer]):
-                    self._start(peer, control(GROW, grown), Future(), describe)  # one per smaller receive
+                    self._start(peer, control(GROW, grown), None, describe)  # one per smaller receive
                     self._capacity[peer] = grown
             self._start(peer, message, sent, describe)
 
-    def _start(self, peer: int, message: Tensor, sent: Future[Any], describe: Callable[[], str]) -> None:
+    def _start(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str]) -> None:
+        """Send ``message`` to ``peer``; a data message's send completes ``sent`` at :meth:`flush`, a control
+        message's (``sent`` None) is only kept alive: its receiver may not read that channel for a long time (a
+        stage's channel from the next stage during forwards), and no share waits for it."""
         posted = self._posted[peer]
         posted.append(self._capacity[peer])  # posted by the receiver as it starts waiting for this message
         if len(message) > posted.popleft():
@@ -162,9 +208,13 @@ class DataPlane:
             work = self.group.send([message], peer, 0)
         except Exception as exc:  # noqa: BLE001 - the channel is gone: the action that sent it fails, located
             self._channels[peer].error = f"sending failed: {exc}"
-            sent.set_exception(_located(exc, describe))
+            if sent is not None:
+                sent.set_exception(_located(exc, describe))
             return
-        self._pending.append((work, sent, describe))
+        if sent is None:
+            self._lingering.append(work)
+        else:
+            self._pending.append((work, sent, describe))
 
     def flush(self, failed: bool = False) -> None:
         """Wait until every send started so far is done with (its receive posted and filled) and complete
@@ -186,9 +236,11 @@ class DataPlane:
                 sent.set_exception(_located(exc, describe))
 
     # ------------------------------------------------------------------ receiving
-    def take(self, name: str, slot: Slot, timeout: float, describe: Callable[[], str]) -> Any:
+    def take(self, name: str, slot: Slot, timeout: float, describe: Callable[[], str], renew: bool = False) -> Any:
         """The payload for ``slot`` from process ``name``, waiting at most ``timeout`` seconds: from the
-        mailbox if it is there, else from the channel (messages for other slots go to the mailbox)."""
+        mailbox if it is there, else from the channel (messages for other slots go to the mailbox). ``renew``:
+        each sign of life from ``name`` for the slot's run starts the ``timeout`` again (a driver waiting for a
+        process's answer to a step; an abort of the run does not end that wait, the answer says how it ended)."""
         channel = self._channels[self._rank_of[name]]
         deadline = time.monotonic() + timeout
         while True:
@@ -196,8 +248,14 @@ class DataPlane:
             if found:
                 return value
             remaining = deadline - time.monotonic()
-            if channel.error is not None or self.closed or not channel.lock.acquire(timeout=max(0.0, remaining)):
+            if channel.error is not None or self.closed:
                 return MAILBOX.take(slot, max(0.0, remaining), describe)
+            if not channel.lock.acquire(timeout=max(0.0, min(remaining, _SHARED))):
+                # Another thread receives on this channel (the step listener, a driver's collecting thread):
+                # what it receives for this slot goes into the mailbox, looked at again first.
+                if remaining <= 0:
+                    raise no_input(describe, timeout)
+                continue
             try:
                 found, value = MAILBOX.poll(slot)  # another thread may have received it meanwhile
                 if found:
@@ -209,25 +267,88 @@ class DataPlane:
                     channel.error = "a wait timed out" if late else f"the channel failed: {exc}"
                     if late:
                         raise no_input(describe, timeout) from None
-                    raise _located(exc, lambda: f"{describe()}: receiving from {where(name)}") from None
+                    raise _located(exc, describe) from None  # ``describe`` names the sender
             finally:
                 channel.lock.release()
-            if kind == DATA:
-                got, payload = decode(buffer)
-                self.received += 1
-                if got == slot:
-                    return payload
-                MAILBOX.put(got, payload)
-            elif kind == BY_RPC:
-                got, _ = decode(buffer)
-                if got == slot:
-                    return MAILBOX.take(slot, max(0.0, deadline - time.monotonic()), describe)
-            elif kind == ABORT:
-                MAILBOX.abort(self.key, value)
-                if value == slot[1]:
-                    raise _Skipped()
-            elif kind == CLOSE:
-                channel.error = f"{where(name)} closed it"
+            if kind == ALIVE:
+                _alive(self.key, value)
+                if renew and value == slot[1]:
+                    deadline = time.monotonic() + timeout
+                continue
+            got, payload = self._route(name, kind, value, buffer)
+            if kind == ABORT and got == slot[:2]:
+                raise _Skipped()
+            if got != slot:
+                if kind == DATA and got is not None:
+                    MAILBOX.put(got, payload)
+                continue
+            if kind == BY_RPC:
+                return MAILBOX.take(slot, max(0.0, deadline - time.monotonic()), describe)
+            return payload
+
+    def _route(self, name: str, kind: int, value: int, buffer: Tensor) -> tuple[Any, Any]:
+        """Deal with a message received from ``name`` that is not a sign of life: return its slot and payload
+        (for an ``ABORT``, the aborted run's ``(key, run)``; None where no one waits for it), a step's actions
+        put aside for the listener."""
+        if kind == DATA:
+            got, payload = decode(buffer)
+            self.received += got[2] != ANSWER
+            if got[2] != BUNDLE:
+                return got, payload
+            for item in payload:  # several payloads in one message (a step's targets)
+                MAILBOX.put(*item)
+        elif kind == STEP:
+            self._steps.append(decode(buffer)[1])
+        elif kind == BY_RPC:
+            return decode(buffer)
+        elif kind == ABORT:
+            MAILBOX.abort(self.key, value)
+            return (self.key, value), None
+        elif kind == CLOSE:
+            self._channels[self._rank_of[name]].error = f"{where(name)} closed it"
+        return None, None
+
+    def next_step(self, name: str) -> Any:
+        """The next step's actions sent by process ``name`` (the driver), waiting as long as the pipeline is
+        idle; None once the channel is closed or gone (the listener then stops: steps come by RPC)."""
+        channel = self._channels[self._rank_of[name]]
+        while True:
+            if self._steps:
+                return self._steps.popleft()
+            if channel.error is not None or self.closed:
+                return None
+            if not channel.lock.acquire(timeout=_SHARED):
+                continue
+            try:
+                if self._steps:
+                    continue
+                try:
+                    kind, value, buffer = channel.receive(_IDLE)
+                except Exception as exc:  # noqa: BLE001 - the driver exited, or closed the channel
+                    channel.error = f"the channel failed: {exc}"
+                    return None
+            finally:
+                channel.lock.release()
+            if kind != ALIVE:
+                got, payload = self._route(name, kind, value, buffer)
+                if kind == DATA and got is not None:
+                    MAILBOX.put(got, payload)
+
+    def serve(self, name: str, handler: Callable[[Any], None]) -> threading.Thread:
+        """Run ``handler`` on each step's actions that process ``name`` (the driver) sends, one after another,
+        on a thread of their own, until the channel closes; then close this plane (its peers, the driver
+        included, then reach this process by RPC alone)."""
+        threads = torch.get_num_threads()
+
+        def listen() -> None:
+            torch.set_num_threads(threads)  # OpenMP's count is per thread: as a stage's worker does
+            while (step := self.next_step(name)) is not None:
+                handler(step)
+            self.close()  # no one serves steps here any more: the driver sends them by RPC from now on
+
+        thread = threading.Thread(target=listen, name=f"lightning_pipe.{self.key}.steps", daemon=True)
+        thread.start()
+        return thread
 
     def close(self) -> None:
         """Tell every peer this process sends no more: a stage waiting for it looks in the mailbox instead."""
@@ -237,72 +358,9 @@ class DataPlane:
             self.closed = True
         for peer in self._channels:
             try:
-                self._send(peer, control(CLOSE, 0), Future(), lambda: "")
+                self._send(peer, control(CLOSE, 0), None, lambda: "")
             except Exception:  # noqa: BLE001 - a peer already gone has nothing to end
                 pass
         with self._lock:
             self._lingering += [work for work, _, _ in self._pending]
             self._pending = []
-
-
-# ---------------------------------------------------------------------- joining a pipeline's plane
-def _groups(store: Any, token: str, rank: int, size: int, timeout: float) -> list[Any]:
-    """``size`` gloo groups of the ``size`` processes (this one ``rank``), one per sending process, met under
-    ``token`` in ``store``."""
-    return [dist.ProcessGroupGloo(dist.PrefixStore(f"lightning_pipe/plane/{token}/{sender}/", store), rank, size,
-                                  datetime.timedelta(seconds=timeout)) for sender in range(size)]
-
-
-def _store(address: tuple[str, int] | None, timeout: float) -> Any:
-    if address is None:
-        return SESSION.store
-    host, port = address
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-
-
-def _attach(key: str, token: str, names: Sequence[str], address: tuple[str, int] | None, max_bytes: int | None
-            ) -> None:
-    """Join pipeline ``key``'s data plane here (an RPC entry point, called by the driver)."""
-    runner = _RUNNERS[key]
-    rank = list(names).index(rpc.get_worker_info().name)
-    groups = _groups(_store(address, runner.timeout), token, rank, len(names), runner.timeout)
-    runner.plane = DataPlane(key, groups, rank, names, runner.timeout, max_bytes)
-
-
-def connect(runner: StageRunner, names: Sequence[str], mode: str) -> None:
-    """Give pipeline ``runner.key`` (driven here; ``names``: its processes, this one first) a data plane in
-    every process, as ``mode`` asks (see :data:`DATA_PLANES`; none for ``"rpc"``, one process, or GPU stages
-    under ``"auto"``). The other processes' runners must be registered."""
-    if mode not in DATA_PLANES:
-        raise ValueError(f"data_plane must be one of {', '.join(map(repr, DATA_PLANES))} (got {mode!r})")
-    if mode == "rpc" or len(names) < 2:
-        return
-    if runner.stage.device.type != "cpu":
-        if mode == "p2p":
-            raise ValueError(f"data_plane='p2p' carries CPU tensors (over gloo) and the stages are on "
-                             f"{runner.stage.device}: use data_plane='auto' or 'rpc' (RPC sends GPU tensors from "
-                             "GPU to GPU)")
-        return
-    max_bytes = AUTO_MAX_BYTES if mode == "auto" else None
-    token = f"{runner.key}-{uuid.uuid4().hex}"
-    address: tuple[str, int] | None = None
-    store = SESSION.store
-    if store is None:  # without PipeStrategy's session: a store of the plane's own, hosted here
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=runner.timeout))
-        address = (host, store.port)
-    futures = [rpc.rpc_async(name, _attach, args=(runner.key, token, list(names), address, max_bytes),
-                             timeout=runner.timeout) for name in names[1:]]
-    groups = _groups(store, token, 0, len(names), runner.timeout)
-    for future in futures:
-        future.wait()
-    runner.plane = DataPlane(runner.key, groups, 0, names, runner.timeout, max_bytes)
-    runner.plane_store = store  # a store hosted here lives as long as the pipeline
-
-
-def detach(key: str) -> None:
-    """Close this process's data plane of pipeline ``key`` (an RPC entry point, called by the driver)."""
-    runner = _RUNNERS.get(key)
-    if runner is not None and runner.plane is not None:
-        runner.plane.close()

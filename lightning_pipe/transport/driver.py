@@ -26,7 +26,7 @@ from lightning_pipe.engine.schedule import Plan, forward_only, gpipe
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Grads, Stage, _move
 from lightning_pipe.engine.worker import Inline
-from lightning_pipe.transport.dataplane import connect, detach
+from lightning_pipe.transport import steps
 from lightning_pipe.transport.messages import (
     _PROGRESS,
     _PROGRESS_LOCK,
@@ -36,20 +36,23 @@ from lightning_pipe.transport.messages import (
     _unpack,
     _wire,
     _wire_any,
+    defer_commits,
+    settle_commits,
     to_concurrent,
     where,
 )
+from lightning_pipe.transport.rendezvous import connect, detach
 from lightning_pipe.transport.runner import (
     StageRunner,
     _abort,
     _act,
     _commit,
     _is_registered,
-    _release,
     call_runner,
     register,
     unregister,
 )
+from lightning_pipe.transport.settled import _RemoteStageRef, _Settled
 
 __all__ = ["RemotePipeline", "pipeline_over_rpc"]
 
@@ -102,51 +105,6 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
     wait_registered(list(names[1:]), key, timeout)
     connect(runner, list(names), data_plane)
     return pipeline
-
-
-class _Settled:
-    """Runs that left nothing behind on any remote stage (their backward, or a forward that saved nothing,
-    finished without error), each with the number of remote stages yet to hear that it was freed: freeing
-    them needs no message. Runs are freed by whichever thread drops them, hence the lock."""
-
-    def __init__(self) -> None:
-        self._left: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def add(self, run: int, stages: int) -> None:
-        """Mark ``run`` settled on ``stages`` remote stages (none: nothing to remember)."""
-        if stages > 0:
-            with self._lock:
-                self._left[run] = stages
-
-    def take(self, run: int) -> bool:
-        """Whether ``run`` is settled on the remote stage that asks (each asks once, when it is freed)."""
-        with self._lock:
-            left = self._left.pop(run, 0)
-            if left > 1:
-                self._left[run] = left - 1
-            return left > 0
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._left)
-
-
-class _RemoteStageRef:
-    """What a :class:`Run` releases when it is freed: the saved state of a remote stage, unless the run is
-    among the ``settled`` ones (it left nothing behind on any stage: one message less per step)."""
-
-    def __init__(self, key: str, peer: str, settled: _Settled) -> None:
-        self.key, self.peer = key, peer
-        self.settled = settled
-
-    def release(self, run: int) -> None:
-        if self.settled.take(run):
-            return
-        try:
-            rpc.rpc_async(self.peer, _release, args=(self.key, run))
-        except Exception:  # noqa: BLE001 - RPC already shut down: nothing is kept any more
-            pass
 
 
 class RemotePipeline:
@@ -206,13 +164,16 @@ class RemotePipeline:
 
     def commit(self, run: Run, scale: float) -> None:
         """Add what ``run``'s backwards made aside, times ``scale``, into every stage's gradients (a plan that
-        ran its backwards ahead of its caller's), here and in every other process at once."""
+        ran its backwards ahead of its caller's), here and in every other process at once (there, done before
+        anything else reaches them for this pipeline)."""
         timeout = self.runner.timeout
+        settle_commits(self.key)
         futures = [to_concurrent(rpc.rpc_async(peer, _commit, args=(self.key, run.id, scale), timeout=timeout),
                                  self._describe(r)) for r, peer in enumerate(self.peers) if r > 0]
         self.runner.commit(run.id, scale)
-        for future in futures:
-            future.result()
+        # Not waited for here (a round trip at the end of every step): whatever reaches those processes next
+        # for this pipeline (the next step, an optimizer step, a read of their gradients) waits for them first.
+        defer_commits(self.key, futures)
         self._settled.add(run.id, self.processes - 1)
         self.runner.averages.settle()  # the gradients here are averaged before the caller goes on
 
@@ -251,8 +212,11 @@ class RemotePipeline:
                 MAILBOX.put(slot, payload)
         grads: dict[int, Grads] = {}
 
+        targets: dict[int, list[tuple[Slot, Any]]] = {}  # sent with stage 0's output of their micro-batch
+
         def local() -> list[Future[Any]]:
-            sends, mine = self.runner.run_actions(run.id, plan.actions[0], spec, inputs)
+            sends, mine = self.runner.run_actions(run.id, plan.actions[0], spec, inputs,
+                                                  (lambda i: targets.pop(i, [])) if targets else None)
             grads.update(mine)
             return sends
 
@@ -264,9 +228,13 @@ class RemotePipeline:
             return [self.runner._take((key, run.id, "F", i, n, n - 1), timeout=1.5 * self.runner.timeout)
                     for i in range(m)]
 
+        # Stage 0 on the calling thread: where a GPU backward needs it; never inside autograd's backward (the
+        # output gradients are there: the stage's own backward would then be a reentrant one, in which FSDP's and
+        # DDP's hooks act otherwise); elsewhere where it saves a wake-up (``_submit``).
+        inline = True if inline_device is not None and self.runner.stage.device == inline_device else \
+            False if output_grads is not None else None
         collected, answers = self._submit(run, plan, spec, local, collect if forwards and last == 0 else None,
-                                          {last: deliveries} if last != 0 else {}, inline_device is not None and
-                                          self.runner.stage.device == inline_device)
+                                          {last: deliveries} if last != 0 else {}, inline, targets)
         if not save or (not spec.eager and any(a.kind != "F" for a in plan.actions[0])):
             self._settled.add(run.id, p - 1)  # nothing saved, or a backward done: nothing left behind elsewhere
         results = None
@@ -286,10 +254,14 @@ class RemotePipeline:
 
     def _submit(self, run: Run, plan: Plan, spec: StepSpec, local: Callable[[], Any],
                 collect: Callable[[], Any] | None, deliveries: dict[int, list[tuple[Slot, Any]]],
-                inline: bool) -> Any:
+                inline: bool | None, targets: dict[int, list[tuple[Slot, Any]]]) -> Any:
         """Give every process its actions of ``plan`` at once (one message per process), run ``collect`` (the
         driver's own waits, each bounded) meanwhile, and wait for every process. Returns what ``collect``
-        returned and each process's answer (None for this one)."""
+        returned and each process's answer (None for this one). ``inline``: stage 0 runs on the calling thread
+        (True), on its worker (False), or on the calling thread where that saves waking a thread (None: on the
+        CPU, no outputs to collect, every other process's step on the data plane). The targets of a step on the
+        data plane that do not travel with it go into ``targets`` by micro-batch, for stage 0 to send with its
+        output."""
         sends: list[Future[Any]] = []
         aborted = threading.Event()
 
@@ -302,7 +274,15 @@ class RemotePipeline:
         def start() -> None:
             sends.extend(local())  # sends in flight: waited for below, not on the worker
 
+        def send_later() -> None:
+            for r, left in later.items():
+                sends.extend(steps.deliver(self.runner, self.peers[r], run.id, left))
+            later.clear()
+
+        settle_commits(self.key)  # the last step's gradients are in before this one's actions arrive
         futures: list[Future[Any]] = [Future() for _ in range(self.processes)]  # each process's share
+        on_plane: list[int] = []  # the processes whose step went on the data plane: they answer there
+        later: dict[int, list[tuple[Slot, Any]]] = {}  # deliveries too large to travel in a step on the plane
         collected = None
         progress = (self.key, run.id)
         with _PROGRESS_LOCK:
@@ -313,7 +293,24 @@ class RemotePipeline:
             # and for the cores), and the later stages need their actions before their first input.
             for r in [*range(1, self.processes), 0]:
                 if r == 0:
+                    # On the calling thread where it can: as the driver waits for nothing else meanwhile (no
+                    # outputs to collect; every other process's step on the plane, its failures aborting the run
+                    # here), the answers are read next, without a thread to wake in between.
+                    if inline is None:
+                        inline = collect is None and len(on_plane) == self.processes - 1 and \
+                            self.runner.stage.device.type == "cpu"
+                    if inline:  # what did not fit into a step goes before stage 0 runs here to its end
+                        send_later()
                     future = (Inline() if inline else self.runner.worker).submit(start)
+                elif (left := steps.start(self.runner, self.peers[r], run.id, plan.actions[r], spec,
+                                          deliveries.get(r, ()))) is not None:
+                    for slot, payload in left:
+                        if slot[2] == "T":
+                            targets.setdefault(slot[3], []).append((slot, payload))
+                        else:
+                            later.setdefault(r, []).append((slot, payload))
+                    on_plane.append(r)
+                    continue
                 else:
                     # No RPC timeout on the whole share: its waits are bounded one by one, a lost process fails
                     # the call at once, and a silent one is caught below.
@@ -323,13 +320,29 @@ class RemotePipeline:
                                            self._describe(r))
                 future.add_done_callback(on_done)
                 futures[r] = future
+            send_later()  # stage 0 has started on its worker: what did not fit into a step goes now
             if collect is not None:
                 try:
                     collected = collect()
                 except _Skipped:
                     pass  # a stage failed: the error is in its future
-            drain(futures, grace=self.runner.timeout, ready=futures[0], alive=lambda: _PROGRESS.get(progress, 0.0),
-                  describe=lambda r: f"stage {self._stages(r)} ({where(self.peers[r])}) of pipeline '{self.key}'")
+            error: BaseException | None = None
+            try:
+                drain([f for r, f in enumerate(futures) if r not in on_plane], grace=self.runner.timeout,
+                      ready=futures[0], alive=lambda: _PROGRESS.get(progress, 0.0),
+                      describe=lambda r: f"stage {self._stages(r)} ({where(self.peers[r])}) of pipeline '{self.key}'")
+            except BaseException as exc:  # noqa: BLE001 - raised once the answers on the plane are in
+                error = exc
+            for r in on_plane:  # every one, after a failure too: the first real error in process order wins
+                try:
+                    futures[r].set_result(steps.answer(self.runner, self.peers[r], r, run.id, self._stages(r)))
+                except BaseException as exc:  # noqa: BLE001
+                    futures[r].set_exception(exc)
+                    on_done(futures[r])
+                    if error is None and not isinstance(exc, _Skipped):
+                        error = exc
+            if error is not None:
+                raise error
             drain(sends)
         except BaseException:
             if not aborted.is_set():
@@ -352,14 +365,21 @@ class RemotePipeline:
 
     def call(self, process: int, method: str, *args: Any) -> Any:
         """Call ``method`` of process ``process``'s runner (here for process 0, by RPC otherwise)."""
+        settle_commits(self.key)
         if process == 0:
             return getattr(self.runner, method)(*args)
         return rpc.rpc_sync(self.peers[process], call_runner, args=(self.key, method, *args),
                             timeout=self.runner.timeout)
 
     def close(self) -> None:
-        """Stop the local worker and forget this pipeline here."""
+        """Stop the local worker and forget this pipeline here (an error of a commit in flight is raised)."""
         unregister(self.key)
+        try:
+            settle_commits(self.key)
+        finally:
+            self._close_plane()
+
+    def _close_plane(self) -> None:
         if self.runner.plane is not None:
             for peer in self.peers[1:]:
                 try:

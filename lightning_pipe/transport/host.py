@@ -26,7 +26,7 @@ from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
 from lightning_pipe.transport import optim, sharding
-from lightning_pipe.transport.messages import MAILBOX, to_concurrent, where
+from lightning_pipe.transport.messages import MAILBOX, settle_commits, to_concurrent, where
 from lightning_pipe.transport.runner import StageRunner, register, unregister
 from lightning_pipe.transport.session import SESSION
 from lightning_pipe.transport.stagestate import StageState
@@ -326,6 +326,7 @@ class HostGroup:
 
     def _start(self, stage: int, method: str, args: tuple[Any, ...], timeout: float | None = None) -> Future[Any]:
         peer = self.peers[stage - 1]
+        settle_commits(self.key)  # the last step's gradients are in before anything reads or changes them
         future = rpc.rpc_async(peer, call, args=(self.key, method, *args),
                                timeout=self.timeout if timeout is None else timeout)
         return to_concurrent(future, lambda: f"in {method} of stage {stage} of pipeline '{self.key}' ({where(peer)})")

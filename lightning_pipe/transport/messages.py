@@ -128,6 +128,23 @@ _PROGRESS: dict[tuple[str, int], float] = {}
 _PROGRESS_LOCK = threading.Lock()
 
 
+# Commits of a step's gradients sent to other processes and not yet known to be done, per pipeline key: a
+# driver does not wait for them in ``loss.backward()``; whatever it asks of those processes next for the
+# pipeline waits for them first (RPCs to one process are not ordered), and raises their error, located.
+_COMMITS: dict[str, list[Future[Any]]] = {}
+
+
+def defer_commits(key: str, futures: Sequence[Future[Any]]) -> None:
+    """Remember ``futures`` (commits in flight to pipeline ``key``'s other processes) until :func:`settle_commits`."""
+    _COMMITS.setdefault(key, []).extend(futures)
+
+
+def settle_commits(key: str) -> None:
+    """Wait for the commits in flight to pipeline ``key``'s other processes; raise the first one's error."""
+    for future in _COMMITS.pop(key, ()):
+        future.result()
+
+
 def _alive(key: str, run: int) -> None:
     with _PROGRESS_LOCK:
         if (key, run) in _PROGRESS:
@@ -252,7 +269,7 @@ def _located(exc: BaseException, describe: Callable[[], str]) -> BaseException:
     if not getattr(exc, "_lightning_pipe_where", False):
         text = str(exc)
         lost = any(sign in text for sign in ("EOF", "end of file", "Connection reset", "pipe closed",
-                                             "Connection refused"))
+                                             "Connection refused", "closed by peer"))
         exc.add_note(describe() + (": its process exited or was killed" if lost else ""))
         exc._lightning_pipe_where = True  # type: ignore[attr-defined]
     return exc

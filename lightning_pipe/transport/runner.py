@@ -154,16 +154,21 @@ class StageRunner:
         else:
             source = f"the stage stashing '{src[1]}'"
         describe = lambda: f"{self.describe(slot[4])}, micro-batch {slot[3]} ({slot[2]}) from {source}"  # noqa: E731
-        if self.plane is not None and (isinstance(src, int) and src < self.n or isinstance(src, tuple)):
-            layout = self.layout.imports if slot[2] == "F" else self.layout.exports
-            peer = self.peers[src if isinstance(src, int) else layout[slot[4]][src]]
+        if self.plane is not None:
+            if isinstance(src, tuple):  # a skip: from the stage that stashed it
+                layout = self.layout.imports if slot[2] == "F" else self.layout.exports
+                peer = self.peers[layout[slot[4]][src]]
+            else:  # a stage, or the driver (the last stage's targets and output gradients)
+                peer = self.peers[src if isinstance(src, int) else self.n]
             if self.plane.carries(peer):  # waits on the channel from the sender itself
                 return self.plane.take(peer, slot, timeout or self.timeout, describe)
         return MAILBOX.take(slot, timeout or self.timeout, describe)
 
-    def forward(self, run: int, s: int, i: int, spec: StepSpec, inputs: Batch | None = None) -> list[Future[Any]]:
+    def forward(self, run: int, s: int, i: int, spec: StepSpec, inputs: Batch | None = None,
+                riders: Sequence[tuple[Slot, Any]] = ()) -> list[Future[Any]]:
         """Stage ``s``'s forward of micro-batch ``i`` in the step's mode, under the driver's autocast; sends the
-        outputs on (the last stage with a loss: the loss) and returns the sends in flight."""
+        outputs on (the last stage with a loss: the loss) and returns the sends in flight. ``riders``: other
+        ``(slot, payload)`` to send then, in the outputs' message where they go to the same process."""
         stage = self.stages[s]
         if not self.modes_from_driver and stage.partition.training != spec.training:
             stage.partition.train(spec.training)
@@ -190,7 +195,13 @@ class StageRunner:
             sends = []
         else:
             payload = out if isinstance(out, MicroLoss) else (*_pack(out.tensors, self.direct(s + 1, s)), out.atomic)
-            sends = [self._send(s + 1, (self.key, run, "F", i, s + 1, s), payload)]
+            slot, peer = (self.key, run, "F", i, s + 1, s), self.peers[s + 1]
+            along = [item for item in riders if self.peers[item[0][4]] == peer]
+            bundled = self.plane.send_many(peer, run, [(slot, payload), *along]) if along and self.plane else None
+            sends = [bundled or self._send(s + 1, slot, payload)]
+            if bundled is not None:
+                riders = [item for item in riders if self.peers[item[0][4]] != peer]
+        sends += [self._send(item[0][4], *item) for item in riders]
         for skip, dst in self.layout.exports[s].items():
             sends.append(self._send(dst, (self.key, run, "F", i, dst, skip),
                                     _pack([exports[skip]], self.direct(dst, s))))
@@ -233,12 +244,14 @@ class StageRunner:
                                         _wire((grad_imports.get(skip),), self.direct(src, s))))
         return [sent for sent in sends if sent is not None], {}
 
-    def run_actions(self, run: int, actions: Sequence[Action], spec: StepSpec,
-                    inputs: Sequence[Batch] | None = None) -> tuple[list[Future[Any]], dict[int, Grads]]:
+    def run_actions(self, run: int, actions: Sequence[Action], spec: StepSpec, inputs: Sequence[Batch] | None = None,
+                    riders: Callable[[int], list[tuple[Slot, Any]]] | None = None
+                    ) -> tuple[list[Future[Any]], dict[int, Grads]]:
         """This process's share of one step, in the plan's order (``inputs``: stage 0's micro-batches, on the
         driver), with the driver's anomaly detection and default dtype (``precision="64-true"`` sets it there:
         tensors a layer creates must have it here too). Returns the sends still in flight and stage 0's input
-        gradients by micro-batch. With replicas, each stage's last backward runs through DDP's reducer."""
+        gradients by micro-batch. With replicas, each stage's last backward runs through DDP's reducer.
+        ``riders(i)`` (the driver's): what to send with stage 0's output of micro-batch ``i`` (see ``forward``)."""
         self.averages.settle()  # the previous step's reductions here are over
         sends: list[Future[Any]] = []
         grads: dict[int, Grads] = {}
@@ -255,7 +268,8 @@ class StageRunner:
                 for k, (s, kind, i) in enumerate(actions):
                     if kind == "F":
                         averages.forward(s, spec.save)
-                        sends += self.forward(run, s, i, spec, inputs[i] if inputs is not None and s == 0 else None)
+                        sends += self.forward(run, s, i, spec, inputs[i] if inputs is not None and s == 0 else None,
+                                              riders(i) if riders is not None and s == 0 else ())
                     elif kind == "W":
                         with averages.backward(k, later) as last:  # ``last``: the stage's last backward
                             later.pop((s, i))(True, last)
@@ -283,7 +297,8 @@ class StageRunner:
         now = time.monotonic()
         if driver != self.me and now - self._beat >= self.timeout / 3:
             self._beat = now
-            rpc.rpc_async(driver, _alive, args=(self.key, run), timeout=self.timeout)
+            if self.plane is None or not self.plane.alive(driver, run):  # on the plane: ahead of the answer
+                rpc.rpc_async(driver, _alive, args=(self.key, run), timeout=self.timeout)
 
     def take_held(self, run: int) -> dict[int, Any] | None:
         """The outputs held for the driver from run ``run`` (see ``forward``), forgotten here."""
@@ -305,7 +320,10 @@ class StageRunner:
             stage.partition.zero_grad(set_to_none=True)
 
     def fail(self, run: int) -> None:
-        """Mark ``run`` failed: its queued actions skip and its waits wake up."""
+        """Mark ``run`` failed: its queued actions skip and its waits wake up (once: a run is aborted on the
+        plane's channels once per process, whoever asks)."""
+        if run in self._failed:
+            return
         self._failed.append(run)
         self._held.pop(run, None)
         MAILBOX.abort(self.key, run)

@@ -1,0 +1,148 @@
+"""A step's control messages on the data plane: each process's actions go to its step listener, its answer comes back.
+
+RPC's ``_act`` costs the driver ~0.5 ms to send and the receiver two thread hand-offs before the first action
+runs, and its answer ~1 ms back at the end of a step, on the critical path of every step. Where the data plane
+carries a process, the driver sends it the step instead (:meth:`DataPlane.send_step`): the process's listener
+(:meth:`DataPlane.serve`, one thread waiting on the driver's channel between steps) hands it to the stage's
+worker, which answers on the plane once its share is done::
+
+    driver ══STEP (run, actions, spec, targets)══► listener ──► worker: the share
+    driver ◄══ANSWER (the last stage's outputs or losses, or the error)══ worker
+
+The last stage's targets and output gradients travel in the step where they are small (as with RPC); larger, the
+driver sends each target with stage 0's output of its micro-batch (one message where the last stage is next), and
+the output gradients in as few
+messages as the plane's limit allows once stage 0 has started. A share that fails aborts
+the run in every process itself (the driver, waiting for another process's answer, would not notice), then
+answers with the error; the driver reads every answer, so the first real error in process order is raised as
+with RPC. A slow stage's sign of life comes on the plane ahead of its answer and restarts the driver's wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed.rpc as rpc
+
+from lightning_pipe.engine.pipeline import _Skipped
+from lightning_pipe.engine.schedule import Action
+from lightning_pipe.transport.dataplane import ANSWER
+from lightning_pipe.transport.messages import MAILBOX, Slot, StepSpec, _Failure, _located, _tensors, where
+from lightning_pipe.transport.runner import StageRunner, _abort
+
+__all__: list[str] = []
+
+#: Deliveries up to this many bytes travel in the step itself: more would hold up its first action (the step is
+#: sent before stage 0 starts; the last stage needs the target of a micro-batch only with its input).
+INLINE = 64 << 10
+
+
+def answer_slot(key: str, run: int, process: int) -> Slot:
+    """Where process ``process``'s answer to run ``run`` of pipeline ``key`` lands: apart from the run's data,
+    so that aborting the run (which drops its data) keeps the answer that says why."""
+    return (f"{key}/answers", run, ANSWER, 0, process, process)
+
+
+# ---------------------------------------------------------------------- the driver's side
+def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], spec: StepSpec,
+          deliveries: Sequence[tuple[Slot, Any]]) -> list[tuple[Slot, Any]] | None:
+    """Send process ``peer`` its ``actions`` of run ``run`` on the data plane, with ``deliveries`` (the last
+    stage's targets and output gradients) where they are small (:data:`INLINE`), one message as by RPC. Returns
+    the deliveries left to send (:func:`deliver`; the driver sends each target with stage 0's output of its
+    micro-batch), or None where the plane does not carry the step (the caller sends it by RPC)."""
+    plane = runner.plane
+    if plane is None:
+        return None
+    if sum(map(_nbytes, deliveries)) <= INLINE and plane.send_step(peer, run, (run, list(actions), spec,
+                                                                               list(deliveries))):
+        return []
+    if not plane.send_step(peer, run, (run, list(actions), spec, [])):
+        return None
+    return list(deliveries)
+
+
+def _nbytes(item: tuple[Slot, Any]) -> int:
+    return 256 + sum(t.numel() * t.element_size() for t in _tensors(item[1]))
+
+
+def deliver(runner: StageRunner, peer: str, run: int, deliveries: Sequence[tuple[Slot, Any]]) -> list[Future[Any]]:
+    """Send ``deliveries`` of run ``run`` to process ``peer`` after its step (once stage 0 has started: the last
+    stage needs the first of them only after its first input), as few messages as the plane's limit allows,
+    one that is larger by RPC; the sends in flight."""
+    plane = runner.plane
+    limit = plane.max_bytes
+    sends: list[Future[Any] | None] = []
+    bundle: list[tuple[Slot, Any]] = []
+    size = 0
+
+    def flush() -> None:
+        sent = plane.send_many(peer, run, bundle) if bundle else None
+        if sent is not None:
+            sends.append(sent)
+        else:
+            sends.extend(runner._send(slot[4], slot, payload) for slot, payload in bundle)
+        bundle.clear()
+
+    for slot, payload in deliveries:
+        nbytes = _nbytes((slot, payload))
+        if bundle and limit is not None and size + nbytes > limit:
+            flush()
+            size = 0
+        bundle.append((slot, payload))
+        size += nbytes
+    flush()
+    return [sent for sent in sends if sent is not None]
+
+
+def answer(runner: StageRunner, peer: str, process: int, run: int, stages: str) -> Any:
+    """Process ``process``'s answer to run ``run`` (what it held for the driver), once its share is done; its
+    error, located in its ``stages`` (``"1"``, or ``"1, 3"``), if the share failed or the process is gone.
+    Waits the RPC timeout from the process's last sign of life."""
+    located = lambda: f"in stage {stages} of pipeline '{runner.key}' ({where(peer)})"  # noqa: E731
+    try:
+        value = runner.plane.take(peer, answer_slot(runner.key, run, process), runner.timeout, located, renew=True)
+    except TimeoutError:
+        raise TimeoutError(f"no answer within {runner.timeout:.1f} s from stage {stages} ({where(peer)}) of pipeline "
+                           f"'{runner.key}' although the rest of the step is done: its process is stuck "
+                           "(rpc_timeout_sec bounds this wait)") from None
+    if isinstance(value, _Failure):
+        raise _located(value.exc, located)
+    return value
+
+
+# ---------------------------------------------------------------------- a stage's process
+def serve(runner: StageRunner, step: tuple[int, list[Action], StepSpec, list[tuple[Slot, Any]]]) -> None:
+    """Run this process's share of a step that came on the plane and answer on it; called by the listener, which
+    runs it itself (handing it to the stage's worker would wake one more thread before the first action, up to
+    milliseconds on an idle virtual CPU) and waits for the next step once this one is answered. Steps never
+    overlap: the driver sends the next one once every process answered this one."""
+    run, actions, spec, deliveries = step
+    for slot, payload in deliveries:
+        MAILBOX.put(slot, payload)
+
+    def work() -> None:
+        try:
+            sends, _ = runner.run_actions(run, actions, spec)
+            for sent in sends:  # those that went by RPC (the plane's are done once the share is)
+                sent.result(timeout=runner.timeout)
+            value = runner.take_held(run)
+        except BaseException as exc:  # noqa: BLE001 - it travels to the driver
+            if not isinstance(exc, _Skipped) and run not in runner._failed:
+                abort_everywhere(runner, run)
+            value = _Failure(exc)
+        runner._send(runner.n, answer_slot(runner.key, run, runner.index), value)
+
+    work()
+
+
+def abort_everywhere(runner: StageRunner, run: int) -> None:
+    """Fail run ``run`` here and in every other process of the pipeline (each then aborts it on its channels,
+    which wakes whoever waits there)."""
+    runner.fail(run)
+    for peer in sorted(set(runner.peers) - {runner.me}):
+        try:
+            rpc.rpc_async(peer, _abort, args=(runner.key, run), timeout=runner.timeout)
+        except Exception:  # noqa: BLE001 - an unreachable process is what the error will report
+            pass
