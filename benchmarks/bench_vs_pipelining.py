@@ -29,6 +29,10 @@ so K jobs give the spread that matters and the median over all their pairs. It e
 ``--pin``: process r runs on core r only (both engines alike), so that a process's helper threads share its
 core with its compute instead of using an idle one.
 
+After paired jobs it times the busiest stage's work alone (its forwards, the loss on the last stage, and backwards
+of every micro-batch, in a process of its own on one thread): no engine's step can be shorter with this cut, so
+``RESULT <model>_p<processes>_lowest_possible_ours_over_theirs`` is the lowest ratio any engine of ours could reach.
+
     python benchmarks/bench_vs_pipelining.py --model lm [--paired 10 --jobs 1] [--schedules gpipe,1f1b]
     python benchmarks/bench_vs_pipelining.py [--width 1024] [--layers 8] [--batch 512] [--chunks 8]
                                              [--rounds 6] [--steps 6] [--transport default] [--loss last]
@@ -391,11 +395,12 @@ def paired(args: argparse.Namespace) -> None:
                 print(f"  process {rank}, {engine:<8}: {line}")
     if args.jobs > 1:
         print(f"per-job medians (ours): {min(medians):.3f}-{max(medians):.3f}")
-    bound = busiest_stage(args)
+    bound = run_processes(_job, 1, "bound", args, timeout=args.timeout, label="bound")[0]
     theirs_best = min(statistics.median(steps[f"theirs {name}"]) for name in args.schedules if name in THEIRS)
     ours_best = min(statistics.median(steps[f"ours {name}"]) for name in args.schedules)
     print(f"\nthe busiest stage's work alone (forward{' and loss' if args.loss == 'last' else ''} and backward of "
-          f"every micro-batch, one thread, no pipeline): {bound * 1e3:.1f} ms, a step's lower bound for any engine "
+          f"every micro-batch, a process of its own on one thread, no pipeline; the fastest of 7): {bound * 1e3:.1f} "
+          "ms, a step's lower bound for any engine "
           f"with this layout; their fastest schedule {theirs_best / bound:.3f}x it, ours {ours_best / bound:.3f}x; "
           f"so ours / theirs cannot go below {bound / theirs_best:.3f} here")
     print(f"RESULT {args.model}_p{args.processes}_lowest_possible_ours_over_theirs={bound / theirs_best:.3f}")
@@ -410,18 +415,17 @@ def paired(args: argparse.Namespace) -> None:
         print(f"RESULT {args.model}_best_ours_over_best_theirs={statistics.median(bests):.3f}")
 
 
-def busiest_stage(args: argparse.Namespace, repeats: int = 7) -> float:
-    """Seconds of the busiest stage's share of a step done alone, in this process on one thread: the forward (and
-    the loss, on the last stage) and the backward of each micro-batch, one after another (median of ``repeats``
-    after one warm-up). No pipeline step can be shorter: each stage does its share on one thread of its own."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def busiest_stage(rank: int, port: int, args: argparse.Namespace, repeats: int = 7) -> float:
+    """Seconds of the busiest stage's share of a step done alone, in a process of its own on one thread, as the
+    jobs' processes run: the forward (and the loss, on the last stage) and the backward of each micro-batch, one
+    after another (the fastest of ``repeats`` after one warm-up). No pipeline step can be shorter: each stage does
+    its share on one thread of its own."""
     parts = halves(args)
     x, y = batch(args)
     xs, ys = x.chunk(args.chunks), y.chunk(args.chunks)
     shares = []
     for r, part in enumerate(parts):
-        inputs = [xb for xb in xs]
+        inputs = list(xs)
         for earlier in parts[:r]:  # the stage's own inputs: what the stages before it hand on
             with torch.no_grad():
                 inputs = [earlier(xb) for xb in inputs]
@@ -436,8 +440,7 @@ def busiest_stage(args: argparse.Namespace, repeats: int = 7) -> float:
                 else:
                     out.backward(torch.ones_like(out))
             times.append(time.perf_counter() - start)
-        shares.append(statistics.median(times[1:]))
-    torch.set_num_threads(threads)
+        shares.append(min(times[1:]))
     return max(shares)
 
 
@@ -446,7 +449,7 @@ def _job(rank: int, world: int, port: int, engine: str, args: argparse.Namespace
     torch.set_num_threads(1)
     if args.pin:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # every thread started from now on too
-    return {"ours": _ours, "theirs": _theirs, "paired": _paired}[engine](rank, port, args)
+    return {"ours": _ours, "theirs": _theirs, "paired": _paired, "bound": busiest_stage}[engine](rank, port, args)
 
 
 # ---------------------------------------------------------------------- report
