@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 from typing import Any
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -25,6 +27,7 @@ from lightning_pipe.transport.messages import Slot
 __all__: list[str] = []
 
 HEADER = 64  # bytes: 4 int64 (kind, length, data bytes, value), padded so that tensors start aligned
+_HEAD = struct.Struct("<4q")
 _ALIGN = 64
 #: Kinds of message: a payload; the receiver's next receives grow to ``value`` bytes; run ``value`` failed;
 #: the sender sends no more; the payload for the slot went by RPC; a process's actions of one step (the
@@ -64,8 +67,7 @@ class _Decoder(pickle.Unpickler):
         count = 1
         for size in shape:
             count *= size
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        return self.buffer[offset:offset + nbytes].view(dtype).view(shape)
+        return self.buffer[offset:offset + count * dtype.itemsize].view(dtype).view(shape)
 
 
 def encode(kind: int, slot: Slot, payload: Any = None) -> Tensor:
@@ -76,24 +78,25 @@ def encode(kind: int, slot: Slot, payload: Any = None) -> Tensor:
     skeleton = file.getbuffer()
     data = encoder.end
     message = torch.empty(data + len(skeleton), dtype=torch.uint8)
-    message[:32].view(torch.int64)[:] = torch.tensor([kind, len(message), data, 0])
+    raw = message.numpy()  # the header and the skeleton through numpy: a few µs less per message than torch
+    _HEAD.pack_into(raw, 0, kind, len(raw), data, 0)
     for tensor, offset in encoder.tensors:
         nbytes = tensor.numel() * tensor.element_size()
         message[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-    message[data:] = torch.frombuffer(skeleton, dtype=torch.uint8)
+    raw[data:] = numpy.frombuffer(skeleton, dtype=numpy.uint8)
     return message
 
 
 def control(kind: int, value: int) -> Tensor:
     """A message of ``kind`` carrying ``value`` alone (a capacity, a run)."""
     message = torch.zeros(HEADER, dtype=torch.uint8)
-    message[:32].view(torch.int64)[:] = torch.tensor([kind, HEADER, HEADER, value])
+    _HEAD.pack_into(message.numpy(), 0, kind, HEADER, HEADER, value)
     return message
 
 
 def header(buffer: Tensor) -> tuple[int, int]:
     """The kind of the message in ``buffer`` and its value (a control message's)."""
-    kind, _, _, value = buffer[:32].view(torch.int64).tolist()
+    kind, _, _, value = _HEAD.unpack_from(buffer.numpy())
     return kind, value
 
 
@@ -101,7 +104,8 @@ def decode(buffer: Tensor) -> tuple[Slot, Any]:
     """The ``(slot, payload)`` of the message in ``buffer``; its tensors are views of ``buffer`` (of a copy of
     the used part where that is less than half the buffer, so that a large receive is not held by a small
     message)."""
-    _, length, data, _ = buffer[:32].view(torch.int64).tolist()
+    raw = buffer.numpy()
+    _, length, data, _ = _HEAD.unpack_from(raw)
     if length * 2 < len(buffer):
         buffer = buffer[:length].clone()
-    return _Decoder(io.BytesIO(buffer[data:length].numpy().tobytes()), buffer).load()
+    return _Decoder(io.BytesIO(raw[data:length].tobytes()), buffer).load()
