@@ -327,10 +327,12 @@ class RemotePipeline:
                 except _Skipped:
                     pass  # a stage failed: the error is in its future
             error: BaseException | None = None
+            by_rpc = [r for r in range(self.processes) if r not in on_plane]  # this process first
             try:
-                drain([f for r, f in enumerate(futures) if r not in on_plane], grace=self.runner.timeout,
-                      ready=futures[0], alive=lambda: _PROGRESS.get(progress, 0.0),
-                      describe=lambda r: f"stage {self._stages(r)} ({where(self.peers[r])}) of pipeline '{self.key}'")
+                drain([futures[r] for r in by_rpc], grace=self.runner.timeout, ready=futures[0],
+                      alive=lambda: _PROGRESS.get(progress, 0.0),
+                      describe=lambda k: f"stage {self._stages(by_rpc[k])} ({where(self.peers[by_rpc[k]])}) of "
+                                         f"pipeline '{self.key}'")
             except BaseException as exc:  # noqa: BLE001 - raised once the answers on the plane are in
                 error = exc
             for r in on_plane:  # every one, after a failure too: the first real error in process order wins

@@ -122,19 +122,16 @@ def serve(runner: StageRunner, step: tuple[int, list[Action], StepSpec, list[tup
     for slot, payload in deliveries:
         MAILBOX.put(slot, payload)
 
-    def work() -> None:
-        try:
-            sends, _ = runner.run_actions(run, actions, spec)
-            for sent in sends:  # those that went by RPC (the plane's are done once the share is)
-                sent.result(timeout=runner.timeout)
-            value = runner.take_held(run)
-        except BaseException as exc:  # noqa: BLE001 - it travels to the driver
-            if not isinstance(exc, _Skipped) and run not in runner._failed:
-                abort_everywhere(runner, run)
-            value = _Failure(exc)
-        runner._send(runner.n, answer_slot(runner.key, run, runner.index), value)
-
-    work()
+    try:
+        sends, _ = runner.run_actions(run, actions, spec)
+        for sent in sends:  # those that went by RPC (the plane's are done once the share is)
+            sent.result(timeout=runner.timeout)
+        value = runner.take_held(run)
+    except BaseException as exc:  # noqa: BLE001 - it travels to the driver
+        if not isinstance(exc, _Skipped) and run not in runner._failed:
+            abort_everywhere(runner, run)
+        value = _Failure(exc)
+    runner._send(runner.n, answer_slot(runner.key, run, runner.index), value)
 
 
 def abort_everywhere(runner: StageRunner, run: int) -> None:
