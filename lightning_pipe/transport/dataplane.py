@@ -275,32 +275,36 @@ class DataPlane:
                 if renew and value == slot[1]:
                     deadline = time.monotonic() + timeout
                 continue
-            got, payload = self._route(name, kind, value, buffer)
+            got, payload = self._route(name, kind, value, buffer, slot)
             if kind == ABORT and got == slot[:2]:
                 raise _Skipped()
             if got != slot:
-                if kind == DATA and got is not None:
-                    MAILBOX.put(got, payload)
                 continue
             if kind == BY_RPC:
                 return MAILBOX.take(slot, max(0.0, deadline - time.monotonic()), describe)
             return payload
 
-    def _route(self, name: str, kind: int, value: int, buffer: Tensor) -> tuple[Any, Any]:
-        """Deal with a message received from ``name`` that is not a sign of life: return its slot and payload
-        (for an ``ABORT``, the aborted run's ``(key, run)``; None where no one waits for it), a step's actions
-        put aside for the listener."""
+    def _route(self, name: str, kind: int, value: int, buffer: Tensor, slot: Slot | None = None) -> tuple[Any, Any]:
+        """Deal with a message received from ``name`` that is not a sign of life: return its slot and payload where
+        it is for ``slot`` (a payload, or word that it went by RPC), or for an ``ABORT`` the aborted run's
+        ``(key, run)``; anything else is put where it belongs (a payload into the mailbox, a step's actions aside
+        for the listener) and ``(None, None)`` returned."""
         if kind == DATA:
             got, payload = decode(buffer)
             self.received += got[2] != ANSWER
-            if got[2] != BUNDLE:
+            if got == slot:
                 return got, payload
-            for item in payload:  # several payloads in one message (a step's targets)
-                MAILBOX.put(*item)
+            if got[2] == BUNDLE:  # several payloads in one message (a step's targets)
+                for item in payload:
+                    MAILBOX.put(*item)
+            else:
+                MAILBOX.put(got, payload)
         elif kind == STEP:
             self._steps.append(decode(buffer)[1])
         elif kind == BY_RPC:
-            return decode(buffer)
+            got, _ = decode(buffer)
+            if got == slot:
+                return got, None
         elif kind == ABORT:
             MAILBOX.abort(self.key, value)
             return (self.key, value), None
@@ -330,9 +334,7 @@ class DataPlane:
             finally:
                 channel.lock.release()
             if kind != ALIVE:
-                got, payload = self._route(name, kind, value, buffer)
-                if kind == DATA and got is not None:
-                    MAILBOX.put(got, payload)
+                self._route(name, kind, value, buffer)
 
     def serve(self, name: str, handler: Callable[[Any], None]) -> threading.Thread:
         """Run ``handler`` on each step's actions that process ``name`` (the driver) sends, one after another,
