@@ -218,12 +218,13 @@ class PipelineCheckpoints(PipelineProcesses):
         if self.state_dict_type == "sharded":
             if self.is_global_zero:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            partial = None
             if together:  # every replica's processes write their shards into the main process's directory
-                partial = self.broadcast(shards.staging(path, ".partial-") if self.is_global_zero else None)
+                partial = self.broadcast(sharded.prepare(path) if self.is_global_zero else None)
                 if not self.is_global_zero:
                     sharded.save_shards(checkpoint, partial, body.hosts if body is not None else None, optimizers)
                     return
-            sharded.save(checkpoint, path, body.hosts if body is not None else None, optimizers, together)
+            sharded.save(checkpoint, path, body.hosts if body is not None else None, optimizers, partial)
             return
         if together and body is not None:  # each sharded stage gathered whole by its replica 0's process
             for future in body.hosts.start("gather_whole", timeout=0):

@@ -57,16 +57,26 @@ def _own(checkpoint: Mapping[str, Any], optimizers: Sequence[torch.optim.Optimiz
     return local, own
 
 
-def save(checkpoint: Mapping[str, Any], path: str, hosts: Any, optimizers: Sequence[torch.optim.Optimizer],
-         together: bool = False) -> None:
-    """Write ``checkpoint`` (Lightning's, its state dict holding this process's tensors and placeholders for the
-    remote stages') as a sharded checkpoint at ``path``: the remote stages (``hosts``) write their entries while
-    this process writes its own, then ``.metadata`` for all. ``together``: the stages are sharded over the
-    replicas, and every replica's processes write their shards into the same directory at once (the other
-    drivers call :func:`save_shards` with it)."""
+def prepare(path: str) -> str:
+    """An empty directory where this process stages a sharded checkpoint for ``path`` (what an earlier save left
+    there removed), made before any process writes into it."""
     partial = shards.staging(path, ".partial-")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
+    return partial
+
+
+def save(checkpoint: Mapping[str, Any], path: str, hosts: Any, optimizers: Sequence[torch.optim.Optimizer],
+         partial: str | None = None) -> None:
+    """Write ``checkpoint`` (Lightning's, its state dict holding this process's tensors and placeholders for the
+    remote stages') as a sharded checkpoint at ``path``: the remote stages (``hosts``) write their entries while
+    this process writes its own, then ``.metadata`` for all. ``partial``: the stages are sharded over the
+    replicas, and every replica's processes write their shards at once into this directory, which
+    :func:`prepare` made before its path was given to them (the other drivers call :func:`save_shards` with it:
+    made after, it could be theirs already, DCP creating it as they write, and removing it would drop their
+    shards); None: a directory of its own, written by this pipeline's processes alone."""
+    together = partial is not None
+    partial = partial if partial is not None else prepare(path)
     futures = []
     try:
         futures = hosts.start("save_shard", partial, timeout=0) if hosts is not None else []
