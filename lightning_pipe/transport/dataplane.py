@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -80,7 +81,7 @@ class _Channel:
             self._post()
 
     def _post(self) -> None:
-        buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        buffer = torch.from_numpy(numpy.empty(self.capacity, dtype=numpy.uint8))  # one call into torch, not two
         self.posted.append((self.group.recv([buffer], self.peer, 0), buffer))
 
     def receive(self, timeout: float) -> tuple[int, int, Tensor]:
@@ -146,14 +147,14 @@ class DataPlane:
         self.sent += slot[2] != ANSWER
         return sent
 
-    def send_step(self, name: str, run: int, step: Any) -> bool:
-        """Start sending ``step`` (process ``name``'s actions of run ``run``) to its listener (:meth:`serve`);
-        False where this plane does not carry it (the caller sends it by RPC, where an error in pickling it is
-        raised as it always was)."""
+    def send_step(self, name: str, run: int, step: tuple[Any, ...]) -> bool:
+        """Start sending ``step`` (process ``name``'s actions of run ``run``, or its commit) to its listener
+        (:meth:`serve`); its first three items hold no tensors. False where this plane does not carry it (the
+        caller sends it by RPC, where an error in pickling it is raised as it always was)."""
         if not self.carries(name):
             return False
         try:
-            message = encode(STEP, (self.key, run, "S", 0, 0, "step"), step)
+            message = encode(STEP, (self.key, run, "S", 0, 0, "step"), step, plain=3)
         except Exception:  # noqa: BLE001 - what RPC carries, or refuses with its own error
             return False
         if self.max_bytes is not None and len(message) > self.max_bytes:

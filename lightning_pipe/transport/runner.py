@@ -147,13 +147,13 @@ class StageRunner:
         if slot[1] in self._failed:
             raise _Skipped()
         src = slot[5]
-        if isinstance(src, int):
-            source = f"stage {src} ({where(self.peers[src])})" if src < self.n else "the driver"
-        elif src == "target":
-            source = "the driver (the target)"
-        else:
-            source = f"the stage stashing '{src[1]}'"
-        describe = lambda: f"{self.describe(slot[4])}, micro-batch {slot[3]} ({slot[2]}) from {source}"  # noqa: E731
+        def describe() -> str:  # only where a wait fails: ``where`` asks RPC
+            if isinstance(src, int):
+                source = f"stage {src} ({where(self.peers[src])})" if src < self.n else "the driver"
+            else:
+                source = "the driver (the target)" if src == "target" else f"the stage stashing '{src[1]}'"
+            return f"{self.describe(slot[4])}, micro-batch {slot[3]} ({slot[2]}) from {source}"
+
         if self.plane is not None:
             if isinstance(src, tuple):  # a skip: from the stage that stashed it
                 layout = self.layout.imports if slot[2] == "F" else self.layout.exports
