@@ -4,6 +4,7 @@ model's results through it in every process, what goes by RPC instead, and its f
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -363,6 +364,86 @@ def test_gradients_read_right_after_backward_include_the_commits_still_in_flight
                 assert grad is not None, (step, name)
                 expected = step * torch.tensor(once[f"{layer}.{name.split('.', 1)[1]}"])
                 torch.testing.assert_close(torch.tensor(grad), expected, msg=name)
+
+
+def _slow_or_failing_commits(key: str, fail: bool) -> None:
+    """Make this process's commits take half a second, noting the thread and the time each ends; or fail."""
+    import time
+
+    from lightning_pipe.transport.runner import _RUNNERS
+
+    runner = _RUNNERS[key]
+    commit = runner.commit
+    runner.seen = []
+
+    def slow(run, scale):
+        if fail:
+            raise RuntimeError("the commit broke")
+        time.sleep(0.5)
+        commit(run, scale)
+        runner.seen.append((threading.current_thread().name, run, time.time()))
+
+    runner.commit = slow
+
+
+def _seen(key: str):
+    from lightning_pipe.transport.runner import _RUNNERS
+
+    return _RUNNERS[key].seen
+
+
+def _commits_on_the_plane(rank: int, world: int, fail: bool):
+    import time
+
+    from lightning_pipe.transport import steps
+
+    pipeline = pipeline_over_rpc("planned", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    for r in range(1, world):
+        rpc.rpc_sync(f"worker{r}", _slow_or_failing_commits, args=("planned", fail and r == 2))
+    sent = {}  # run -> when the driver had sent its last process its step
+    start = steps.start
+
+    def noted(runner, peer, run, *args):
+        left = start(runner, peer, run, *args)
+        sent[run] = time.time()
+        return left
+
+    steps.start = noted
+    x = torch.randn(8, 6, requires_grad=True)
+    y = torch.randn_like(build()(x))
+    try:
+        for _ in range(3):
+            pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True, parameters=iter([]),
+                          schedule="1f1b").backward()
+        pipeline.call(1, "named_grads")  # waits for the last commits
+        return sent, [rpc.rpc_sync(f"worker{r}", _seen, args=("planned",)) for r in (1, 2)]
+    except RuntimeError as exc:
+        return "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+    finally:
+        steps.start = start
+        pipeline.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_goes_to_the_step_listener_and_the_next_step_does_not_wait_for_it():
+    """Over the plane, each step's commit goes to the process's step listener, which runs it before the next
+    step: the driver sends that step without waiting for the commit (a round trip per step). With commits made
+    to take half a second, each of the next steps was sent before the commit before it was done."""
+    sent, seen = run_processes(_commits_on_the_plane, 3, False, timeout=100)[0]
+    runs = sorted(sent)
+    for process in seen:
+        assert [(thread, run) for thread, run, _ in process] == [("lightning_pipe.planned.steps", run) for run in runs]
+        for (_, _, done), later in zip(process, runs[1:]):
+            assert sent[later] < done
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_that_fails_on_the_plane_fails_the_next_step_naming_its_process():
+    """A commit that fails in the step listener answers with its error: the step after it raises it, located."""
+    error = run_processes(_commits_on_the_plane, 3, True, timeout=100)[0]
+    assert "the commit broke" in error and "committing the gradients of pipeline 'planned' in rank 2" in error
 
 
 def _large_targets(rank: int, world: int, stages: list[int]):

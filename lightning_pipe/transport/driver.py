@@ -168,7 +168,8 @@ class RemotePipeline:
         anything else reaches them for this pipeline)."""
         timeout = self.runner.timeout
         settle_commits(self.key)
-        futures = [to_concurrent(rpc.rpc_async(peer, _commit, args=(self.key, run.id, scale), timeout=timeout),
+        futures = [steps.commit(self.runner, peer, r, run.id, scale) or
+                   to_concurrent(rpc.rpc_async(peer, _commit, args=(self.key, run.id, scale), timeout=timeout),
                                  self._describe(r)) for r, peer in enumerate(self.peers) if r > 0]
         self.runner.commit(run.id, scale)
         # Not waited for here (a round trip at the end of every step): whatever reaches those processes next
@@ -279,7 +280,9 @@ class RemotePipeline:
                 sends.extend(steps.deliver(self.runner, self.peers[r], run.id, left))
             later.clear()
 
-        settle_commits(self.key)  # the last step's gradients are in before this one's actions arrive
+        # The last step's gradients are in before this one's actions arrive: where its commit went to the step
+        # listener, this step follows it there; the others are waited for now (and those, before a step by RPC).
+        settle_commits(self.key, before_steps=True)
         futures: list[Future[Any]] = [Future() for _ in range(self.processes)]  # each process's share
         on_plane: list[int] = []  # the processes whose step went on the data plane: they answer there
         later: dict[int, list[tuple[Slot, Any]]] = {}  # deliveries too large to travel in a step on the plane
@@ -312,6 +315,7 @@ class RemotePipeline:
                     on_plane.append(r)
                     continue
                 else:
+                    settle_commits(self.key)  # an RPC may overtake a commit sent to the step listener
                     # No RPC timeout on the whole share: its waits are bounded one by one, a lost process fails
                     # the call at once, and a silent one is caught below.
                     extra = deliveries.get(r)
@@ -346,6 +350,7 @@ class RemotePipeline:
             if error is not None:
                 raise error
             drain(sends)
+            settle_commits(self.key)  # the last commits' answers came before this step's
         except BaseException:
             if not aborted.is_set():
                 aborted.set()

@@ -139,9 +139,15 @@ def defer_commits(key: str, futures: Sequence[Future[Any]]) -> None:
     _COMMITS.setdefault(key, []).extend(futures)
 
 
-def settle_commits(key: str) -> None:
-    """Wait for the commits in flight to pipeline ``key``'s other processes; raise the first one's error."""
-    for future in _COMMITS.pop(key, ()):
+def settle_commits(key: str, before_steps: bool = False) -> None:
+    """Wait for the commits in flight to pipeline ``key``'s other processes; raise the first one's error.
+    ``before_steps``: leave those that the next step cannot overtake (sent on the data plane to the process's
+    step listener, which runs them in order), to be settled once that step is done."""
+    pending = _COMMITS.pop(key, [])
+    if before_steps:
+        _COMMITS[key] = [future for future in pending if getattr(future, "before_steps", False)]
+        pending = [future for future in pending if not getattr(future, "before_steps", False)]
+    for future in pending:
         future.result()
 
 

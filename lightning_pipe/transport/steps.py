@@ -9,6 +9,11 @@ worker, which answers on the plane once its share is done::
     driver ══STEP (run, actions, spec, targets)══► listener ──► worker: the share
     driver ◄══ANSWER (the last stage's outputs or losses, or the error)══ worker
 
+A step's commit (its gradients made aside added in, at the end of ``loss.backward()`` for the eager schedules)
+goes the same way, and the listener runs it before the next step, which cannot overtake it on the channel: the
+driver does not wait for it before that step (an RPC commit's round trip, ~1 ms per step), only once the step is
+done, or before anything else reaches the process (optimizer steps, gradient reads, a step sent by RPC).
+
 The last stage's targets and output gradients travel in the step where they are small (as with RPC); larger, the
 driver sends each target with stage 0's output of its micro-batch (one message where the last stage is next), and
 the output gradients in as few
@@ -39,10 +44,35 @@ __all__: list[str] = []
 INLINE = 64 << 10
 
 
-def answer_slot(key: str, run: int, process: int) -> Slot:
-    """Where process ``process``'s answer to run ``run`` of pipeline ``key`` lands: apart from the run's data,
-    so that aborting the run (which drops its data) keeps the answer that says why."""
-    return (f"{key}/answers", run, ANSWER, 0, process, process)
+def answer_slot(key: str, run: int, process: int, what: int = 0) -> Slot:
+    """Where process ``process``'s answer to run ``run`` of pipeline ``key`` lands (``what``: 0 its share, 1 its
+    commit): apart from the run's data, so that aborting the run (which drops its data) keeps the answer that
+    says why."""
+    return (f"{key}/answers", run, ANSWER, what, process, process)
+
+
+class _Commit:
+    """A commit sent to a process's step listener: :meth:`result` waits for its answer, raising its error."""
+
+    before_steps = True  # the listener runs it before the next step (see ``settle_commits``)
+
+    def __init__(self, runner: StageRunner, peer: str, process: int, run: int) -> None:
+        self.runner, self.peer, self.process, self.run = runner, peer, process, run
+
+    def result(self) -> None:
+        runner, peer = self.runner, self.peer
+        located = lambda: f"committing the gradients of pipeline '{runner.key}' in {where(peer)}"  # noqa: E731
+        value = runner.plane.take(peer, answer_slot(runner.key, self.run, self.process, 1), runner.timeout, located)
+        if isinstance(value, _Failure):
+            raise _located(value.exc, located)
+
+
+def commit(runner: StageRunner, peer: str, process: int, run: int, scale: float) -> _Commit | None:
+    """Send process ``peer`` (``process``) the commit of run ``run`` (times ``scale``) on the data plane, ahead of
+    its next step; None where the plane does not carry it (the caller commits by RPC)."""
+    if runner.plane is None or not runner.plane.send_step(peer, run, ("commit", run, scale)):
+        return None
+    return _Commit(runner, peer, process, run)
 
 
 # ---------------------------------------------------------------------- the driver's side
@@ -55,10 +85,10 @@ def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], s
     plane = runner.plane
     if plane is None:
         return None
-    if sum(map(_nbytes, deliveries)) <= INLINE and plane.send_step(peer, run, (run, list(actions), spec,
-                                                                               list(deliveries))):
+    actions = [tuple(action) for action in actions]  # plain tuples: pickled by pickle's C code alone
+    if sum(map(_nbytes, deliveries)) <= INLINE and plane.send_step(peer, run, (run, actions, spec, list(deliveries))):
         return []
-    if not plane.send_step(peer, run, (run, list(actions), spec, [])):
+    if not plane.send_step(peer, run, (run, actions, spec, [])):
         return None
     return list(deliveries)
 
@@ -113,12 +143,23 @@ def answer(runner: StageRunner, peer: str, process: int, run: int, stages: str) 
 
 
 # ---------------------------------------------------------------------- a stage's process
-def serve(runner: StageRunner, step: tuple[int, list[Action], StepSpec, list[tuple[Slot, Any]]]) -> None:
-    """Run this process's share of a step that came on the plane and answer on it; called by the listener, which
-    runs it itself (handing it to the stage's worker would wake one more thread before the first action, up to
-    milliseconds on an idle virtual CPU) and waits for the next step once this one is answered. Steps never
+def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
+    """Run this process's share of a step that came on the plane (or a step's commit) and answer on it; called by
+    the listener, which runs it itself (handing it to the stage's worker would wake one more thread before the
+    first action, up to milliseconds on an idle virtual CPU) and waits for the next step once this one is
+    answered. Steps never
     overlap: the driver sends the next one once every process answered this one."""
+    if step[0] == "commit":
+        _, run, scale = step
+        try:
+            runner.commit(run, scale)
+            value = None
+        except BaseException as exc:  # noqa: BLE001 - it travels to the driver
+            value = _Failure(exc)
+        runner._send(runner.n, answer_slot(runner.key, run, runner.index, 1), value)
+        return
     run, actions, spec, deliveries = step
+    actions = [Action(*action) for action in actions]
     for slot, payload in deliveries:
         MAILBOX.put(slot, payload)
 
