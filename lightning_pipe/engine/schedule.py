@@ -25,6 +25,7 @@ reports the bubble and each stage's peak of micro-batches held, for tests and be
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -84,6 +85,7 @@ def _check(m: int, p: int, v: int) -> None:
             raise ValueError(f"the number of {name} must be a positive integer (got: {value!r})")
 
 
+@functools.lru_cache(maxsize=64)  # a plan is immutable: built once per shape
 def forward_only(m: int, p: int, v: int = 1) -> Plan:
     """Every forward and no backward (evaluation, or a forward whose backward comes later): each process
     runs its stages in order, each on every micro-batch."""
@@ -92,6 +94,7 @@ def forward_only(m: int, p: int, v: int = 1) -> Plan:
     return Plan("forward", m, p * v, p, actions)
 
 
+@functools.lru_cache(maxsize=64)  # a plan is immutable: built once per shape
 def gpipe(m: int, p: int, v: int = 1, *, pipelined: bool = True, inputs_first: bool = True) -> Plan:
     """Every forward, then every backward in reverse micro-batch order. With ``inputs_first``, each stage after
     the first hands on its first backward's input gradients before computing that backward's parameter
@@ -114,6 +117,7 @@ def gpipe(m: int, p: int, v: int = 1, *, pipelined: bool = True, inputs_first: b
     return Plan("gpipe", m, p, p, tuple(plans))
 
 
+@functools.lru_cache(maxsize=64)  # a plan is immutable: built once per shape
 def one_f_one_b(m: int, p: int, v: int = 1) -> Plan:
     """1F1B: stage ``j`` runs ``min(m, p - j)`` forwards, then alternates one backward and one forward, then
     the remaining backwards: it holds at most ``p - j`` micro-batches' activations."""
@@ -132,6 +136,7 @@ def one_f_one_b(m: int, p: int, v: int = 1) -> Plan:
     return Plan("1f1b", m, p, p, tuple(plans))
 
 
+@functools.lru_cache(maxsize=64)  # a plan is immutable: built once per shape
 def zero_bubble(m: int, p: int, v: int = 1) -> Plan:
     """ZB-H1: 1F1B with each backward split into its input gradients (``I``, on the critical path) and its
     parameter gradients (``W``); stage ``j`` runs ``p - 1 - j`` forwards first, then ``F``, ``I`` pairs, and
@@ -158,6 +163,7 @@ def zero_bubble(m: int, p: int, v: int = 1) -> Plan:
     return Plan("zero-bubble", m, p, p, tuple(plans))
 
 
+@functools.lru_cache(maxsize=64)  # a plan is immutable: built once per shape
 def interleaved_1f1b(m: int, p: int, v: int = 2) -> Plan:
     """Interleaved 1F1B: each process holds ``v`` stages (stage ``s`` on process ``s % p``) and runs their
     micro-batches in rounds of ``m / rounds`` (``rounds = max(1, m // p)``), depth first: a process's warmup
