@@ -152,12 +152,12 @@ def _encode_pickled(kind: int, slot: Slot, payload: Any) -> Tensor:
 
 def _numpy(tensor: Tensor) -> numpy.ndarray:
     """``tensor`` as numpy sees it, sharing its memory: dtypes numpy lacks as integers of their size."""
-    dtype = tensor.dtype
-    if dtype.is_complex:
-        tensor = tensor.resolve_conj().resolve_neg()
-    elif dtype not in _NUMPY_HAS:
+    if tensor.dtype not in _NUMPY_HAS:
         tensor = tensor.view(_BITS[tensor.element_size()])
-    return tensor.numpy()
+    try:
+        return tensor.numpy()
+    except RuntimeError:  # a conjugate or negated view: numpy has no such bit, so resolve it (a copy)
+        return tensor.resolve_conj().resolve_neg().numpy()
 
 
 def _message(kind: int, value: int, data: int, skeleton: Any, tensors: Any) -> Tensor:
