@@ -37,6 +37,7 @@ of every micro-batch, in a process of its own on one thread): no engine's step c
     python benchmarks/bench_vs_pipelining.py [--width 1024] [--layers 8] [--batch 512] [--chunks 8]
                                              [--rounds 6] [--steps 6] [--transport default] [--loss last]
                                              [--paired 40 --jobs 5] [--pin]
+    python benchmarks/bench_vs_pipelining.py --model comm [--processes 4] [--target-width 1]
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     if args.model == "lm":  # batch x sequence token ids, and the next tokens to predict
         tokens = torch.randint(args.vocab, (args.batch, args.sequence + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
-    return torch.randn(args.batch, args.width, generator=g), torch.zeros(args.batch, args.width)
+    # ``--target-width 1``: one column of zeros, the same loss and gradients, 1/width of the bytes: ours ships the
+    # driver's targets to the last stage with the activations, theirs is given them on its last process.
+    return torch.randn(args.batch, args.width, generator=g), torch.zeros(args.batch, args.target_width or args.width)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -469,6 +472,9 @@ def main() -> None:
                                                                  "default: 8 (mlp), 4 (lm)")
     parser.add_argument("--batch", type=int, default=None, help="samples (mlp: default 512) or sequences (lm: 8)")
     parser.add_argument("--sequence", type=int, default=128, help="lm: tokens per sequence")
+    parser.add_argument("--target-width", type=int, default=None,
+                        help="mlp, comm: columns of the zero target (default: the width; 1 gives the same loss and "
+                             "tells what shipping the targets to the last stage costs ours)")
     parser.add_argument("--vocab", type=int, default=32000, help="lm: vocabulary")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches")
     parser.add_argument("--schedules", default=None, help="comma-separated: gpipe, 1f1b, zero-bubble (ours alone, "
