@@ -183,6 +183,38 @@ def test_auto_sends_what_is_larger_than_its_limit_by_rpc_and_the_rest_point_to_p
     assert [stage1 for _, stage1 in carried] == [{"sent": n, "received": n} for n in (2, 2, 4)], carried
 
 
+def _kept_alive(key: str) -> int:
+    from lightning_pipe.transport.runner import _RUNNERS
+
+    return len(_RUNNERS[key].plane._lingering)
+
+
+def _many_by_rpc(rank: int, world: int, steps: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Widen(32), nn.Tanh(), nn.Linear(256, 4))
+    pipeline = pipeline_over_rpc("kept", model, [2, 2], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    kept = []
+    for _ in range(steps):
+        x, y = torch.randn(4, 900, 8, requires_grad=True), torch.randn(4, 900, 4)
+        pipeline_loss(pipeline, x, y, _mse, chunks=2, checkpoint="never", training=True, parameters=iter([]),
+                      schedule="1f1b").backward()
+        kept.append((_kept_alive("kept"), rpc.rpc_sync("worker1", _kept_alive, args=("kept",))))
+    pipeline.close()
+    return kept
+
+
+@pytest.mark.timeout(120)
+def test_control_messages_are_let_go_once_a_later_send_to_their_process_is_done():
+    """Each 900-token step sends its activations and gradients by RPC, each announced by a ``BY_RPC`` message on
+    the plane, which is only kept alive, not waited for. Sends to one process complete in order, so once a later
+    send to it is done, so are they: the sends kept alive stay as few as one step's, over 8 steps (they grew by
+    2 a step in each process, for as long as the pipeline lived)."""
+    kept = run_processes(_many_by_rpc, 2, 8, timeout=100)[0]
+    assert max(max(step) for step in kept) <= 2, kept
+
+
 def _planes(rank: int, world: int, plane: str):
     pipeline = pipeline_over_rpc(f"plane-{plane}", build(), [2, 3, 2], [f"worker{r}" for r in range(world)],
                                  timeout=20, data_plane=plane)

@@ -119,8 +119,13 @@ class DataPlane:
         self._posted = {peer: collections.deque([_START] * (depth - 1)) for peer in self._channels}
         self._capacity = dict.fromkeys(self._channels, _START)
         self._lock = threading.Lock()
-        self._pending: list[tuple[Any, Future[Any], Callable[[], str]]] = []
-        self._lingering: list[Any] = []  # sends of failed runs: kept alive (gloo drops a send whose work is freed)
+        # Sends in flight as (work, future, describe, peer, order), and those only kept alive (control messages,
+        # those of failed runs: gloo drops a send whose work is freed) as (peer, order, work). ``order`` counts
+        # sends: to one peer they complete in the order sent (one pair, one tag), so once one is waited for, those
+        # before it are done too; a send's ``is_completed()`` says so only once it is waited for.
+        self._pending: list[tuple[Any, Future[Any], Callable[[], str], int, int]] = []
+        self._lingering: list[tuple[int, int, Any]] = []
+        self._order = 0
         self._steps: collections.deque[Any] = collections.deque()  # steps' actions received, for the listener
 
     # ------------------------------------------------------------------ sending
@@ -205,6 +210,7 @@ class DataPlane:
         posted.append(self._capacity[peer])  # posted by the receiver as it starts waiting for this message
         if len(message) > posted.popleft():
             raise AssertionError("a message larger than the receive posted for it")  # gloo would abort
+        self._order += 1
         try:
             work = self.group.send([message], peer, 0)
         except Exception as exc:  # noqa: BLE001 - the channel is gone: the action that sent it fails, located
@@ -213,28 +219,33 @@ class DataPlane:
                 sent.set_exception(_located(exc, describe))
             return
         if sent is None:
-            self._lingering.append(work)
+            self._lingering.append((peer, self._order, work))
         else:
-            self._pending.append((work, sent, describe))
+            self._pending.append((work, sent, describe, peer, self._order))
 
     def flush(self, failed: bool = False) -> None:
         """Wait until every send started so far is done with (its receive posted and filled) and complete
         its future; after a failure (``failed``), only keep them alive: their receivers may never take them."""
         with self._lock:
             pending, self._pending = self._pending, []
-            self._lingering = [work for work in self._lingering if not work.is_completed()]
             if failed:
-                self._lingering += [work for work, _, _ in pending]
-                for _, sent, _ in pending:
+                self._lingering += [(peer, order, work) for work, _, _, peer, order in pending]
+                for _, sent, _, _, _ in pending:
                     sent.set_result(None)
                 return
         deadline = time.monotonic() + self.timeout
-        for work, sent, describe in pending:
+        done: dict[int, int] = {}  # per peer, the last send known done
+        for work, sent, describe, peer, order in pending:
             try:
                 work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 sent.set_result(None)
+                done[peer] = order
             except BaseException as exc:  # noqa: BLE001 - the action that sent it fails, located
                 sent.set_exception(_located(exc, describe))
+        if done:
+            with self._lock:  # what was sent to a peer before a send now done is done too: its work may go
+                self._lingering = [(peer, order, work) for peer, order, work in self._lingering
+                                   if order > done.get(peer, 0)]
 
     # ------------------------------------------------------------------ receiving
     def take(self, name: str, slot: Slot, timeout: float, describe: Callable[[], str], renew: bool = False) -> Any:
@@ -365,5 +376,5 @@ class DataPlane:
             except Exception:  # noqa: BLE001 - a peer already gone has nothing to end
                 pass
         with self._lock:
-            self._lingering += [work for work, _, _ in self._pending]
+            self._lingering += [(peer, order, work) for work, _, _, peer, order in self._pending]
             self._pending = []
