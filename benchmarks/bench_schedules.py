@@ -122,6 +122,50 @@ def bubble(events: list[Event], processes: int) -> tuple[list[float], list[float
     return fractions, gaps
 
 
+def _input_of(step: dict[tuple[int, str, int], Event], last_stage: int, e: Event) -> Event | None:
+    """The action of ``step`` whose result action ``e`` needs from another stage (or its own ``I``, for a ``W``)."""
+    if e.kind == "F":
+        return step.get((e.stage - 1, "F", e.microbatch))
+    if e.kind == "W":
+        return step.get((e.stage, "I", e.microbatch))
+    if e.stage == last_stage:
+        return step.get((e.stage, "F", e.microbatch))
+    return step.get((e.stage + 1, "B", e.microbatch)) or step.get((e.stage + 1, "I", e.microbatch))
+
+
+def critical_path(events: list[Event], processes: int) -> dict[str, tuple[float, float]]:
+    """Per step, walked back from its last action: each action's wait after the later of its input's action
+    (the previous stage's forward, the next stage's backward, its own input gradients for a ``W``) and the
+    previous action of its process. Returns, over the steps (medians), the count and milliseconds of the waits
+    after an input from another process ("hand-offs") and after the process's own previous action ("within a
+    process"): what the engine adds between the actions on the step's critical path."""
+    out: dict[str, list[tuple[int, float]]] = {"hand-offs": [], "within a process": []}
+    for run in sorted({e.run for e in events}):
+        step = {(e.stage, e.kind, e.microbatch): e for e in events if e.run == run}
+        last_stage = max(stage for stage, _, _ in step)
+        previous: dict[tuple[int, str, int], Event] = {}
+        for q in range(processes):
+            mine = sorted((e for e in step.values() if e.stage % processes == q), key=lambda e: e.start)
+            previous.update({(b.stage, b.kind, b.microbatch): a for a, b in zip(mine, mine[1:])})
+
+        waits = {name: [0, 0.0] for name in out}
+        event: Event | None = max(step.values(), key=lambda e: e.end)
+        while event is not None:
+            key = (event.stage, event.kind, event.microbatch)
+            before, given = previous.get(key), _input_of(step, last_stage, event)
+            if before is None and given is None:
+                break
+            after = max((e for e in (before, given) if e is not None), key=lambda e: e.end)
+            name = "within a process" if after is before else "hand-offs"
+            waits[name][0] += 1
+            waits[name][1] += event.start - after.end
+            event = after
+        for name, (count, spent) in waits.items():
+            out[name].append((count, spent))
+    return {name: (statistics.median(c for c, _ in v), statistics.median(t for _, t in v) * 1e3)
+            for name, v in out.items() if v}
+
+
 def layer_times(t_f: float, t_i: float, t_w: float, repeats: int = 15) -> dict[str, float]:
     """What one layer's forward, input gradients, parameters' gradients and whole backward take here, alone,
     in ms (median of ``repeats``): a sleep overshoots its time on this machine (about 0.15 ms for 10 ms), and
@@ -176,6 +220,10 @@ def main() -> None:
               f"{theory.makespan:>8.1f}ms{real.makespan:>8.1f}ms{step / theory.makespan:>13.3f}"
               f"{step / real.makespan:>11.3f}{statistics.median(gaps) * 1e3 if gaps else float('nan'):>13.1f}ms")
         print(f"RESULT {name}_step_over_real={step / real.makespan:.3f}")
+        path = critical_path(events, p)
+        print("    on the critical path, the engine's waits between actions: " + "; ".join(
+            f"{kind} {count:.0f} x {spent / count if count else 0:.2f} ms = {spent:.1f} ms"
+            for kind, (count, spent) in path.items()))
     print(f"\nwall time of the benchmark: {time.perf_counter() - start:.1f} s")
 
 
