@@ -25,7 +25,7 @@ with RPC. A slow stage's sign of life comes on the plane ahead of its answer and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -62,9 +62,7 @@ class _Commit:
     def result(self) -> None:
         runner, peer = self.runner, self.peer
         located = lambda: f"committing the gradients of pipeline '{runner.key}' in {where(peer)}"  # noqa: E731
-        value = runner.plane.take(peer, answer_slot(runner.key, self.run, self.process, 1), runner.timeout, located)
-        if isinstance(value, _Failure):
-            raise _located(value.exc, located)
+        _answered(runner, peer, answer_slot(runner.key, self.run, self.process, 1), located)
 
 
 def commit(runner: StageRunner, peer: str, process: int, run: int, scale: float) -> _Commit | None:
@@ -132,11 +130,16 @@ def answer(runner: StageRunner, peer: str, process: int, run: int, stages: str) 
     Waits the RPC timeout from the process's last sign of life."""
     located = lambda: f"in stage {stages} of pipeline '{runner.key}' ({where(peer)})"  # noqa: E731
     try:
-        value = runner.plane.take(peer, answer_slot(runner.key, run, process), runner.timeout, located, renew=True)
+        return _answered(runner, peer, answer_slot(runner.key, run, process), located, renew=True)
     except TimeoutError:
         raise TimeoutError(f"no answer within {runner.timeout:.1f} s from stage {stages} ({where(peer)}) of pipeline "
                            f"'{runner.key}' although the rest of the step is done: its process is stuck "
                            "(rpc_timeout_sec bounds this wait)") from None
+
+
+def _answered(runner: StageRunner, peer: str, slot: Slot, located: Callable[[], str], renew: bool = False) -> Any:
+    """The answer for ``slot`` from process ``peer`` on the plane; the error it carries, ``located``, raised."""
+    value = runner.plane.take(peer, slot, runner.timeout, located, renew=renew)
     if isinstance(value, _Failure):
         raise _located(value.exc, located)
     return value
@@ -147,8 +150,7 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
     """Run this process's share of a step that came on the plane (or a step's commit) and answer on it; called by
     the listener, which runs it itself (handing it to the stage's worker would wake one more thread before the
     first action, up to milliseconds on an idle virtual CPU) and waits for the next step once this one is
-    answered. Steps never
-    overlap: the driver sends the next one once every process answered this one."""
+    answered. Steps never overlap: the driver sends the next one once every process answered this one."""
     if step[0] == "commit":
         _, run, scale = step
         try:
