@@ -46,14 +46,11 @@ _PLAIN = frozenset((bool, int, float, str, type(None)))
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-# Their bytes as numpy sees them (bfloat16, which numpy lacks, as int16): numpy copies and views them with one
+# Tensors' bytes as numpy sees them (a dtype numpy lacks as integers of its size): numpy copies and views them with one
 # call into torch per tensor, where torch's own slicing and viewing take four. It matters where it runs: on a
 # core back from idle (a stage whose layers waited for a GPU or slept), every call into torch costs tens of µs.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NUMPY_HAS = frozenset(dtype for dtype in _DTYPES if dtype != torch.bfloat16)
-_BF16 = _CODE[torch.bfloat16]
-_NUMPY = tuple(numpy.dtype("int16") if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
-               for dtype in _DTYPES)
+_NUMPY_HAS = {dtype: torch.empty((), dtype=dtype).numpy().dtype for dtype in _DTYPES if dtype != torch.bfloat16}
 
 
 class Unsuitable(Exception):
@@ -114,16 +111,23 @@ class _Encoder(pickle.Pickler):
 
 
 class _Decoder(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, buffer: Tensor) -> None:
+    def __init__(self, file: io.BytesIO, raw: numpy.ndarray) -> None:
         super().__init__(file)
-        self.buffer = buffer
+        self.raw = raw
 
     def persistent_load(self, pid: Any) -> Tensor:
-        offset, dtype, shape = pid
-        count = 1
-        for size in shape:
-            count *= size
-        return self.buffer[offset:offset + count * dtype.itemsize].view(dtype).view(shape)
+        return _view(self.raw, *pid)
+
+
+def _view(raw: numpy.ndarray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    """The tensor of ``dtype`` and ``shape`` at ``offset`` in the message ``raw``, a view of it: numpy views its
+    bytes (a dtype numpy lacks as integers of its size), one call into torch makes it a tensor."""
+    bits = dtype if dtype in _NUMPY_HAS else _BITS[dtype.itemsize]
+    count = 1
+    for size in shape:
+        count *= size
+    view = torch.from_numpy(raw[offset:offset + count * dtype.itemsize].view(_NUMPY_HAS[bits]).reshape(shape))
+    return view if bits is dtype else view.view(dtype)
 
 
 def encode(kind: int, slot: Slot, payload: Any = None, plain: int = 0) -> Tensor:
@@ -191,18 +195,9 @@ def decode(buffer: Tensor) -> tuple[Slot, Any]:
     _, length, data, value = _HEAD.unpack_from(raw)
     if length * 2 < len(buffer):
         raw = raw[:length].copy()
-        buffer = torch.from_numpy(raw)
     if value != _HOLLOW:
-        return _Decoder(io.BytesIO(raw[data:length].tobytes()), buffer).load()
+        return _Decoder(io.BytesIO(raw[data:length].tobytes()), raw).load()
     slot, hollow, places = pickle.loads(raw[data:length])
     if not places:
         return slot, hollow
-    views = []
-    for offset, code, shape in places:
-        dtype = _NUMPY[code]
-        count = 1
-        for size in shape:
-            count *= size
-        view = torch.from_numpy(raw[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape))
-        views.append(view.view(torch.bfloat16) if code == _BF16 else view)
-    return slot, _fill(hollow, iter(views))
+    return slot, _fill(hollow, iter([_view(raw, offset, _DTYPES[code], shape) for offset, code, shape in places]))
