@@ -179,3 +179,20 @@ def test_bad_targets_and_losses_are_refused(target, message):
         loss_on_last_stage(pipe, torch.randn(4, 6), torch.randn(4, 3), lambda out, t: out - t)
     with pytest.raises(ValueError, match=r"returned a mapping without a 'loss' entry \(keys: \['total'\]\)"):
         loss_on_last_stage(pipe, torch.randn(4, 6), torch.randn(4, 3), lambda out, t: {"total": mse(out, t)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_batchs_loss_is_the_weighted_sum_in_float64_in_micro_batch_order(dtype):
+    """On the CPU the sum is made in Python's doubles: bit for bit the float64 tensors' sum it replaces."""
+    from lightning_pipe.engine.loss import MicroLoss, combine
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        m = int(torch.randint(1, 20, (), generator=g))
+        values = torch.randn(m, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-6, 4, (m,), generator=g)
+        sizes = torch.randint(1, 9, (m,), generator=g).tolist()
+        w = [n / sum(sizes) for n in sizes]
+        losses = [MicroLoss(v.to(dtype), None) for v in values]
+        expected = sum((wi * loss.value.double() for wi, loss in zip(w, losses)), torch.zeros((), dtype=torch.float64))
+        got = combine(losses, w).value
+        assert got.dtype == dtype and torch.equal(got, expected.to(dtype))

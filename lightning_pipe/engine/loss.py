@@ -76,8 +76,15 @@ def weights(sizes: Sequence[int], reduction: str) -> list[float]:
 
 def combine(losses: Sequence[MicroLoss], w: Sequence[float]) -> MicroLoss:
     """The batch's loss and extras from the micro-batches' (see the module's docstring)."""
-    value = sum((wi * loss.value.double() for wi, loss in zip(w, losses)), torch.zeros((), dtype=torch.float64))
-    value = value.to(losses[0].value.dtype)
+    if all(loss.value.device.type == "cpu" for loss in losses):
+        # The same sum in the same order in Python's doubles: one call into torch per micro-batch, not three.
+        total = 0.0
+        for wi, loss in zip(w, losses):
+            total += wi * float(loss.value)
+        value = torch.tensor(total, dtype=torch.float64).to(losses[0].value.dtype)
+    else:
+        value = sum((wi * loss.value.double() for wi, loss in zip(w, losses)), torch.zeros((), dtype=torch.float64))
+        value = value.to(losses[0].value.dtype)
     if losses[0].extras is None:
         return MicroLoss(value, None)
     extras: dict[str, Tensor] = {}
