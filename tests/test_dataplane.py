@@ -92,6 +92,55 @@ def test_a_hand_off_is_pickled_with_holes_for_its_tensors():
         torch.testing.assert_close(actual, expected)
 
 
+def test_a_steps_items_before_plain_are_not_looked_through_and_its_targets_travel_joined():
+    """A step's actions and spec go as they are (a bytes value among them is not taken for a hole), and targets
+    split from one batch travel as one tensor, each micro-batch's a view of it once split again."""
+    from lightning_pipe.transport.steps import _joined, _split
+
+    targets = list(torch.arange(40.0).reshape(10, 4).split([3, 3, 4]))
+    deliveries = [(("k", 5, "T", i, 1, "target"), t) for i, t in enumerate(targets)]
+    where, what = _joined(deliveries)
+    assert where is not None and isinstance(what, torch.Tensor) and what.shape == (10, 4)
+    step = (5, [(1, "F", 0), (1, "B", 0)], b"\x00tensor", where, what)
+    buffer = encode(DATA, ("k", 5, "S", 0, 0, "step"), step, plain=4).clone()
+    assert header(buffer) == (DATA, 1)
+    _, got = decode(buffer)
+    assert got[:4] == step[:4]
+    arrived = _split(*got[3:])
+    assert [slot for slot, _ in arrived] == [slot for slot, _ in deliveries]
+    for (_, actual), expected in zip(arrived, targets):
+        assert torch.equal(actual, expected) and _within(actual, buffer)
+
+
+@pytest.mark.parametrize("targets", [[torch.ones(2, 3), torch.ones(2, 4)], [torch.ones(2), torch.ones(2).long()],
+                                     [{"y": torch.ones(2)}, {"y": torch.ones(2)}], [torch.tensor(1.0)] * 2,
+                                     [torch.ones(2)]], ids=["shapes", "dtypes", "mappings", "scalars", "one"])
+def test_targets_that_do_not_join_travel_one_by_one(targets):
+    from lightning_pipe.transport.steps import _joined, _split
+
+    deliveries = [(("k", 5, "T", i, 1, "target"), t) for i, t in enumerate(targets)]
+    where, what = _joined(deliveries)
+    assert where is None and _split(where, what) == deliveries
+
+
+def test_the_last_stages_losses_travel_as_one_tensor_and_arrive_as_they_were_held():
+    from lightning_pipe.engine.loss import MicroLoss
+    from lightning_pipe.transport.steps import _packed, _unpacked
+
+    held = {i: MicroLoss(torch.tensor(float(i) / 3), None) for i in range(5)}
+    packed = _packed(held)
+    assert type(packed) is tuple and sum(isinstance(v, torch.Tensor) for v in packed) == 1
+    _, got = decode(encode(DATA, ("k/answers", 5, "A", 0, 1, 1), packed).clone())
+    arrived = _unpacked(got)
+    assert list(arrived) == list(held)
+    assert all(type(v) is MicroLoss and v.extras is None and torch.equal(v.value, held[i].value)
+               for i, v in arrived.items())
+    # Extras, outputs and mixed dtypes travel as they are.
+    for other in ({0: MicroLoss(torch.tensor(1.0), {"n": torch.tensor(2)})}, {0: (torch.ones(2), True)},
+                  {0: MicroLoss(torch.tensor(1.0), None), 1: MicroLoss(torch.tensor(1.0).double(), None)}, None):
+        assert _packed(other) is other and _unpacked(other) is other
+
+
 @pytest.mark.parametrize("tensor", [torch.ones(2).as_subclass(nn.Parameter), torch.ones(2, requires_grad=True),
                                     torch.ones(2).to_sparse()], ids=["subclass", "requires-grad", "sparse"])
 def test_what_a_message_cannot_carry_goes_by_rpc(tensor):

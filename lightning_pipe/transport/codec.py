@@ -7,9 +7,10 @@
 The skeleton says where the payload's tensors are in the message, so any payload that pickles today crosses,
 whatever its shapes (they change from step to step under dynamic padding); the receiver's tensors are views of
 the buffer it received into. A payload of tuples and lists of tensors, None, bools, numbers and strings (every
-hand-off between stages, a step's actions) is pickled as ``(slot, payload with holes, the tensors' places)`` by
-pickle's C code alone; any other (a target of the user's types) is pickled with each tensor replaced by its
-place as pickle meets it, which calls back into Python for every object (several times longer).
+hand-off between stages, a step's actions) is pickled as ``(slot, payload with holes, the tensors' places, how
+many of its first items the encoder was told hold none)`` by pickle's C code alone; any other (a target of the
+user's types) is pickled with each tensor replaced by its place as pickle meets it, which calls back into Python
+for every object (several times longer).
 
 Control messages (a receive grown, a run aborted, a channel closed, a payload sent by RPC instead, a sign of
 life) are a header alone, or a header and a slot; a step's actions travel as a payload.
@@ -143,7 +144,7 @@ def encode(kind: int, slot: Slot, payload: Any = None, plain: int = 0) -> Tensor
     for tensor in tensors:
         places.append((data, _CODE[tensor.dtype], tuple(tensor.shape)))
         data += (tensor.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    skeleton = pickle.dumps((slot, hollow, places), protocol=pickle.HIGHEST_PROTOCOL)
+    skeleton = pickle.dumps((slot, hollow, places, plain), protocol=pickle.HIGHEST_PROTOCOL)
     return _message(kind, _HOLLOW, data, skeleton, zip(tensors, (offset for offset, _, _ in places)))
 
 
@@ -197,7 +198,10 @@ def decode(buffer: Tensor) -> tuple[Slot, Any]:
         raw = raw[:length].copy()
     if value != _HOLLOW:
         return _Decoder(io.BytesIO(raw[data:length].tobytes()), raw).load()
-    slot, hollow, places = pickle.loads(raw[data:length])
+    slot, hollow, places, plain = pickle.loads(raw[data:length])
     if not places:
         return slot, hollow
-    return slot, _fill(hollow, iter([_view(raw, offset, _DTYPES[code], shape) for offset, code, shape in places]))
+    views = iter([_view(raw, offset, _DTYPES[code], shape) for offset, code, shape in places])
+    if plain:  # the items before ``plain`` have no holes: not looked through (a step's actions)
+        return slot, (*hollow[:plain], *_fill(hollow[plain:], views))
+    return slot, _fill(hollow, views)

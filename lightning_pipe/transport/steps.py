@@ -29,8 +29,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed.rpc as rpc
 
+from lightning_pipe.engine.loss import MicroLoss
 from lightning_pipe.engine.pipeline import _Skipped
 from lightning_pipe.engine.schedule import Action
 from lightning_pipe.transport.dataplane import ANSWER
@@ -84,11 +86,34 @@ def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], s
     if plane is None:
         return None
     actions = [tuple(action) for action in actions]  # plain tuples: pickled by pickle's C code alone
-    if sum(map(_nbytes, deliveries)) <= INLINE and plane.send_step(peer, run, (run, actions, spec, list(deliveries))):
+    inline = sum(map(_nbytes, deliveries)) <= INLINE
+    if inline and plane.send_step(peer, run, (run, actions, spec, *_joined(deliveries))):
         return []
-    if not plane.send_step(peer, run, (run, actions, spec, [])):
+    if not plane.send_step(peer, run, (run, actions, spec, None, [])):
         return None
     return list(deliveries)
+
+
+def _joined(deliveries: Sequence[tuple[Slot, Any]]) -> tuple[Any, Any]:
+    """``deliveries`` as they travel in a step, ``(where, what)``: where every payload is a tensor of one dtype and
+    of the same shape but along dim 0 (a batch's targets, split into micro-batches), ``((slots, sizes), one tensor
+    of them)``: one tensor to copy and view instead of one per micro-batch, and the rest among the step's items
+    that the codec does not look through; else ``(None, deliveries)``."""
+    tensors = [payload for _, payload in deliveries]
+    if len(tensors) < 2 or any(type(t) is not torch.Tensor or not t.dim() for t in tensors):
+        return None, list(deliveries)
+    first = tensors[0]
+    if any(t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:] for t in tensors):
+        return None, list(deliveries)
+    return ([slot for slot, _ in deliveries], [t.size(0) for t in tensors]), torch.cat(tensors)
+
+
+def _split(where: Any, what: Any) -> Any:
+    """What :func:`_joined` made of a step's deliveries, as a list of ``(slot, payload)``."""
+    if where is None:
+        return what
+    slots, sizes = where
+    return list(zip(slots, what.split(sizes)))
 
 
 def _nbytes(item: tuple[Slot, Any]) -> int:
@@ -130,11 +155,35 @@ def answer(runner: StageRunner, peer: str, process: int, run: int, stages: str) 
     Waits the RPC timeout from the process's last sign of life."""
     located = lambda: f"in stage {stages} of pipeline '{runner.key}' ({where(peer)})"  # noqa: E731
     try:
-        return _answered(runner, peer, answer_slot(runner.key, run, process), located, renew=True)
+        return _unpacked(_answered(runner, peer, answer_slot(runner.key, run, process), located, renew=True))
     except TimeoutError:
         raise TimeoutError(f"no answer within {runner.timeout:.1f} s from stage {stages} ({where(peer)}) of pipeline "
                            f"'{runner.key}' although the rest of the step is done: its process is stuck "
                            "(rpc_timeout_sec bounds this wait)") from None
+
+
+#: The first item of an answer holding the last stage's losses as one tensor (:func:`_packed`).
+_LOSSES = "losses, stacked"
+
+
+def _packed(held: dict[int, Any] | None) -> Any:
+    """What the last stage holds for the driver (micro-batch: its loss or output), as it travels: losses that are
+    scalars alone, as ``(_LOSSES, micro-batches, one tensor of them)`` (one tensor to copy and view instead of one
+    per micro-batch, and a plain tuple, which the codec pickles by pickle's C code alone); else as it is."""
+    if not held or any(type(v) is not MicroLoss or v.extras is not None or v.value.dim() for v in held.values()):
+        return held
+    values = [v.value for v in held.values()]
+    if any(v.dtype != values[0].dtype or v.device != values[0].device for v in values):
+        return held
+    return (_LOSSES, tuple(held), torch.stack(values))
+
+
+def _unpacked(value: Any) -> Any:
+    """What :func:`_packed` made of an answer, as it was held."""
+    if type(value) is tuple and value[:1] == (_LOSSES,):
+        _, microbatches, losses = value
+        return {i: MicroLoss(loss, None) for i, loss in zip(microbatches, losses.unbind())}
+    return value
 
 
 def _answered(runner: StageRunner, peer: str, slot: Slot, located: Callable[[], str], renew: bool = False) -> Any:
@@ -160,16 +209,16 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
             value = _Failure(exc)
         runner._send(runner.n, answer_slot(runner.key, run, runner.index, 1), value)
         return
-    run, actions, spec, deliveries = step
+    run, actions, spec, where, what = step
     actions = [Action(*action) for action in actions]
-    for slot, payload in deliveries:
+    for slot, payload in _split(where, what):
         MAILBOX.put(slot, payload)
 
     try:
         sends, _ = runner.run_actions(run, actions, spec)
         for sent in sends:  # those that went by RPC (the plane's are done once the share is)
             sent.result(timeout=runner.timeout)
-        value = runner.take_held(run)
+        value = _packed(runner.take_held(run))
     except BaseException as exc:  # noqa: BLE001 - it travels to the driver
         if not isinstance(exc, _Skipped) and run not in runner._failed:
             abort_everywhere(runner, run)
