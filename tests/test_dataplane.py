@@ -58,6 +58,44 @@ def test_a_small_message_in_a_large_receive_is_copied_out_of_it():
     torch.testing.assert_close(tensor, torch.ones(4))
 
 
+def test_flush_waits_for_the_last_send_to_each_process_and_fails_with_the_first_error():
+    """Sends to one process complete in order: the last one to each process done, those before it are too; where
+    it failed, the ones before it are waited for, and their future fails with the earliest error, located."""
+    import threading as _threading
+    from concurrent.futures import Future
+
+    from lightning_pipe.transport.dataplane import DataPlane
+
+    waited = []
+
+    class Work:
+        def __init__(self, name, error=None):
+            self.name, self.error = name, error
+
+        def wait(self, timeout):
+            waited.append(self.name)
+            if self.error:
+                raise RuntimeError(self.error)
+
+    plane = DataPlane.__new__(DataPlane)
+    plane._lock, plane._lingering, plane.timeout = _threading.Lock(), [], 5.0
+    good, bad = Future(), Future()
+    plane._pending = [(Work("a1"), good, lambda: "sending a1", 1, 1),
+                      (Work("b1", "lost"), bad, lambda: "sending b1", 2, 2),
+                      (Work("a2"), good, lambda: "sending a2", 1, 3),
+                      (Work("b2", "gone"), bad, lambda: "sending b2", 2, 4)]
+    plane.flush()
+    assert waited == ["b2", "a2", "b1"]  # a1 is done once a2 is; b2 failed, so b1 was waited for
+    assert good.result() is None
+    assert "lost" in str(bad.exception()) and bad.exception().__notes__ == ["sending b1"]
+
+    waited.clear()
+    after = Future()
+    plane._pending = [(Work("c", "never waited"), after, lambda: "", 1, 5)]
+    plane.flush(failed=True)  # after a failure: kept alive, not waited for
+    assert waited == [] and after.result() is None and [order for _, order, _ in plane._lingering] == [5]
+
+
 def _within(tensor, buffer):
     return buffer.data_ptr() <= tensor.data_ptr() < buffer.data_ptr() + buffer.numel()
 

@@ -241,34 +241,23 @@ class DataPlane:
         """Wait until every send started so far is done with (its receive posted and filled) and complete
         their futures; after a failure (``failed``), only keep them alive: their receivers may never take them."""
         with self._lock:
-            pending, self._pending = self._pending, []
-            self._batch = None
-            futures = {id(sent): sent for _, sent, _, _, _ in pending}
+            pending, self._pending, self._batch = self._pending, [], None
             if failed:
                 self._lingering += [(peer, order, work) for work, _, _, peer, order in pending]
-                for sent in futures.values():
-                    _complete(sent, None)
-                return
         deadline = time.monotonic() + self.timeout
         done: dict[int, int] = {}  # per peer, the last send known done
-        # Sends to one peer complete in order: waiting for the last one to each peer sees them all through (a wait
-        # costs ~8 µs, 16 of them at the end of every share). Where that wait fails, each is waited for, so that
-        # every error is located by its own send.
-        for work, _, _, peer, order in {item[3]: item for item in pending}.values():
-            try:
-                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                done[peer] = order
-            except BaseException:  # noqa: BLE001 - located below, send by send
-                pass
         errors: dict[int, BaseException] = {}  # per future, the first error of its sends
-        for work, sent, describe, peer, order in pending:
+        # Sends to one peer complete in order: once the last one is waited for (a wait costs ~8 µs, 16 of them at the
+        # end of every share), those before it are done too; where it failed, each before it is waited for.
+        for work, sent, describe, peer, order in () if failed else reversed(pending):
             if order <= done.get(peer, 0):
                 continue
             try:
                 work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                done[peer] = order
             except BaseException as exc:  # noqa: BLE001 - the action that sent it fails, located
-                errors.setdefault(id(sent), _located(exc, describe))
-        for key, sent in futures.items():
+                errors[id(sent)] = _located(exc, describe)  # the earliest error, once the loop is over
+        for key, sent in {id(sent): sent for _, sent, _, _, _ in pending}.items():
             _complete(sent, errors.get(key))
         if done:
             with self._lock:  # what was sent to a peer before a send now done is done too: its work may go
