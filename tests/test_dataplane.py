@@ -152,7 +152,8 @@ def test_a_steps_items_before_plain_are_not_looked_through_and_its_targets_trave
 
 @pytest.mark.parametrize("targets", [[torch.ones(2, 3), torch.ones(2, 4)], [torch.ones(2), torch.ones(2).long()],
                                      [{"y": torch.ones(2)}, {"y": torch.ones(2)}], [torch.tensor(1.0)] * 2,
-                                     [torch.ones(2)]], ids=["shapes", "dtypes", "mappings", "scalars", "one"])
+                                     [torch.ones(2)], [torch.ones(2, 2).to_sparse()] * 2],
+                         ids=["shapes", "dtypes", "mappings", "scalars", "one", "sparse"])
 def test_targets_that_do_not_join_travel_one_by_one(targets):
     from lightning_pipe.transport.steps import _joined, _split
 

@@ -76,7 +76,7 @@ def weights(sizes: Sequence[int], reduction: str) -> list[float]:
 
 def combine(losses: Sequence[MicroLoss], w: Sequence[float]) -> MicroLoss:
     """The batch's loss and extras from the micro-batches' (see the module's docstring)."""
-    if all(loss.value.device.type == "cpu" for loss in losses):
+    if all(loss.value.device.type == "cpu" and loss.value.is_floating_point() for loss in losses):
         # The same sum in the same order in Python's doubles: one call into torch per micro-batch, not three.
         total = 0.0
         for wi, loss in zip(w, losses):

@@ -158,10 +158,7 @@ class DataPlane:
             return None
         if self.max_bytes is not None and len(message) > self.max_bytes:
             return None
-        sent = self._batch
-        if sent is None or sent.done():  # the sends until the next flush share one future (~4 µs each on its own)
-            sent = self._batch = Future()
-        self._send(self._rank_of[name], message, sent, describe or (lambda: f"sending to {where(name)}"))
+        sent = self._send(self._rank_of[name], message, None, describe or (lambda: f"sending to {where(name)}"), True)
         self.sent += slot[2] != ANSWER
         return sent
 
@@ -206,8 +203,11 @@ class DataPlane:
             if self.carries(self.names[peer]):
                 self._send(peer, control(ABORT, run), None, lambda: "")
 
-    def _send(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str]) -> None:
+    def _send(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str],
+              batch: bool = False) -> Future[Any] | None:
         with self._lock:
+            if batch:  # the sends until the next flush share one future (one of its own costs ~4 µs a send)
+                sent = self._batch = self._batch if self._batch is not None and not self._batch.done() else Future()
             posted = self._posted[peer]
             if len(message) > (posted[0] if posted else self._capacity[peer]):
                 grown = max(len(message), 2 * self._capacity[peer])
@@ -215,6 +215,7 @@ class DataPlane:
                     self._start(peer, control(GROW, grown), None, describe)  # one per smaller receive
                     self._capacity[peer] = grown
             self._start(peer, message, sent, describe)
+        return sent
 
     def _start(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str]) -> None:
         """Send ``message`` to ``peer``; a data message's send completes ``sent`` at :meth:`flush`, a control

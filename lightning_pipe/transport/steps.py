@@ -14,10 +14,10 @@ goes the same way, and the listener runs it before the next step, which cannot o
 driver does not wait for it before that step (an RPC commit's round trip, ~1 ms per step), only once the step is
 done, or before anything else reaches the process (optimizer steps, gradient reads, a step sent by RPC).
 
-The last stage's targets and output gradients travel in the step where they are small (as with RPC); larger, the
-driver sends each target with stage 0's output of its micro-batch (one message where the last stage is next), and
-the output gradients in as few
-messages as the plane's limit allows once stage 0 has started. A share that fails aborts
+The last stage's targets and output gradients travel in the step where they are small (as with RPC; split from
+one batch, as one tensor); larger, the driver sends each target with stage 0's output of its micro-batch (one
+message where the last stage is next), and the output gradients in as few messages as the plane's limit allows
+once stage 0 has started. The last stage's losses come back as one tensor. A share that fails aborts
 the run in every process itself (the driver, waiting for another process's answer, would not notice), then
 answers with the error; the driver reads every answer, so the first real error in process order is raised as
 with RPC. A slow stage's sign of life comes on the plane ahead of its answer and restarts the driver's wait.
@@ -95,12 +95,13 @@ def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], s
 
 
 def _joined(deliveries: Sequence[tuple[Slot, Any]]) -> tuple[Any, Any]:
-    """``deliveries`` as they travel in a step, ``(where, what)``: where every payload is a tensor of one dtype and
-    of the same shape but along dim 0 (a batch's targets, split into micro-batches), ``((slots, sizes), one tensor
-    of them)``: one tensor to copy and view instead of one per micro-batch, and the rest among the step's items
-    that the codec does not look through; else ``(None, deliveries)``."""
+    """``deliveries`` as they travel in a step, ``(index, payloads)``: where every payload is a tensor of one dtype
+    and of the same shape but along dim 0 (a batch's targets, split into micro-batches), ``((slots, sizes), one
+    tensor of them)``: one tensor to copy and view instead of one per micro-batch, and the rest among the step's
+    items that the codec does not look through; else ``(None, deliveries)``."""
     tensors = [payload for _, payload in deliveries]
-    if len(tensors) < 2 or any(type(t) is not torch.Tensor or not t.dim() for t in tensors):
+    if len(tensors) < 2 or any(type(t) is not torch.Tensor or not t.dim() or t.layout != torch.strided
+                               or t.is_quantized for t in tensors):
         return None, list(deliveries)
     first = tensors[0]
     if any(t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:] for t in tensors):
@@ -108,12 +109,12 @@ def _joined(deliveries: Sequence[tuple[Slot, Any]]) -> tuple[Any, Any]:
     return ([slot for slot, _ in deliveries], [t.size(0) for t in tensors]), torch.cat(tensors)
 
 
-def _split(where: Any, what: Any) -> Any:
+def _split(index: Any, payloads: Any) -> Any:
     """What :func:`_joined` made of a step's deliveries, as a list of ``(slot, payload)``."""
-    if where is None:
-        return what
-    slots, sizes = where
-    return list(zip(slots, what.split(sizes)))
+    if index is None:
+        return payloads
+    slots, sizes = index
+    return list(zip(slots, payloads.split(sizes)))
 
 
 def _nbytes(item: tuple[Slot, Any]) -> int:
@@ -209,9 +210,9 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
             value = _Failure(exc)
         runner._send(runner.n, answer_slot(runner.key, run, runner.index, 1), value)
         return
-    run, actions, spec, where, what = step
+    run, actions, spec, index, payloads = step
     actions = [Action(*action) for action in actions]
-    for slot, payload in _split(where, what):
+    for slot, payload in _split(index, payloads):
         MAILBOX.put(slot, payload)
 
     try:
