@@ -147,7 +147,7 @@ class DataPlane:
     def send(self, name: str, slot: Slot, payload: Any, describe: Callable[[], str] | None = None
              ) -> Future[Any] | None:
         """Start sending ``payload`` for ``slot`` to process ``name``; the sends in flight (one future for every
-        send until :meth:`flush` sees them through, which fails with the first error among them, noted with its
+        send until :meth:`flush` sees them through, failed by one of their errors, noted with that send's
         ``describe()``), or None where this plane does not carry it: the caller sends it by RPC, then calls
         :meth:`sent_by_rpc`."""
         if not self.carries(name):
@@ -395,4 +395,4 @@ class DataPlane:
                 pass
         with self._lock:
             self._lingering += [(peer, order, work) for work, _, _, peer, order in self._pending]
-            self._pending = []
+            self._pending, self._batch = [], None
