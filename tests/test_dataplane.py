@@ -137,9 +137,9 @@ def test_a_steps_items_before_plain_are_not_looked_through_and_its_targets_trave
 
     targets = list(torch.arange(40.0).reshape(10, 4).split([3, 3, 4]))
     deliveries = [(("k", 5, "T", i, 1, "target"), t) for i, t in enumerate(targets)]
-    where, what = _joined(deliveries)
-    assert where is not None and isinstance(what, torch.Tensor) and what.shape == (10, 4)
-    step = (5, [(1, "F", 0), (1, "B", 0)], b"\x00tensor", where, what)
+    index, payloads = _joined(deliveries)
+    assert index is not None and isinstance(payloads, torch.Tensor) and payloads.shape == (10, 4)
+    step = (5, [(1, "F", 0), (1, "B", 0)], b"\x00tensor", index, payloads)
     buffer = encode(DATA, ("k", 5, "S", 0, 0, "step"), step, plain=4).clone()
     assert header(buffer) == (DATA, 1)
     _, got = decode(buffer)
@@ -158,8 +158,8 @@ def test_targets_that_do_not_join_travel_one_by_one(targets):
     from lightning_pipe.transport.steps import _joined, _split
 
     deliveries = [(("k", 5, "T", i, 1, "target"), t) for i, t in enumerate(targets)]
-    where, what = _joined(deliveries)
-    assert where is None and _split(where, what) == deliveries
+    index, payloads = _joined(deliveries)
+    assert index is None and _split(index, payloads) == deliveries
 
 
 def test_the_last_stages_losses_travel_as_one_tensor_and_arrive_as_they_were_held():
