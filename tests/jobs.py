@@ -270,6 +270,37 @@ GROUPS["2 processes after sharded"] = {
 }
 
 
+# Fine-tuning as people do it, 2 replicas x 2 stages of a tiny Llama (tests/test_finetuning.py): PEFT's LoRA adapters on
+# every block (GPipe, 1F1B, DDP, FULL_SHARD) or on the last block only (stage 0 trains nothing: DDP, every sharding
+# setting, both checkpoint formats, a resume); the embedding frozen as the model is built and unfrozen at step 2,
+# or trainable and frozen at step 2; stage 1 frozen whole and unfrozen at step 2 (a stage with nothing to train
+# when fitting starts gets its averaging then).
+_FT = {"script": "hf", "arch": "llama", "devices": 4, "balance": [3, 3], "samples": 32, "batch_size": 4, "epochs": 1,
+       "optimizer": "adamw"}
+_ADAPTERS_LAST = {**_FT, "lora": "last"}
+_EMBEDDING = {**_FT, "frozen": ["0."]}
+_STAGE_1 = {**_FT, "frozen": ["3.", "4.", "5."], "unfreeze_at": 2}
+GROUPS["4 processes fine-tuning"] = {
+    "ft-lora-gpipe-ddp": {**_FT, "lora": "all"},
+    "ft-lora-1f1b-ddp": {**_FT, "lora": "all", "schedule": "1f1b", "last_stage_loss": True},
+    "ft-lora-full-shard": {**_FT, "lora": "all", "sharding": "FULL_SHARD"},
+    "ft-lora-last-ddp": _ADAPTERS_LAST,
+    "ft-lora-last-full-shard": {**_ADAPTERS_LAST, "sharding": "FULL_SHARD"},
+    "ft-lora-last-full-shard-dcp": {**_ADAPTERS_LAST, "sharding": "FULL_SHARD", "state_dict_type": "sharded"},
+    "ft-lora-last-shard-grad-op-1f1b": {**_ADAPTERS_LAST, "sharding": "SHARD_GRAD_OP", "schedule": "1f1b",
+                                        "last_stage_loss": True},
+    "ft-lora-last-hybrid": {**_ADAPTERS_LAST, "sharding": "HYBRID_SHARD"},
+    "ft-lora-last-resume-dcp": {**_ADAPTERS_LAST, "sharding": "FULL_SHARD", "state_dict_type": "sharded",
+                                "epochs": 2, "resume": "ft-lora-last-full-shard-dcp/final.ckpt"},
+    "ft-lora-last-resume-full-ddp": {**_ADAPTERS_LAST, "epochs": 2, "resume": "ft-lora-last-full-shard/final.ckpt"},
+    "ft-unfreeze-embedding-ddp": {**_EMBEDDING, "unfreeze_at": 2},
+    "ft-unfreeze-embedding-full-shard": {**_EMBEDDING, "unfreeze_at": 2, "sharding": "FULL_SHARD"},
+    "ft-freeze-embedding-ddp-accumulate": {**_EMBEDDING, "freeze_at": 2, "accumulate": 2, "samples": 64},
+    "ft-unfreeze-stage-1-ddp": _STAGE_1,
+    "ft-unfreeze-stage-1-shard-grad-op": {**_STAGE_1, "sharding": "SHARD_GRAD_OP"},
+}
+
+
 # Lightning's other package: the same script against lightning.pytorch (its imports rewritten, as the binding's
 # are): the plain model's weights, 1F1B, replicas, sharded checkpoints, and checkpoints crossing packages both
 # ways (resumed from the other package's, exactly as from its own).

@@ -75,6 +75,7 @@ class PipelinedSequential(nn.Module):
         self.on_backward: Callable[[], None] | None = None  # called when the output's gradient arrives
         self._warned_small = False
         self.local_only = False  # True: state_dict() leaves remote layers' entries as placeholders
+        self.sharded = False  # its stages are sharded over the replicas (FSDP2); they stay so once they are
         # Module-level functions, not bound methods: no reference cycle keeps a freed body (and its stages).
         self.register_state_dict_post_hook(_remote_state)
         self.register_load_state_dict_pre_hook(_load_remote_state)

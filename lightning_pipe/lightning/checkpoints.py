@@ -181,7 +181,7 @@ class PipelineCheckpoints(PipelineProcesses):
         """Whether the stages are sharded over the replicas now (``sharding_strategy``, while fitting): then every
         replica takes part in each save (each holds shards of every stage)."""
         body = self._body
-        if body is None or not any(sharding.is_sharded(m) for m in body.modules()):
+        if body is None or not body.sharded:  # judged for every stage, not from stage 0's modules alone
             return False
         body.pipeline.runner.averages.before_update()  # its parameters the shards again (after a forward alone)
         return True

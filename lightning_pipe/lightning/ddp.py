@@ -181,7 +181,7 @@ def wrap(strategy: Any, module: nn.Module, device_ids: list[int] | None, process
 _RUNTIME = ("_accelerator", "_checkpoint_io", "_precision_plugin", "precision_plugin", "_lightning_module", "_model",
             "_launcher", "_optimizers", "_lightning_optimizers", "lr_scheduler_configs", "cluster_environment",
             "_layer_sync", "_forward_redirection", "_model_averager", "_body", "_stage_optimizers", "_replicas",
-            "_arguments")
+            "_arguments", "_lp_layers")
 
 
 def stage_copy(strategy: Any) -> Any:
@@ -191,4 +191,12 @@ def stage_copy(strategy: Any) -> Any:
     twin = object.__new__(type(strategy))
     twin.__dict__.update({k: v for k, v in vars(strategy).items() if k not in _RUNTIME})
     twin.__dict__.update(_optimizers=[], _lightning_optimizers=[], lr_scheduler_configs=[])
+    return twin
+
+
+def rebuild_copy(strategy: Any) -> Any:
+    """A :func:`stage_copy` whose ``configure_ddp`` rebuilds a DDP mid-training: without ``init_sync`` (the
+    replicas are in step: nothing to broadcast from replica 0)."""
+    twin = stage_copy(strategy)
+    twin._ddp_kwargs = {**twin._ddp_kwargs, "init_sync": False}
     return twin

@@ -12,11 +12,13 @@ backward drive as usual. While Lightning accumulates gradients it blocks the syn
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -40,6 +42,7 @@ class Replicas:
         self.blocked = 0  # inside block_backward_sync: gradients stay per replica (accumulation)
         self.in_backward = 0  # inside Lightning's backward (pre_backward to post_backward)
         self.active = False  # the stages' DDPs are built (while fitting)
+        self.trainable: tuple[bool, ...] = ()  # the LightningModule's requires_grad flags the averaging follows
 
     def check_backward_path(self) -> None:
         """The pipeline's backward starts: refuse one outside Lightning's backward when there are replicas (a
@@ -79,9 +82,11 @@ class Replicas:
         # No RPC timeout: DDP's constructor waits for the same stage of the other replicas, which may be a slow
         # setup away; the process group's timeout bounds that wait.
         sharding = strategy._sharding()
+        self.trainable = _flags(strategy.lightning_module)
         futures = body.hosts.start("replicate", ddp.stage_copy(strategy).configure_ddp, sharding, timeout=0)
         body.pipeline.runner.averages.replicate(strategy.configure_ddp, sharding)
         if sharding is not None:  # stage 0's parameters are shards now: where the driver's names lead to them
+            body.sharded = True
             body.retie()
             if body.tied_sync is not None:
                 body.tied_sync.params = {f"{body.name}.{name}": p for name, p in
@@ -96,9 +101,42 @@ class Replicas:
         body.pipeline.reduce = self.reducing
         self.active = True
 
-    def _wrap_outside(self, strategy: Any, body: PipelinedSequential) -> None:
+    def refresh(self, strategy: Any, body: PipelinedSequential) -> None:
+        """As a training step starts, between steps: where what the pipeline trains changed since its averaging
+        was built (``requires_grad`` of the body's parameters, remote stages' included, or of the driver's layers
+        outside it), rebuild the DDPs that average it, in every process of every replica at once: torch's DDP
+        never averages a parameter that did not require a gradient when it was built (Lightning's DDPStrategy
+        leaves such a parameter training apart on each replica). Stages sharded by FSDP2 follow ``requires_grad``
+        themselves. The replicas must change it at the same step: the drivers compare what they train at every
+        step (one all-reduce of a digest), and a difference is refused before the step."""
+        if not self.active or self.count == 1:
+            return
+        module = strategy.lightning_module
+        flags = _flags(module)
+        _agree(flags, strategy.root_device, strategy.global_rank)
+        if flags == self.trainable:
+            return
+        self.trainable = flags
+        assert body.hosts is not None
+        twin = ddp.rebuild_copy(strategy)  # no init_sync: the replicas are in step
+        futures = body.hosts.start("refresh_replicas", twin.configure_ddp, timeout=0)
+        body.pipeline.runner.averages.refresh(twin.configure_ddp)
+        for j, future in enumerate(futures, start=1):
+            try:
+                future.result()
+            except Exception as exc:
+                exc.add_note(f"while rebuilding the DistributedDataParallel of stage {j}'s process")
+                raise
+        outside = strategy.model
+        if isinstance(outside, DistributedDataParallel):
+            outside.reducer._remove_autograd_hooks()
+            strategy.model = module
+        self._wrap_outside(strategy, body, twin)
+
+    def _wrap_outside(self, strategy: Any, body: PipelinedSequential, twin: Any = None) -> None:
         """The driver's layers outside the body, in a DDP over the LightningModule that leaves the body to its
-        stages' (as Lightning's DDPStrategy wraps a model), if any of them trains."""
+        stages' (as Lightning's DDPStrategy wraps a model), if any of them trains (built by ``twin``'s
+        ``configure_ddp`` when given: a rebuild)."""
         module = strategy.lightning_module
         prefix = strategy.module_name + "."
         inner = {prefix + n for n, _ in itertools.chain(body.named_parameters(), body.named_buffers())}
@@ -106,7 +144,7 @@ class Replicas:
             return
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(inner))
         device_ids = strategy.determine_ddp_device_ids()
-        strategy.model = strategy.configure_ddp(module, device_ids, None, None)
+        strategy.model = (twin or strategy).configure_ddp(module, device_ids, None, None)
 
     def stop(self, strategy: Any, body: PipelinedSequential | None) -> None:
         """As fitting ends: the stages' DDPs go (Lightning's teardown unwraps the driver's)."""
@@ -120,6 +158,24 @@ class Replicas:
             future.result()
 
 
+def _flags(module: nn.Module) -> tuple[bool, ...]:
+    """``requires_grad`` of each of ``module``'s parameters (remote layers' placeholders included)."""
+    return tuple(p.requires_grad for p in module.parameters())
+
+
+def _agree(flags: tuple[bool, ...], device: torch.device, replica: int) -> None:
+    """Refuse, on every driver, a step where the replicas train different parameters (``flags`` differ): one
+    all-reduce of a digest of them over the drivers (the default group)."""
+    value = int.from_bytes(hashlib.blake2b(bytes(flags), digest_size=7).digest(), "little")
+    seen = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if int(seen[0]) != value or int(seen[1]) != -value:
+        raise RuntimeError(
+            f"the replicas do not train the same parameters in this step (replica {replica} trains "
+            f"{sum(flags)} of {len(flags)} parameter tensors; another replica's requires_grad differs): each would "
+            "step apart from the others. Change requires_grad on every replica at the same step (in a hook every "
+            "replica runs, such as on_train_batch_start, from values every replica shares)")
+
 
 class ReplicatedStages(PipelineProcesses):
     """The processes of pipelines whose replicas are averaged stage by stage by torch's DDP (:class:`Replicas`):
@@ -127,12 +183,22 @@ class ReplicatedStages(PipelineProcesses):
 
     _replicas: Replicas
     _fitting: bool
+    _body: PipelinedSequential | None
+    _lp_layers: Any  # the driver's layers' settings sent to their stages (lightning/layers.py's LayerSync)
 
     @property
     def init_sync(self) -> bool:
         """Whether every replica starts from replica 0's weights (DDP's ``init_sync``: while fitting, False leaves
         that to the script, as under DDPStrategy)."""
         return not self._fitting or self._ddp_kwargs.get("init_sync", True)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """A training step starts: the averaging follows what the replicas train now (:meth:`Replicas.refresh`)."""
+        if self._body is not None and self._lp_layers is not None:
+            self._lp_layers.requires_grad()  # the remote stages' flags first: they rebuild from them
+            self._replicas.refresh(self, self._body)
+        return super().training_step(*args, **kwargs)
 
     @override
     @contextlib.contextmanager

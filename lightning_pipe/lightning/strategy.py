@@ -157,6 +157,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         self._body: PipelinedSequential | None = None  # the body this strategy runs, once set up
         self._stage_optimizers: StageOptimizers | None = None
         self._replicas = Replicas(1)
+        self._lp_layers: LayerSync | None = None  # the driver's layer settings sent to their stages, once set up
         self._fitting = False
         self._arguments = arguments  # to be built again for the other Lightning package's Trainer (adopt)
 
@@ -235,6 +236,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         """Run ``body`` with this strategy: layers in step with the driver's, a pending remote step first."""
         self.balance, self._body = list(body.balance), body
         sync = LayerSync(lambda: checks.body_of(self.lightning_module, self.module_name), self.pipeline_processes)
+        self._lp_layers = sync
 
         def before_forward() -> None:
             for optimizer in self.optimizers:  # a step taken outside Lightning's optimizer_step

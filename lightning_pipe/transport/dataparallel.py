@@ -246,6 +246,11 @@ def _is_last(actions: Sequence[Action], k: int, later: Mapping[tuple[int, int], 
     return kind == "I" or all(later.get((s, a.microbatch), _nothing) is _nothing for a in rest if a.kind == "W")
 
 
+def trainable(stage: Stage) -> tuple[bool, ...]:
+    """Which of ``stage``'s parameters require a gradient now (its trainable set)."""
+    return tuple(p.requires_grad for p in stage.partition.parameters())
+
+
 class Averages:
     """The averaging over replicas of one process's stages of a pipeline (``stages``: index -> stage): a
     :class:`ReplicatedStage` for each, once :meth:`replicate` built them; nothing to do without."""
@@ -254,23 +259,64 @@ class Averages:
         self.stages = stages
         self.replicas: dict[int, Reduction] = {}
         self._at_commit: set[tuple[int, int]] = set()  # (run, stage): averaged once committed
+        self._built: dict[int, tuple[bool, ...]] = {}  # each stage's trainable set when its DDP was built
+        self._by_ddp = False  # replicate built DDPs (not FSDP2 shards, not nothing)
 
     def replicate(self, configure: Callable[..., DistributedDataParallel] | None, sharding: Any = None) -> None:
         """Average each stage holding trainable parameters through the ``DistributedDataParallel`` that
         ``configure(module, device_ids, process_group, stage)`` builds over its partition, or, given ``sharding``
-        (a :class:`~lightning_pipe.transport.sharding.Sharding`), shard it over its replicas with FSDP2 (None:
-        stop averaging; a sharded stage stays sharded). Every replica's process of a stage calls this at once
-        (DDP's constructor and FSDP's sharding are collectives of the stage's replicas)."""
+        (a :class:`~lightning_pipe.transport.sharding.Sharding`), shard every stage holding parameters over its
+        replicas with FSDP2, frozen ones too: FSDP2 follows each parameter's ``requires_grad`` at every gather
+        (None: stop averaging; a sharded stage stays sharded). Every replica's process of a stage calls this at
+        once (DDP's constructor and FSDP's sharding are collectives of the stage's replicas)."""
         for replica in self.replicas.values():
             replica.close()
         self.replicas = {}
+        self._by_ddp = configure is not None and sharding is None
+        self._built = {}
         for s, stage in sorted(self.stages.items()) if configure is not None else ():
-            if any(p.requires_grad for p in stage.partition.parameters()):
-                if sharding is not None:
+            if sharding is not None:
+                if next(stage.partition.parameters(), None) is not None:
                     self.replicas[s] = sharding.stage(stage, stage_group(s))
-                    continue
-                device_ids = [stage.device.index or 0] if stage.device.type == "cuda" else None
-                self.replicas[s] = ReplicatedStage(stage, configure(stage.partition, device_ids, stage_group(s), s))
+                continue
+            self._build(s, configure)
+
+    def _build(self, s: int, configure: Callable[..., DistributedDataParallel]) -> None:
+        """Stage ``s``'s DDP over its trainable parameters now (none if it has none)."""
+        stage = self.stages[s]
+        self._built[s] = trainable(stage)
+        if any(self._built[s]):
+            device_ids = [stage.device.index or 0] if stage.device.type == "cuda" else None
+            self.replicas[s] = ReplicatedStage(stage, configure(stage.partition, device_ids, stage_group(s), s))
+
+    def refresh(self, configure: Callable[..., DistributedDataParallel]) -> list[int]:
+        """Rebuild the DDP of every stage here whose trainable set changed since its DDP was built (torch's DDP
+        never reduces a parameter that did not require a gradient when it was built, and keeps reducing one
+        frozen since), through ``configure`` (built without ``init_sync``: the replicas are in step already).
+        A stage that no longer trains loses its DDP, one that starts to gets one. Called between steps, by every
+        replica's process of those stages at once (DDP's constructor is a collective); returns the stages
+        rebuilt. Stages sharded by FSDP2 follow ``requires_grad`` themselves: nothing to do."""
+        if not self._by_ddp:
+            return []
+        changed = [s for s in sorted(self.stages) if trainable(self.stages[s]) != self._built.get(s)]
+        for s in changed:
+            old = self.replicas.get(s)
+            local = old is not None and old.local
+            params = list(self.stages[s].partition.parameters())
+            frozen = [p for p, was in zip(params, self._built[s]) if was and not p.requires_grad]
+            if local and any(p.grad is not None for p in frozen):
+                raise RuntimeError(
+                    f"a parameter of stage {s} was frozen (requires_grad=False) while it holds gradients accumulated "
+                    "but not yet averaged over the replicas (within accumulate_grad_batches, or no_sync): each "
+                    "replica would step it with its own. Freeze parameters between optimizer steps (after "
+                    "zero_grad), or set their .grad to None first")
+            if old is not None:
+                del self.replicas[s]
+                old.close()
+            self._build(s, configure)
+            if s in self.replicas:
+                self.replicas[s].local = local
+        return changed
 
     def settle(self) -> None:
         """Wait until every stage's reduction here is over (raising its error)."""

@@ -164,6 +164,11 @@ class StageHost(StageState):
         self.runner.averages.replicate(configure, sharding)
         self.params = {self.prefix + n: p for n, p in self.partition.named_parameters()}
 
+    def refresh_replicas(self, configure: Any) -> list[int]:
+        """Rebuild the DDP of this process's stages whose trainable set changed (see
+        :meth:`~lightning_pipe.transport.dataparallel.Averages.refresh`); the stages rebuilt."""
+        return self.runner.averages.refresh(configure)
+
     def barrier(self) -> None:
         """Meet the same stage of every other replica (its default process group), once the actions queued on
         this stage so far are done."""

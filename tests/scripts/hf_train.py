@@ -23,7 +23,9 @@ ARCHS = ("gpt2", "llama", "mistral", "qwen2", "bert")
 DEFAULTS: dict[str, Any] = {"arch": "gpt2", "tied": False, "attn": "sdpa", "devices": 2, "balance": [3, 3],
                             "microbatches": 4, "schedule": "gpipe", "last_stage_loss": False, "optimizer": "sgd",
                             "samples": 32, "batch_size": 8, "epochs": 2, "seed": 7, "checkpoint": "except_last",
-                            "clip": None, "pretrained": False}
+                            "clip": None, "pretrained": False, "lora": None, "frozen": [], "unfreeze_at": None,
+                            "freeze_at": None, "state_dict_type": "full", "accumulate": 1, "resume": None,
+                            "unfreeze_on_replica": None}
 
 
 def tiny(arch: str, tied: bool = False, attn: str = "sdpa", seed: int = 0) -> nn.Module:
@@ -58,6 +60,43 @@ def tiny(arch: str, tied: bool = False, attn: str = "sdpa", seed: int = 0) -> nn
         raise ValueError(f"unknown arch {arch!r} (known: {ARCHS})")
     config._attn_implementation = attn
     return cls(config).train()
+
+
+def with_lora(model: nn.Module, where: str, seed: int = 0) -> nn.Module:
+    """``model`` (a tiny Llama) with PEFT's LoRA adapters (rank 4) on the attention's query and value projections
+    of every block (``where="all"``) or of the last block only (``"last"``), the base frozen: the model PEFT
+    adapts in place (``peft_model.base_model.model``)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed + 1)
+    layers = None if where == "all" else [BLOCKS - 1]
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                        layers_to_transform=layers)
+    return get_peft_model(model, config).base_model.model
+
+
+def build(c: dict[str, Any]) -> nn.Module:
+    """The Hugging Face model a case trains: tiny, with LoRA adapters where ``c["lora"]`` says."""
+    model = tiny(c["arch"], c["tied"], c["attn"], c["seed"])
+    return model if c["lora"] is None else with_lora(model, c["lora"], c["seed"])
+
+
+def set_trainable(body: nn.Module, prefixes: list[str], flag: bool) -> None:
+    """``requires_grad`` of the body's parameters whose names start with one of ``prefixes``."""
+    for name, p in body.named_parameters():
+        if name.startswith(tuple(prefixes)):
+            p.requires_grad_(flag)
+
+
+def trainable_changes(c: dict[str, Any], body: nn.Module, step: int) -> None:
+    """The parameters named by ``c["frozen"]`` frozen from the start (trainable until ``c["freeze_at"]`` where
+    that is given), unfrozen at optimizer step ``c["unfreeze_at"]``, frozen at ``c["freeze_at"]``."""
+    if step == 0 and c["freeze_at"] is None:
+        set_trainable(body, c["frozen"], False)
+    if step == c["unfreeze_at"]:
+        set_trainable(body, c["frozen"], True)
+    if step == c["freeze_at"]:
+        set_trainable(body, c["frozen"], False)
 
 
 def output(model: nn.Module, ids: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -102,27 +141,47 @@ def optimizer(config: dict[str, Any], params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def parameters(c: dict[str, Any], module: nn.Module) -> list[nn.Parameter]:
+    """What the optimizer takes: the adapters alone under LoRA (the base is frozen for good), else every
+    parameter (frozen ones too: they train once unfrozen, as docs/limitations.md advises)."""
+    return [p for p in module.parameters() if p.requires_grad or c["lora"] is None]
+
+
 def train_plain(config: dict[str, Any]) -> nn.Module:
     """The Hugging Face model itself trained on one device, as the pipeline trains its body."""
-    config = {**DEFAULTS, **config}
-    model = tiny(config["arch"], config["tied"], config["attn"], config["seed"] + 100 * config["pretrained"])
-    opt = optimizer(config, model.parameters())
+    config = c = {**DEFAULTS, **config}
+    model = build(c) if not c["pretrained"] else tiny(c["arch"], c["tied"], c["attn"], c["seed"] + 100)
+    body = to_sequential_of(model)
+    opt = optimizer(config, parameters(c, model))
     data = batches(config["arch"], config["samples"])
     replicas = config["devices"] // len(config["balance"])
     # With replicas, each draws its share of a permutation seeded as Lightning seeds its DistributedSampler: one
     # device sees their union, in batches as large as all of theirs together.
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=config["seed"]) \
         if replicas > 1 else None
+    step = 0
     for epoch in range(config["epochs"]):
         if sampler is not None:
             sampler.set_epoch(epoch)
-        for ids, mask, target in DataLoader(data, config["batch_size"] * replicas, sampler=sampler):
-            opt.zero_grad()
-            loss_fn(output(model, ids, mask), target).backward()
+        for k, (ids, mask, target) in enumerate(DataLoader(data, config["batch_size"] * replicas, sampler=sampler)):
+            trainable_changes(c, body, step)
+            loss = loss_fn(output(model, ids, mask), target) / c["accumulate"]
+            loss.backward()
+            if (k + 1) % c["accumulate"]:
+                continue
             if config["clip"] is not None:  # a tied parameter counted once, as model.parameters() lists it
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config["clip"])
             opt.step()
+            opt.zero_grad()
+            step += 1
     return model
+
+
+def to_sequential_of(model: nn.Module) -> nn.Sequential:
+    """The body of ``model`` (its own modules)."""
+    from lightning_pipe.models import to_sequential
+
+    return to_sequential(model)
 
 
 class HFBody(pl.LightningModule):
@@ -137,7 +196,13 @@ class HFBody(pl.LightningModule):
         if pretrained is not None:  # built on meta; each stage reads its own tensors from the checkpoint
             self.sequential_module = pretrained_body(pretrained, attn_implementation=c["attn"])
         else:
-            self.sequential_module = to_sequential(tiny(c["arch"], c["tied"], c["attn"], c["seed"]))
+            self.sequential_module = to_sequential(build(c))
+        trainable_changes(c, self.sequential_module, 0)  # frozen as the model is built, before fitting starts
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        apart = self.config.get("unfreeze_on_replica")  # (a test of the refusal: one replica alone changes)
+        if apart is None or self.global_rank == apart:
+            trainable_changes(self.config, self.sequential_module, self.trainer.global_step)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         import lightning_pipe
@@ -148,7 +213,7 @@ class HFBody(pl.LightningModule):
         return loss_fn(self.sequential_module((ids, mask)), target)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return optimizer(self.config, self.parameters())
+        return optimizer(self.config, parameters(self.config, self))
 
 
 def main(config: dict[str, Any], out: str) -> None:
@@ -169,11 +234,14 @@ def main(config: dict[str, Any], out: str) -> None:
             shutil.rmtree(written)
     model = HFBody(c, pretrained)
     strategy = PipeStrategy(balance=c["balance"], microbatches=c["microbatches"], checkpoint=c["checkpoint"],
-                            schedule=c["schedule"], rpc_timeout_sec=60, sharding_strategy=c.get("sharding", "NO_SHARD"))
+                            schedule=c["schedule"], rpc_timeout_sec=60, sharding_strategy=c.get("sharding", "NO_SHARD"),
+                            state_dict_type=c["state_dict_type"])
     trainer = pl.Trainer(accelerator="cpu", devices=c["devices"], strategy=strategy, max_epochs=c["epochs"],
                          logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                         enable_model_summary=False, default_root_dir=out, gradient_clip_val=c["clip"])
-    trainer.fit(model, DataLoader(batches(c["arch"], c["samples"]), batch_size=c["batch_size"]))
+                         enable_model_summary=False, default_root_dir=out, gradient_clip_val=c["clip"],
+                         accumulate_grad_batches=c["accumulate"])
+    resume = os.path.join(os.path.dirname(out), c["resume"]) if c.get("resume") else None  # another case's
+    trainer.fit(model, DataLoader(batches(c["arch"], c["samples"]), batch_size=c["batch_size"]), ckpt_path=resume)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     result: dict[str, Any] = {"global_step": trainer.global_step}
     if c["tied"] and c.get("sharding", "NO_SHARD") == "NO_SHARD":  # (a sharded stage's copy is its replicas' together)
