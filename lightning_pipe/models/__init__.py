@@ -21,9 +21,10 @@ except ImportError as exc:  # pragma: no cover - the extra is installed where th
 
 from lightning_pipe.models.adapters import register_adapter, supported_models, to_sequential
 from lightning_pipe.models.layers import HFLayer
+from lightning_pipe.models.peft import drop_frozen, save_adapters
 from lightning_pipe.models.state import hf_key_map, hf_state_dict, init_buffers, load_hf_state_dict
 from lightning_pipe.models.weights import PretrainedFiles, attach_pretrained, materialize_body, pretrained_body
 
-__all__ = ["HFLayer", "PretrainedFiles", "attach_pretrained", "hf_key_map", "hf_state_dict", "init_buffers",
-           "load_hf_state_dict", "materialize_body", "pretrained_body", "register_adapter", "supported_models",
-           "to_sequential"]
+__all__ = ["HFLayer", "PretrainedFiles", "attach_pretrained", "drop_frozen", "hf_key_map", "hf_state_dict",
+           "init_buffers", "load_hf_state_dict", "materialize_body", "pretrained_body", "register_adapter",
+           "save_adapters", "supported_models", "to_sequential"]
