@@ -196,3 +196,41 @@ def test_the_batchs_loss_is_the_weighted_sum_in_float64_in_micro_batch_order(dty
         expected = sum((wi * loss.value.double() for wi, loss in zip(w, losses)), torch.zeros((), dtype=torch.float64))
         got = combine(losses, w).value
         assert got.dtype == dtype and torch.equal(got, expected.to(dtype))
+
+
+def test_in_one_process_any_callable_is_a_loss_function():
+    """A ``Pipe`` runs every stage in this process: nothing is pickled, so a lambda or a local function works."""
+    model = body()
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+
+    def local(output, target):
+        return F.mse_loss(output, target)
+
+    for loss_fn in (lambda output, target: F.mse_loss(output, target), local):
+        loss = loss_on_last_stage(pipe_for(model, "1f1b", 1, chunks=4), x, y, loss_fn)
+        torch.testing.assert_close(loss, mse(model(x), y))
+
+
+def test_a_loss_function_that_cannot_reach_another_process_is_refused_saying_what_to_pass():
+    """``check_sendable``, which ``PipeStrategy``'s body runs at ``loss_on_last_stage`` when the last stage is in
+    another process: what pickles passes (checked once), what does not is refused with its value and what to pass."""
+    import functools
+
+    from lightning_pipe.engine.loss import _SENDABLE, check_sendable
+
+    def local(output, target):
+        return F.mse_loss(output, target)
+
+    for loss_fn in (mse, functools.partial(F.cross_entropy, label_smoothing=0.1), nn.CrossEntropyLoss()):
+        check_sendable(loss_fn, 2)
+    assert mse in _SENDABLE  # not pickled again at the next step
+    for loss_fn, name in ((lambda output, target: mse(output, target), "<lambda>"), (local, "local"),
+                          (functools.partial(local), "local")):
+        with pytest.raises(TypeError) as refused:
+            check_sendable(loss_fn, 3)
+        message = str(refused.value)
+        assert message.startswith("loss_on_last_stage cannot send its loss_fn to the last stage, which runs in another "
+                                  "process (a pipeline of 3 processes)"), message
+        assert repr(loss_fn) in message and f"<locals>.{name}" in message  # the value, and pickle's word on it
+        assert "a function defined at the top level of a module" in message and "functools.partial" in message
+        assert "nn.Module loss" in message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import Future
 
 import pytest
@@ -31,6 +32,34 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
 def test_devices_not_a_multiple_of_stages_fails_before_processes_start():
     with pytest.raises(ValueError, match=r"devices x nodes: 3, stages: 2"):
         pl.Trainer(accelerator="cpu", devices=3, strategy=PipeStrategy(balance=[1, 1]), logger=False)
+
+
+def test_a_sharding_strategy_with_one_replica_warns_as_the_trainer_is_made_that_it_does_nothing():
+    """With one replica a stage has nothing to be sharded over: said as the Trainer is made, before any process
+    starts (a warning, as for DDP's arguments with one replica: the job's size, not the argument, makes it a no-op,
+    and each process keeps its whole stage as with NO_SHARD). With 2 replicas, no word."""
+    with pytest.warns(UserWarning, match=r"PipeStrategy\(sharding_strategy='FULL_SHARD'\) has no effect with one "
+                                         r"replica \(devices x nodes: 2, processes per pipeline: 2\)") as said:
+        pl.Trainer(accelerator="cpu", devices=2, strategy=PipeStrategy(balance=[1, 1], sharding_strategy="FULL_SHARD"),
+                   logger=False)
+    assert "or sharding_strategy='NO_SHARD' on one replica" in str(said[0].message)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*has no effect with one replica")
+        pl.Trainer(accelerator="cpu", devices=4, strategy=PipeStrategy(balance=[1, 1], sharding_strategy="FULL_SHARD"),
+                   logger=False)
+        pl.Trainer(accelerator="cpu", devices=2, strategy=PipeStrategy(balance=[1, 1]), logger=False)
+
+
+def test_a_hybrid_shard_size_that_does_not_divide_the_replicas_fails_as_the_trainer_is_made():
+    """Found when the number of replicas is known, as the Trainer is made (not in setup, once every process runs),
+    with the values and the sizes that would do."""
+    with pytest.raises(ValueError, match=r"hybrid_shard_size must divide the number of replicas of each stage "
+                                         r"\(hybrid_shard_size: 2, replicas: 3; devices x nodes: 6, processes per "
+                                         r"pipeline: 2\): use one of \[1, 3\]"):
+        pl.Trainer(accelerator="cpu", devices=6, logger=False,
+                   strategy=PipeStrategy(balance=[1, 1], sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2))
+    pl.Trainer(accelerator="cpu", devices=6, logger=False,
+               strategy=PipeStrategy(balance=[1, 1], sharding_strategy="HYBRID_SHARD", hybrid_shard_size=3))
 
 
 class EightLayers(pl.LightningModule):
@@ -131,6 +160,22 @@ def test_a_comm_hook_that_raises_fails_the_first_step_and_every_process_ends(tmp
     result = run_script("fail.py", "comm_hook", str(tmp_path), timeout=90, expect_ok=False)
     assert result.returncode != 0
     assert "RuntimeError: the comm hook was called (bucket 0 of a stage's DDP)" in result.stdout, result.stdout[-4000:]
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_function_that_cannot_reach_the_last_stage_is_refused_at_loss_on_last_stage(tmp_path):
+    """A lambda passed to ``loss_on_last_stage`` with the last stage in another process: refused at that call, before
+    the step is sent (once pickle's "Can't pickle local object" from inside RPC's send), saying what to pass; every
+    process ends."""
+    started = time.monotonic()
+    result = run_script("fail.py", "lambda_loss", str(tmp_path), timeout=90, expect_ok=False)
+    assert result.returncode != 0
+    assert ("TypeError: loss_on_last_stage cannot send its loss_fn to the last stage, which runs in another process "
+            "(a pipeline of 2 processes): the loss function travels there by pickle, and <function "
+            "LambdaLoss._loss.<locals>.<lambda> at 0x") in result.stdout, result.stdout[-4000:]
+    assert "Pass a function defined at the top level of a module" in result.stdout
+    assert "rpc_async" not in result.stdout  # refused before anything was sent
     assert time.monotonic() - started < 60
 
 

@@ -18,13 +18,16 @@ along dim 0 otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["REDUCTIONS", "MicroLoss", "combine", "compute", "weights"]
+__all__ = ["REDUCTIONS", "MicroLoss", "check_sendable", "combine", "compute", "weights"]
 
 #: The accepted values of ``reduction``.
 REDUCTIONS = ("mean", "sum")
@@ -44,6 +47,32 @@ def check_reduction(reduction: object) -> None:
     """Reject an unknown reduction, naming the valid ones."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))} (got: {reduction!r})")
+
+
+#: The loss functions found to pickle, so that each is checked once (not pickled again at every step), kept no longer
+#: than the program keeps them.
+_SENDABLE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def check_sendable(loss_fn: LossFn, processes: int) -> None:
+    """Reject a ``loss_fn`` that cannot reach the last stage, in another of the pipeline's ``processes``: it travels
+    there by pickle, which takes functions by their module-level name. Says what to pass instead."""
+    with contextlib.suppress(TypeError):  # unhashable, or no weak reference to it: checked every time
+        if loss_fn in _SENDABLE:
+            return
+    try:
+        pickle.dumps(loss_fn)
+    except Exception as exc:  # pickle raises PicklingError, AttributeError or TypeError, by what it met
+        raise TypeError(
+            f"loss_on_last_stage cannot send its loss_fn to the last stage, which runs in another process (a pipeline "
+            f"of {processes} processes): the loss function travels there by pickle, and {loss_fn!r} does not pickle "
+            f"({type(exc).__name__}: {exc}). Pass a function defined at the top level of a module (def "
+            "loss_fn(output, target): ...), a functools.partial of one (functools.partial("
+            "torch.nn.functional.cross_entropy, label_smoothing=0.1)), or an nn.Module loss "
+            "(torch.nn.CrossEntropyLoss()); not a lambda, a function defined inside another, or an object holding "
+            "one") from exc
+    with contextlib.suppress(TypeError):
+        _SENDABLE.add(loss_fn)
 
 
 def compute(loss_fn: LossFn, output: Any, target: Any) -> tuple[Tensor, dict[str, Tensor] | None]:

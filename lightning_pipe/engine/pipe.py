@@ -53,7 +53,9 @@ def loss_on_last_stage(body: nn.Module, input: Any, target: Any, loss_fn: LossFn
     (:mod:`lightning_pipe.engine.loss`: with ``reduction="mean"`` each weighted by its share of the samples,
     which equals the whole batch's loss for a loss that is a mean over samples; ``"sum"``: added up). Schedules
     that interleave forwards and backwards need it. ``loss_fn`` must be picklable where stages live in other
-    processes: a module-level function or an ``nn.Module``, not a lambda or a bound method of a LightningModule.
+    processes (``PipeStrategy``): a module-level function, a ``functools.partial`` of one or an ``nn.Module``, not a
+    lambda, a local function or a bound method of a LightningModule; one that does not pickle is refused at this
+    call, before anything is sent. In one process (a :class:`Pipe`) any callable works.
 
     ::
 

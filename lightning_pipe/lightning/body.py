@@ -22,7 +22,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_pipe.engine.autograd import pipeline_loss, run_pipeline
-from lightning_pipe.engine.loss import LossFn
+from lightning_pipe.engine.loss import LossFn, check_sendable
 from lightning_pipe.engine.microbatch import Batch, TensorOrTensors
 from lightning_pipe.lightning.placeholders import BODIES, listed, version, wrap_placeholders
 from lightning_pipe.transport import sharding
@@ -207,7 +207,10 @@ class PipelinedSequential(nn.Module):
     def pipeline_loss(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *,
                       reduction: str = "mean") -> Any:
         """``loss_fn(self(input), target)`` with the loss computed on the last stage, micro-batch by micro-batch,
-        in this body's schedule (see :func:`lightning_pipe.loss_on_last_stage`)."""
+        in this body's schedule (see :func:`lightning_pipe.loss_on_last_stage`). ``loss_fn`` must pickle where the
+        last stage is in another process: refused here otherwise, before anything is sent."""
+        if self.processes > 1:
+            check_sendable(loss_fn, self.processes)
         self._prepare(input)
         out = pipeline_loss(self.pipeline, input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
                             training=self.training, parameters=self.parameters(), schedule=self.schedule,

@@ -10,11 +10,13 @@ from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.model_helpers import is_overridden
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
 from lightning_pipe.engine.partition import check_checkpoint, check_chunks, check_sequential
 from lightning_pipe.engine.schedule import check_schedule, schedule_plan
 from lightning_pipe.engine.skip.skippable import verify_skippables
 from lightning_pipe.lightning.body import PipelinedSequential
+from lightning_pipe.transport.topology import Topology
 
 __all__: list[str] = []
 
@@ -86,6 +88,27 @@ def check_sharding(setting: Any, shard_size: Any, ddp_given: list[str]) -> str:
                          f"DistributedDataParallel, so {', '.join(ignored)} would do nothing: leave them out, or "
                          "use sharding_strategy='NO_SHARD' (DDP per stage)")
     return name
+
+
+def check_replicas(setting: str, shard_size: int | None, topology: Topology) -> None:
+    """Once the number of replicas is known (the Trainer's devices and nodes), before any process starts: refuse a
+    ``hybrid_shard_size`` that does not divide it, and warn that ``sharding_strategy`` does nothing with one
+    replica (as DDP's arguments do: a setting of the job's size, not of the arguments, so a configuration made for
+    several replicas still runs on one; each process then keeps its whole stage, as with ``NO_SHARD``)."""
+    if setting == "NO_SHARD":
+        return
+    replicas = topology.replicas
+    layout = f"devices x nodes: {topology.world}, processes per pipeline: {topology.stages}"
+    if replicas == 1:
+        rank_zero_warn(f"PipeStrategy(sharding_strategy={setting!r}) has no effect with one replica ({layout}): a "
+                       "stage has no other replica to be sharded over, so each process keeps its whole stage, as with "
+                       "'NO_SHARD'. Use devices x nodes = processes per pipeline x replicas with 2 replicas or more "
+                       "to shard, or sharding_strategy='NO_SHARD' on one replica")
+    elif shard_size is not None and replicas % shard_size:
+        divisors = [d for d in range(1, replicas + 1) if replicas % d == 0]
+        raise ValueError(f"hybrid_shard_size must divide the number of replicas of each stage (hybrid_shard_size: "
+                         f"{shard_size}, replicas: {replicas}; {layout}): use one of {divisors}, or devices x nodes "
+                         f"= {topology.stages} x a multiple of {shard_size}")
 
 
 def check_settings(trainer: pl.Trainer | None, sync_batchnorm: bool) -> None:

@@ -46,6 +46,7 @@ from lightning_pipe.lightning.precision import PipePrecision, loss_gradient, sum
 from lightning_pipe.lightning.replicas import Replicas, ReplicatedStages
 from lightning_pipe.transport.dataplane import DATA_PLANES
 from lightning_pipe.transport.session import SESSION, abort_world
+from lightning_pipe.transport.topology import Topology
 
 __all__ = ["PipeStrategy"]
 
@@ -111,6 +112,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
     """
 
     strategy_name = "pipe"
+    _checked_topology: Topology | None = None  # the layout the sharding settings were last checked against
 
     def __init__(self, balance: list[int] | None = None, microbatches: int = 8, checkpoint: str = "except_last",
                  balance_mode: str = "balance_by_size", pipelined_backward: bool = True,
@@ -177,6 +179,15 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         """Reject Trainer settings this strategy cannot honour (run where :meth:`check_model` runs)."""
         checks.check_settings(trainer, self._layer_sync is not None)
         ddp.check_settings(self._ddp_kwargs, trainer)
+
+    @override
+    def set_world_ranks(self) -> None:
+        """The layout of the job's processes, once the Trainer knows its devices and nodes (as it is made, before any
+        process starts): the sharding settings are checked against its number of replicas here (once)."""
+        super().set_world_ranks()
+        if self.topology != self._checked_topology:  # once per layout (again in each process, by the same Trainer)
+            checks.check_replicas(self.sharding_strategy, self.hybrid_shard_size, self.topology)
+            self._checked_topology = self.topology
 
     def _sharding(self) -> Any:
         """How each stage is sharded over its replicas (None: DDP, ``NO_SHARD``)."""

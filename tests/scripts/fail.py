@@ -9,6 +9,7 @@
                                     fused_scaler (a fused optimizer under a gradient scaler, refused at setup) |
                                     bare_backward (manual optimization calling loss.backward() with 2 replicas) |
                                     comm_hook (2 replicas, a DDP comm hook that raises when called) |
+                                    lambda_loss (loss_on_last_stage given a lambda, which cannot reach stage 1) |
                                     slow (stage 1 takes 1.5 s a micro-batch, longer than LP_TIMEOUT in all:
                                     it must train, not time out)
 """
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train import Model, data  # noqa: E402
 
+import lightning_pipe  # noqa: E402
 from lightning_pipe import PipeStrategy  # noqa: E402
 
 
@@ -94,6 +96,14 @@ class BareBackward(Model):
         opt.step()
 
 
+class LambdaLoss(Model):
+    """The loss on the last stage by a lambda: it cannot be pickled, so it cannot reach the last stage's process."""
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lightning_pipe.loss_on_last_stage(self.sequential_module, x, y,
+                                                 lambda out, target: nn.functional.mse_loss(out, target))
+
+
 def raising_hook(state, bucket):  # type: ignore[no-untyped-def] # noqa: ANN001
     """A DDP comm hook that fails as soon as any stage's DDP calls it."""
     raise RuntimeError(f"the comm hook was called (bucket {bucket.index()} of a stage's DDP)")
@@ -106,9 +116,10 @@ def main(what: str, out: str) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # slow: 8 samples, one step (4 micro-batches of 1.5 s each on stage 1)
     config = {"samples": 8 if what == "slow" else 64, "batch_size": 8,
-              "optimizer": "adam-fused" if what == "fused_scaler" else "sgd", "manual": what == "bare_backward"}
-    model = (BareBackward if what == "bare_backward" else Model)(config)
-    balance = [2, 2]
+              "optimizer": "adam-fused" if what == "fused_scaler" else "sgd", "manual": what == "bare_backward",
+              "last_stage_loss": what == "lambda_loss"}
+    model = {"bare_backward": BareBackward, "lambda_loss": LambdaLoss}.get(what, Model)(config)
+    balance = [2, 3] if what == "lambda_loss" else [2, 2]  # the loss on the last stage: its head ends the body
     plugins = []
     if what == "fused_scaler":
         from pytorch_lightning.plugins import MixedPrecision
