@@ -3,7 +3,9 @@
 An adapter is a function from the model to its layers, in order (:class:`~lightning_pipe.models.layers.HFLayer`
 s holding the model's own modules); :func:`register_adapter` ties it to the model classes it takes. The
 adapters shipped: GPT-2 (:mod:`~lightning_pipe.models.gpt2`), the Llama family
-(:mod:`~lightning_pipe.models.llama`) and BERT (:mod:`~lightning_pipe.models.bert`).
+(:mod:`~lightning_pipe.models.llama`), BERT (:mod:`~lightning_pipe.models.bert`) and LitGPT's ``GPT``
+(:mod:`~lightning_pipe.models.litgpt`, registered by its qualified name ``litgpt.model.GPT``: a class named ``GPT``
+elsewhere is not LitGPT's).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from lightning_pipe.engine.partition import check_repeats
 from lightning_pipe.models.bert import bert_layers
 from lightning_pipe.models.gpt2 import gpt2_layers
 from lightning_pipe.models.layers import HFLayer
+from lightning_pipe.models.litgpt import LITGPT_GPT, litgpt_layers
 from lightning_pipe.models.llama import decoder_layers
 
 __all__ = ["register_adapter", "supported_models", "to_sequential"]
@@ -30,8 +33,10 @@ def register_adapter(class_name: str, adapter: Adapter, family: str | None = Non
     """Have :func:`to_sequential` turn models of class ``class_name`` (or of a subclass) into a body with
     ``adapter``: a function from the model to its layers, each an
     :class:`~lightning_pipe.models.layers.HFLayer` holding the model's own modules as children; the first takes
-    ``input_ids`` or ``(input_ids, attention_mask)``, the last returns the model's main output. ``family``
-    names the architecture in messages (default: ``class_name``). See docs/models.md, "Adding an architecture".
+    ``input_ids`` or ``(input_ids, attention_mask)``, the last returns the model's main output. ``class_name`` is
+    the class's name (``"GPT2LMHeadModel"``: any class so named) or its module and name (``"litgpt.model.GPT"``:
+    that class alone, where the name alone could be another's). ``family`` names the architecture in messages
+    (default: ``class_name``). See docs/models.md, "Adding an architecture".
     """
     if not callable(adapter):
         raise TypeError(f"adapter must be a function from the model to its layers (got: {type(adapter).__name__})")
@@ -43,7 +48,8 @@ for _family, _adapter, _names in (
         ("Llama", decoder_layers, ("LlamaForCausalLM", "LlamaModel")),
         ("Mistral", decoder_layers, ("MistralForCausalLM", "MistralModel")),
         ("Qwen2", decoder_layers, ("Qwen2ForCausalLM", "Qwen2Model")),
-        ("BERT", bert_layers, ("BertModel",))):
+        ("BERT", bert_layers, ("BertModel",)),
+        ("LitGPT", litgpt_layers, (LITGPT_GPT,))):
     for _name in _names:
         register_adapter(_name, _adapter, _family)
 
@@ -55,8 +61,9 @@ def supported_models() -> dict[str, str]:
 
 def _adapter_for(model: nn.Module) -> Adapter:
     for cls in type(model).__mro__:
-        if cls.__name__ in _ADAPTERS:
-            return _ADAPTERS[cls.__name__][1]
+        for name in (f"{cls.__module__}.{cls.__qualname__}", cls.__name__):  # the qualified name first
+            if name in _ADAPTERS:
+                return _ADAPTERS[name][1]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     supported = ", ".join(f"{name} ({family})" for name, family in supported_models().items())
     raise TypeError(
@@ -71,9 +78,10 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
 
     The body takes ``input_ids`` (batch, time) or ``(input_ids, attention_mask)`` (1 = keep, 0 = padding) and
     returns the model's main output: the logits of a ``*ForCausalLM`` / ``GPT2LMHeadModel``, the
-    ``last_hidden_state`` of a ``BertModel`` or of a decoder's base model. Between layers flows
-    ``(hidden_states, attention_mask)``; each block builds its attention mask and rotary tables per
-    micro-batch, as the model does per batch, so ``body(x)`` equals the model's output.
+    ``last_hidden_state`` of a ``BertModel`` or of a decoder's base model; LitGPT's ``GPT``
+    (``litgpt.GPT(config)``) takes ``input_ids`` alone, as its forward does, and returns its logits. Between layers
+    flows ``(hidden_states, attention_mask)`` (LitGPT's: ``hidden_states``); each block builds its attention mask
+    and rotary tables per micro-batch, as the model does per batch, so ``body(x)`` equals the model's output.
 
     The body holds the model's own modules (no copy): training one trains the other, and an embedding tied to
     the head stays one ``Parameter``. Nothing is allocated, so a model built on the ``meta`` device gives a body

@@ -4,8 +4,8 @@
 allocated) and gives each of its layers the checkpoint's location and its entries' names there. Whichever
 process materialises a layer (``PipeStrategy``: each stage in its own process; ``materialize`` in one) then
 reads those tensors alone (:meth:`HFLayer.after_materialize`): from ``model.safetensors``, from the shards an
-index (``model.safetensors.index.json``) names, or from a torch file opened with ``mmap=True``. No process reads
-or holds the whole model::
+index (``model.safetensors.index.json``) names, or from a torch file opened with ``mmap=True`` (LitGPT's
+``lit_model.pth`` too). No process reads or holds the whole model::
 
     body = pretrained_body("path/to/checkpoint")      # on meta: the recorded build, no weights
     stage 0's process: materialises layers 0..2 ─► reads transformer.wte.weight, transformer.h.0.*, ...
@@ -29,11 +29,21 @@ __all__ = ["PretrainedFiles", "attach_pretrained", "materialize_body", "pretrain
 
 _SAFETENSORS, _SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 _TORCH, _TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+_LITGPT, _LITGPT_CONFIG = "lit_model.pth", "model_config.yaml"  # a LitGPT checkpoint directory's
+
+
+def _torch_state(file: str) -> Any:
+    """A torch file's state dict, its tensors left on disk until used (``mmap``); a LitGPT checkpoint's
+    ``{"model": state_dict, ...}`` (``fabric.save`` of its fine-tuning scripts) gives its ``"model"``, as
+    LitGPT's own ``load_checkpoint`` reads it."""
+    state = torch.load(file, mmap=True, weights_only=True, map_location="cpu")
+    return state.get("model", state) if isinstance(state, dict) else state
 
 
 class PretrainedFiles:
-    """A checkpoint's tensor files, read by name: ``path`` is a directory (``save_pretrained``'s), a
-    ``.safetensors`` file, or a torch file (``torch.save`` of a ``state_dict``, opened with ``mmap=True``)."""
+    """A checkpoint's tensor files, read by name: ``path`` is a directory (``save_pretrained``'s, or LitGPT's
+    holding ``lit_model.pth``), a ``.safetensors`` file, or a torch file (``torch.save`` of a ``state_dict``, or
+    of LitGPT's ``{"model": state_dict}``, opened with ``mmap=True``)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         path = os.fspath(path)
@@ -46,11 +56,12 @@ class PretrainedFiles:
                         self.index = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
                     break
             else:
-                found = [name for name in (_SAFETENSORS, _TORCH) if os.path.exists(os.path.join(path, name))]
+                found = [name for name in (_SAFETENSORS, _TORCH, _LITGPT) if os.path.exists(os.path.join(path, name))]
                 if not found:
                     raise FileNotFoundError(
                         f"no weights in {path!r} (looked for {_SAFETENSORS}, {_SAFETENSORS_INDEX}, {_TORCH}, "
-                        f"{_TORCH_INDEX}): pass a checkpoint directory written by save_pretrained, or its file")
+                        f"{_TORCH_INDEX}, {_LITGPT}): pass a checkpoint directory written by save_pretrained or "
+                        "LitGPT, or its file")
                 self.path = os.path.join(path, found[0])
         elif not os.path.exists(path):
             raise FileNotFoundError(f"no checkpoint at {path!r}: pass a directory written by save_pretrained, or "
@@ -68,7 +79,7 @@ class PretrainedFiles:
 
             with safe_open(self.path, framework="pt") as f:
                 return set(f.keys())
-        return set(torch.load(self.path, mmap=True, weights_only=True, map_location="cpu"))
+        return set(_torch_state(self.path))
 
     def read(self, names: Sequence[str]) -> dict[str, Tensor]:
         """The tensors ``names`` (each from the file that holds it), read alone, on CPU."""
@@ -86,7 +97,7 @@ class PretrainedFiles:
                 with safe_open(file, framework="pt") as f:
                     out.update({name: f.get_tensor(name) for name in wanted})
             else:
-                state = torch.load(file, mmap=True, weights_only=True, map_location="cpu")  # pages read on use
+                state = _torch_state(file)  # pages read on use
                 out.update({name: state[name].clone() for name in wanted})
         return out
 
@@ -125,26 +136,56 @@ def attach_pretrained(body: nn.Sequential, path: str | os.PathLike[str]) -> nn.S
 
 
 def pretrained_body(path: str | os.PathLike[str], model_class: Any = None, **config: Any) -> nn.Sequential:
-    """The body of the Hugging Face checkpoint at ``path`` (a ``save_pretrained`` directory), built under
+    """The body of the Hugging Face checkpoint at ``path`` (a ``save_pretrained`` directory), or of LitGPT's (a
+    directory holding ``lit_model.pth`` and ``model_config.yaml``, or that ``lit_model.pth``), built under
     ``lightning_pipe.deferred_init()``: no weights are allocated or read here. Each process that materialises a
     part of it (a stage under ``PipeStrategy``) reads that part's tensors alone; to have it whole in one process,
     ``materialize_body(body)``. ``model_class``: the ``transformers`` class (default: the config's first
-    architecture); ``config``: attributes to change in the config (``attn_implementation="eager"``, ...)."""
-    import transformers
-
+    architecture), or ``litgpt.GPT`` (the default for a LitGPT directory with no Hugging Face weights beside;
+    name it where ``litgpt download`` left both); ``config``: attributes to change in the config
+    (``attn_implementation="eager"``, ...; LitGPT's: ``litgpt.Config`` fields)."""
     import lightning_pipe
     from lightning_pipe.models.adapters import to_sequential
 
-    hf_config = transformers.AutoConfig.from_pretrained(os.fspath(path), **config)
+    path = os.fspath(path)
+    if _is_litgpt(path, model_class):
+        import litgpt
+
+        directory, file = (path, os.path.join(path, _LITGPT)) if os.path.isdir(path) else (os.path.dirname(path), path)
+        if not os.path.exists(os.path.join(directory, _LITGPT_CONFIG)):
+            raise FileNotFoundError(f"no {_LITGPT_CONFIG} in {directory!r}, which LitGPT's checkpoint directories "
+                                    "hold: build the body yourself, to_sequential(litgpt.GPT(config)), then "
+                                    "attach_pretrained(body, path_to_lit_model_pth)")
+        with lightning_pipe.deferred_init():
+            body = to_sequential((model_class or litgpt.GPT)(litgpt.Config.from_file(
+                os.path.join(directory, _LITGPT_CONFIG), **config)))
+        return attach_pretrained(body, file)
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(path, **config)
     if model_class is None:
         architectures = getattr(hf_config, "architectures", None) or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None
         if model_class is None:
-            raise ValueError(f"the config at {os.fspath(path)!r} names no architecture transformers has "
+            raise ValueError(f"the config at {path!r} names no architecture transformers has "
                              f"(architectures: {architectures}): pass model_class=...")
     with lightning_pipe.deferred_init():
         body = to_sequential(model_class(hf_config))
     return attach_pretrained(body, path)
+
+
+def _is_litgpt(path: str, model_class: Any) -> bool:
+    """Whether ``pretrained_body`` builds LitGPT's GPT: ``model_class`` is it (or a subclass), or, none given,
+    ``path`` is a ``lit_model.pth`` or a directory holding one and its config but no Hugging Face weights."""
+    if model_class is not None:
+        from lightning_pipe.models.litgpt import is_litgpt_gpt
+
+        return is_litgpt_gpt(model_class)
+    if not os.path.isdir(path):
+        return os.path.basename(path) == _LITGPT
+    hf = (_SAFETENSORS, _SAFETENSORS_INDEX, _TORCH, _TORCH_INDEX)
+    return all(os.path.exists(os.path.join(path, name)) for name in (_LITGPT, _LITGPT_CONFIG)) and \
+        not any(os.path.exists(os.path.join(path, name)) for name in hf)
 
 
 def materialize_body(body: nn.Sequential) -> nn.Sequential:
