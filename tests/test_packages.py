@@ -76,6 +76,20 @@ def test_a_program_that_imports_lightning_pipe_first(package, how, plain, tmp_pa
 
 
 @pytest.mark.timeout(600)
+def test_a_program_of_the_standalone_package_resumes_from_its_checkpoint_as_if_uninterrupted(tmp_path):
+    """``pytorch_lightning``'s ``fit(ckpt_path=...)`` (``Strategy.load_checkpoint`` with ``weights_only``, which
+    Lightning before 2.6 lacked: .ci/floor runs this on the oldest Lightning pyproject.toml accepts) takes the
+    second epoch from the first's checkpoint to the weights of both epochs trained uninterrupted."""
+    run_script("user.py", "pytorch_lightning", "resume", str(tmp_path), timeout=300)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["trainer"].startswith("pytorch_lightning.")
+    assert result["strategy"] == "lightning_pipe.lightning.strategy"
+    assert result["steps"] == {"uninterrupted": 8, "first": 4, "final": 8}, result
+    assert_same_weights(torch.load(tmp_path / "final.pt"), torch.load(tmp_path / "uninterrupted.pt"),
+                        rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(600)
 def test_lightning_pytorch_cli_takes_the_class_path_and_the_name(tmp_path):
     """``lightning.pytorch.cli.LightningCLI``: ``class_path: lightning_pipe.PipeStrategy`` with its arguments, and
     ``strategy: pipe``, train to the weights of the same CLI on one device."""

@@ -7,11 +7,13 @@ PACKAGE is ``lightning`` (``import lightning as L``, as Lightning's docs write i
 - ``string``: ``Trainer(strategy="pipe")``: registered by ``import lightning_pipe`` alone, before the package;
 - ``early``: ``PipeStrategy(balance=...)`` made before the package is imported (so for the default package),
   then given to PACKAGE's Trainer;
-- ``plain``: one device, the reference.
+- ``plain``: one device, the reference;
+- ``resume``: ``Trainer(strategy="pipe")``, 2 epochs of 4 steps uninterrupted, then the same model trained for its
+  first epoch, saved, and resumed from that file by a new Trainer for its second (``fit(ckpt_path=...)``).
 
 Trains 2 processes (the plain run one) for 4 steps and writes, from the main process, OUT_DIR/final.ckpt,
 OUT_DIR/final.pt (the plain model's weights, loaded from it) and OUT_DIR/result.json (the Trainer's and the
-strategy's modules).
+strategy's modules). ``resume`` writes final.pt from the resumed run and uninterrupted.pt beside it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,31 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-if __name__ == "__main__":
+def resume() -> None:
+    """8 steps uninterrupted, then 4 + 4 resumed from a checkpoint, each from the same seed (see the docstring)."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1)),
+                                       batch_size=8)
+    steps = {}
+    for run, epochs, ckpt in (("uninterrupted", 2, None), ("first", 1, None), ("final", 2, "first.ckpt")):
+        L.seed_everything(3)
+        model = Model()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="pipe", max_epochs=epochs, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, data, ckpt_path=ckpt and os.path.join(out, ckpt))
+        trainer.save_checkpoint(os.path.join(out, f"{run}.ckpt"))
+        steps[run] = trainer.global_step
+    if trainer.is_global_zero:
+        for run in ("uninterrupted", "final"):
+            loaded = Model.load_from_checkpoint(os.path.join(out, f"{run}.ckpt"), map_location="cpu")
+            torch.save(loaded.state_dict(), os.path.join(out, f"{run}.pt"))
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"trainer": type(trainer).__module__, "strategy": type(trainer.strategy).__module__,
+                       "steps": steps}, f)
+
+
+if __name__ == "__main__" and how == "resume":
+    resume()
+elif __name__ == "__main__":
     L.seed_everything(3)
     model = Model()
     data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
