@@ -36,8 +36,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["MIRROR", "SOURCE", "TREES", "accept", "adopt", "binding", "install", "rewrite", "tree_of",
-           "tree_of_namespace", "tree_of_program"]
+__all__ = ["FABRICS", "MIRROR", "SOURCE", "TREES", "accept", "adopt", "binding", "fabric_binding", "fabric_of",
+           "install", "rewrite", "tree_of", "tree_of_namespace", "tree_of_program"]
 
 #: The binding's source package (written against ``pytorch_lightning``) and its mirror for ``lightning.pytorch``.
 SOURCE = "lightning_pipe.lightning"
@@ -83,7 +83,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == MIRROR or fullname.startswith(MIRROR + "."):
             return _mirror_spec(fullname)
-        tree = _REGISTRIES.get(fullname)
+        tree = _REGISTRIES.get(fullname) or _FABRIC_REGISTRIES.get(fullname)
         if tree is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
@@ -129,27 +129,36 @@ class _Registering(importlib.abc.Loader):
 _REGISTRIES = {f"{tree}.strategies": tree for tree in TREES}
 
 
+#: Fabric's package of each tree, and the module holding its ``_StrategyRegistry``.
+FABRICS = {"pytorch_lightning": "lightning_fabric", "lightning.pytorch": "lightning.fabric"}
+_FABRIC_REGISTRIES = {f"{fabric}.strategies": tree for tree, fabric in FABRICS.items()}
+
+
 def _register(strategies: ModuleType, tree: str) -> None:
-    """Name ``"pipe"`` in ``strategies.StrategyRegistry``: a factory that imports the tree's binding only when a
-    Trainer asks for the name."""
+    """Name ``"pipe"`` in ``strategies.StrategyRegistry`` (the Trainer's) or ``STRATEGY_REGISTRY`` (Fabric's): a
+    factory that imports the tree's binding only when a Trainer or a Fabric asks for the name."""
+    fabric = strategies.__name__ in _FABRIC_REGISTRIES
 
     def pipe(**kwargs: Any) -> Any:
-        return binding(tree).PipeStrategy(**kwargs)
+        return (fabric_binding(tree) if fabric else binding(tree)).PipeStrategy(**kwargs)
 
-    pipe.__doc__ = f"PipeStrategy for {tree}'s Trainer (lightning_pipe)."
-    strategies.StrategyRegistry.register("pipe", pipe, description="Pipeline parallelism over torch.distributed.rpc",
-                                         override=True)
+    pipe.__doc__ = f"PipeStrategy for {tree}'s {'Fabric' if fabric else 'Trainer'} (lightning_pipe)."
+    registry = strategies.STRATEGY_REGISTRY if fabric else strategies.StrategyRegistry
+    registry.register("pipe", pipe, description="Pipeline parallelism over torch.distributed.rpc", override=True)
     accept()
 
 
 def accept() -> None:
-    """Each loaded package's Trainer accepts the other package's ``PipeStrategy`` as a strategy (a virtual
-    subclass of its ``Strategy``), so that the strategy can :func:`adopt` that Trainer's package when given to it."""
-    for name, tree in _REGISTRIES.items():
+    """Each loaded package's Trainer accepts the other package's ``PipeStrategy`` as a strategy, and each Fabric
+    either package's (a virtual subclass of its ``Strategy``), so that the strategy can :func:`adopt` the package
+    and loop it is given to."""
+    for name, tree in {**_REGISTRIES, **_FABRIC_REGISTRIES}.items():
         base = getattr(sys.modules.get(name), "Strategy", None)
         for other, binding_name in TREES.items():
             module = sys.modules.get(f"{binding_name}.strategy")
-            if other != tree and base is not None and module is not None and hasattr(module, "PipeStrategy"):
+            if base is None or module is None or not hasattr(module, "PipeStrategy"):
+                continue
+            if other != tree or name in _FABRIC_REGISTRIES:
                 base.register(module.PipeStrategy)
 
 
@@ -159,6 +168,9 @@ def install() -> None:
         sys.meta_path.insert(0, _Finder())
     for name, tree in _REGISTRIES.items():
         if name in sys.modules and hasattr(sys.modules[name], "StrategyRegistry"):
+            _register(sys.modules[name], tree)
+    for name, tree in _FABRIC_REGISTRIES.items():
+        if name in sys.modules and hasattr(sys.modules[name], "STRATEGY_REGISTRY"):
             _register(sys.modules[name], tree)
 
 
@@ -211,6 +223,17 @@ def binding(tree: str | None = None, namespace: dict[str, Any] | None = None) ->
     return importlib.import_module(TREES[tree or tree_of_program(namespace)])
 
 
+def fabric_binding(tree: str | None = None, namespace: dict[str, Any] | None = None) -> ModuleType:
+    """The Fabric binding loaded for ``tree`` (as :func:`binding`): ``PipeStrategy`` for that package's Fabric."""
+    return importlib.import_module(TREES[tree or tree_of_program(namespace)] + ".fabric")
+
+
+def fabric_of(value: Any) -> str | None:
+    """The tree whose Fabric package ``value``'s class comes from (an accelerator Fabric made), or None."""
+    module = type(value).__module__
+    return next((tree for tree, fabric in FABRICS.items() if module.startswith(fabric + ".")), None)
+
+
 def tree_of(value: Any) -> str | None:
     """The Lightning package ``value``'s class comes from, or None if from neither."""
     module = type(value).__module__
@@ -228,9 +251,22 @@ def adopt(strategy: Any, accelerator: Any, arguments: dict[str, Any]) -> None:
     """Make ``strategy`` (a ``PipeStrategy`` of one tree) the other tree's if ``accelerator``, which the Trainer is
     giving it, comes from that tree: its class becomes that tree's ``PipeStrategy`` and its constructor runs again
     with the ``arguments`` it was given. A subclass is refused, with the class to derive from instead."""
-    tree = tree_of(accelerator)
     here = next(t for t, name in TREES.items() for base in type(strategy).__mro__
                 if base.__name__ == "PipeStrategy" and base.__module__ == f"{name}.strategy")
+    fabric = fabric_of(accelerator)
+    if fabric is not None:  # given to a Fabric: that package's Fabric strategy, with the same arguments
+        if type(strategy).__name__ != "PipeStrategy" or type(strategy).__module__ != f"{TREES[here]}.strategy":
+            raise TypeError(
+                f"{type(strategy).__qualname__} derives from {TREES[here]}.PipeStrategy, the Trainer's binding, and "
+                f"was given to a Fabric: derive it from {TREES[fabric]}.fabric.PipeStrategy instead")
+        target = fabric_binding(fabric).PipeStrategy
+        given = dict(arguments)
+        given["precision"] = given.pop("precision_plugin", None)
+        strategy.__dict__.clear()
+        strategy.__class__ = target
+        target.__init__(strategy, **given)
+        return
+    tree = tree_of(accelerator)
     if tree is None or tree == here:
         return
     target = binding(tree).PipeStrategy

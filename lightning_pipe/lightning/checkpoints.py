@@ -132,27 +132,33 @@ def placeholders(checkpoint: dict[str, Any], body: PipelinedSequential,
         if isinstance(t, Tensor) and t.is_meta:
             table.add(t, body.stage_of(name), ("state", name), state, name)
     for k, (optimizer, saved) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", []))):
-        if not hasattr(optimizer, "_lp_index"):
-            continue
-        remote: dict[str, tuple[int, dict[str, Any]]] = {}
-        for j, future in enumerate(body.hosts.start("optimizer_state_shapes", optimizer._lp_index), start=1):
-            remote.update({name: (j, shapes) for name, shapes in future.result().items()})
-        merged: dict[str, Any] = {"state": {}, "param_groups": saved["param_groups"]}
-        for i, name in enumerate(optimizer._lp_names):  # type: ignore[attr-defined]
-            if name in remote:
-                j, shapes = remote[name]
-                entry: dict[str, Any] = {}
-                for key, value in shapes.items():
-                    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
-                        table.add(torch.empty(value[0], dtype=value[1], device="meta"), j,
-                                  ("optimizer", optimizer._lp_index, name, key), entry, key)
-                    else:
-                        entry[key] = value
-                merged["state"][i] = entry
-            elif i in saved["state"]:
-                merged["state"][i] = saved["state"][i]
-        checkpoint["optimizer_states"][k] = merged
+        if hasattr(optimizer, "_lp_index"):
+            checkpoint["optimizer_states"][k] = optimizer_placeholders(table, optimizer, saved)
     return table
+
+
+def optimizer_placeholders(table: _Placeholders, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
+                           ) -> dict[str, Any]:
+    """``optimizer``'s state in the plain model's optimizer's format (per parameter index): ``saved`` (the driver's
+    own ``state_dict``) with placeholders, registered in ``table``, for the remote stages' tensors."""
+    remote: dict[str, tuple[int, dict[str, Any]]] = {}
+    for j, future in enumerate(table.hosts.start("optimizer_state_shapes", optimizer._lp_index), start=1):
+        remote.update({name: (j, shapes) for name, shapes in future.result().items()})
+    merged: dict[str, Any] = {"state": {}, "param_groups": saved["param_groups"]}
+    for i, name in enumerate(optimizer._lp_names):  # type: ignore[attr-defined]
+        if name in remote:
+            j, shapes = remote[name]
+            entry: dict[str, Any] = {}
+            for key, value in shapes.items():
+                if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
+                    table.add(torch.empty(value[0], dtype=value[1], device="meta"), j,
+                              ("optimizer", optimizer._lp_index, name, key), entry, key)
+                else:
+                    entry[key] = value
+            merged["state"][i] = entry
+        elif i in saved["state"]:
+            merged["state"][i] = saved["state"][i]
+    return merged
 
 
 #: Why the whole model cannot be put together in the main process alone when the stages are sharded.

@@ -167,7 +167,7 @@ def check_model(module: pl.LightningModule, module_name: str, balance: list[int]
     verify_skippables(body)
     if balance is not None:
         check_balance_sum(body, balance, f"{type(module).__name__}.{module_name}")
-    elif module.example_input_array is None:
+    elif getattr(module, "example_input_array", None) is None:
         raise ValueError(
             f"PipeStrategy(balance=None) infers the split from {type(module).__name__}.example_input_array, "
             "which is not set: set self.example_input_array to one batch of inputs in __init__, or pass "

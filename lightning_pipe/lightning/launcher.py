@@ -36,7 +36,38 @@ class Launching(Protocol):
     def share_cores(self) -> None: ...
 
 
-class PipeLauncher(_SubprocessScriptLauncher):
+class Serving:
+    """Mixed in before a Lightning script launcher (the Trainer's or Fabric's): drivers run the launched function,
+    stage workers serve RPC until every driver is done and never return to the script."""
+
+    _strategy: Launching
+
+    def serving(self, function: Callable[..., Any], model: Any = None) -> Callable[..., Any]:
+        """``function`` as each process runs it: joining its session first; a stage worker serves instead (and
+        gives back the memory of ``model``, the script's copy of the whole model, where it can)."""
+
+        def role(*a: Any, **kw: Any) -> Any:
+            self._strategy.start_session()
+            if self._strategy.is_driver:
+                return function(*a, **kw)
+            if model is not None:
+                # The script built the whole model here too; this process serves the stage its driver sends
+                # and never returns to the script, so the model's memory is given back (best effort: a model
+                # that cannot move keeps it, and nothing else changes).
+                with contextlib.suppress(Exception):
+                    model.to("meta")
+            serve_until_shutdown()  # never returns: a worker must not continue into the user's script
+            return None
+
+        return role
+
+    def _call_children_scripts(self) -> None:
+        os.environ[_PARENT_ENV] = str(os.getpid())
+        self._strategy.share_cores()  # before the children start, so their thread pools start at that size
+        super()._call_children_scripts()  # type: ignore[misc]
+
+
+class PipeLauncher(Serving, _SubprocessScriptLauncher):
     """Lightning's script launcher, except that stage workers serve RPC instead of running the loop."""
 
     def __init__(self, strategy: Launching, *args: Any) -> None:
@@ -52,24 +83,4 @@ class PipeLauncher(_SubprocessScriptLauncher):
         self._strategy.check_settings(trainer)
         if model is not None:
             self._strategy.check_model(model)
-
-        def role(*a: Any, **kw: Any) -> Any:
-            self._strategy.start_session()
-            if self._strategy.is_driver:
-                return function(*a, **kw)
-            if model is not None:
-                # The script built the whole model here too; this process serves the stage its driver sends
-                # and never returns to the script, so the model's memory is given back (best effort: a model
-                # that cannot move keeps it, and nothing else changes).
-                with contextlib.suppress(Exception):
-                    model.to("meta")
-            serve_until_shutdown()  # never returns: a worker must not continue into the user's script
-            return None
-
-        return super().launch(role, *args, trainer=trainer, **kwargs)
-
-    @override
-    def _call_children_scripts(self) -> None:
-        os.environ[_PARENT_ENV] = str(os.getpid())
-        self._strategy.share_cores()  # before the children start, so their thread pools start at that size
-        super()._call_children_scripts()
+        return super().launch(self.serving(function, model), *args, trainer=trainer, **kwargs)

@@ -63,19 +63,9 @@ class PipePrecision:
         scaler._lp_shards = True
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        hosts = getattr(optimizer, "_lp_hosts", None)
-        if hosts is None:
+        if getattr(optimizer, "_lp_hosts", None) is None:
             return super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
-        sum_tied(optimizer)  # (manual optimization clips before its step)
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        remote = hosts.start("grad_norm", optimizer._lp_index, 2.0)  # type: ignore[attr-defined]
-        norms = [sharding.total_norm(grads, 2.0)] + [future.result() for future in remote]
-        total = math.sqrt(sum(n * n for n in norms))
-        coefficient = clip_val / (total + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-        if coefficient < 1.0:
-            for g in grads:
-                sharding.local(g).detach().mul_(coefficient)
-            hosts.call("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
+        clip_by_global_norm(optimizer, clip_val)
         return None
 
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
@@ -89,6 +79,33 @@ class PipePrecision:
                 sharding.local(p.grad).detach().clamp_(-clip_val, clip_val)
         hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
         return None
+
+
+def clip_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+    """Clip the gradients of every stage's part of ``optimizer`` (a mirrored one) by their ``norm_type`` norm taken
+    together, as ``torch.nn.utils.clip_grad_norm_`` over the whole model does; return that norm."""
+    hosts = optimizer._lp_hosts  # type: ignore[attr-defined]
+    sum_tied(optimizer)  # (manual optimization clips before its step)
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    norm_type = float(norm_type)
+    remote = hosts.start("grad_norm", optimizer._lp_index, norm_type)  # type: ignore[attr-defined]
+    norms = [sharding.total_norm(grads, norm_type)] + [future.result() for future in remote]
+    if math.isinf(norm_type):
+        total = max(norms)
+    elif norm_type == 2.0:
+        total = math.sqrt(sum(n * n for n in norms))
+    else:
+        total = sum(n ** norm_type for n in norms) ** (1.0 / norm_type)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from every stage is non-finite "
+                           f"({total}), so it cannot be clipped; pass error_if_nonfinite=False to clip anyway")
+    coefficient = max_norm / (total + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+    if coefficient < 1.0:
+        for g in grads:
+            sharding.local(g).detach().mul_(coefficient)
+        hosts.call("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
+    return torch.tensor(total)
 
 
 def _holding(grad: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
 
-from lightning_pipe.lightning import requeue
+from lightning_pipe.lightning import checks, requeue
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.transport.session import start_session
 from lightning_pipe.transport.topology import Topology
@@ -54,15 +54,28 @@ def devices_by_rank(topology: Topology, devices: list[torch.device] | None, proc
             for r in range(topology.world)]
 
 
-class PipelineProcesses(DDPStrategy):
-    """A ``DDPStrategy`` whose processes form pipelines: Lightning's launchers and cluster environments start
-    them all, Lightning's loop sees the drivers alone. Subclasses set ``balance``, ``virtual_stages`` and
+class PipelineLayout:
+    """What a pipeline strategy of either of Lightning's loops (the Trainer's ``DDPStrategy``, Fabric's) makes of
+    its processes: Lightning's launchers and cluster environments start them all, Lightning's loop sees the
+    drivers alone. Mixed in before the loop's ``DDPStrategy``; subclasses set ``balance``, ``virtual_stages`` and
     ``rpc_timeout_sec``."""
+
+    cluster_environment: Any
+    node_rank: int
+    local_rank: int
+    num_processes: int
+    num_nodes: int
+    parallel_devices: list[torch.device] | None
+    root_device: torch.device
+    _timeout: Any
 
     balance: list[int] | None
     virtual_stages: int = 1
     rpc_timeout_sec: float
+    sharding_strategy: str
+    hybrid_shard_size: int | None
     _topology: Topology | None = None
+    _checked_topology: Topology | None = None  # the layout the sharding settings were last checked against
     _rank = -1
     _requeue: requeue.DeferredRequeue | None = None
 
@@ -124,11 +137,10 @@ class PipelineProcesses(DDPStrategy):
         self._rank = self.cluster_environment.global_rank()
         self._topology = topology = Topology(self.cluster_environment.world_size(), self.pipeline_processes)
         rank_zero_only.rank = topology.replica_of(self._rank) if topology.is_driver(self._rank) else self._rank
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self._launcher = PipeLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+        if topology != self._checked_topology:  # once per layout (again in each process, by the same strategy)
+            # Known as the loop is made, before any process starts: the sharding settings against the replicas.
+            checks.check_replicas(self.sharding_strategy, self.hybrid_shard_size, topology)
+            self._checked_topology = topology
 
     def share_cores(self) -> None:
         """On CPU, give each of this node's processes its share of the cores, unless OMP_NUM_THREADS is set."""
@@ -146,16 +158,34 @@ class PipelineProcesses(DDPStrategy):
         if not self.is_driver:
             requeue.ignore_in_worker(self.cluster_environment)
 
-    @override
-    def setup_distributed(self) -> None:
+    def join(self) -> None:
+        """Set this process up as the strategies' ``setup_distributed`` does: re-seeded where the plain run would
+        be, then its session joined (once per process)."""
         self.set_world_ranks()
         if self.topology.replicas > 1 or not self.is_driver:
             # As under DDP, every process restarts from seed_everything's seed (a stage process takes the seeds
             # of its random operations from it). The driver of a single pipeline keeps the generator as the
             # program left it, as one device does: a shuffling loader then gives one device's batches.
             reset_seed()
-        self._process_group_backend = self._get_process_group_backend()
+        self._process_group_backend = self._get_process_group_backend()  # type: ignore[attr-defined]
         self.start_session()
+
+
+class PipelineProcesses(PipelineLayout, DDPStrategy):
+    """The Trainer's ``DDPStrategy`` whose processes form pipelines (:class:`PipelineLayout`)."""
+
+    #: What Fabric's connector reads of a strategy it is given before giving it an accelerator (which makes this
+    #: strategy Fabric's ``PipeStrategy``: :func:`lightning_pipe.packages.adopt`).
+    _precision: Any = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = PipeLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_distributed(self) -> None:
+        self.join()
 
     @override
     def on_train_start(self) -> None:

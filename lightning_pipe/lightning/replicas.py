@@ -101,14 +101,16 @@ class Replicas:
         body.pipeline.reduce = self.reducing
         self.active = True
 
-    def refresh(self, strategy: Any, body: PipelinedSequential) -> None:
+    def refresh(self, strategy: Any, body: PipelinedSequential, outside: bool = True) -> None:
         """As a training step starts, between steps: where what the pipeline trains changed since its averaging
         was built (``requires_grad`` of the body's parameters, remote stages' included, or of the driver's layers
         outside it), rebuild the DDPs that average it, in every process of every replica at once: torch's DDP
         never averages a parameter that did not require a gradient when it was built (Lightning's DDPStrategy
         leaves such a parameter training apart on each replica). Stages sharded by FSDP2 follow ``requires_grad``
         themselves. The replicas must change it at the same step: the drivers compare what they train at every
-        step (one all-reduce of a digest), and a difference is refused before the step."""
+        step (one all-reduce of a digest), and a difference is refused before the step. ``outside`` False: called
+        within the forward of the driver's DDP over the layers outside the body (Fabric's loop), which cannot be
+        rebuilt there: a change of theirs is refused."""
         if not self.active or self.count == 1:
             return
         module = strategy.lightning_module
@@ -116,6 +118,11 @@ class Replicas:
         _agree(flags, strategy.root_device, strategy.global_rank)
         if flags == self.trainable:
             return
+        if not outside and _outside_flags(strategy, body, flags) != _outside_flags(strategy, body, self.trainable):
+            raise RuntimeError(
+                "requires_grad of a layer outside the body changed while training with replicas: its "
+                "DistributedDataParallel would go on averaging what it was built for. Keep the layers you freeze or "
+                f"unfreeze in the body ({strategy.module_name}), or set requires_grad before fabric.setup")
         self.trainable = flags
         assert body.hosts is not None
         twin = ddp.rebuild_copy(strategy)  # no init_sync: the replicas are in step
@@ -127,9 +134,11 @@ class Replicas:
             except Exception as exc:
                 exc.add_note(f"while rebuilding the DistributedDataParallel of stage {j}'s process")
                 raise
-        outside = strategy.model
-        if isinstance(outside, DistributedDataParallel):
-            outside.reducer._remove_autograd_hooks()
+        if not outside:
+            return
+        wrapped = strategy.model
+        if isinstance(wrapped, DistributedDataParallel):
+            wrapped.reducer._remove_autograd_hooks()
             strategy.model = module
         self._wrap_outside(strategy, body, twin)
 
@@ -161,6 +170,12 @@ class Replicas:
 def _flags(module: nn.Module) -> tuple[bool, ...]:
     """``requires_grad`` of each of ``module``'s parameters (remote layers' placeholders included)."""
     return tuple(p.requires_grad for p in module.parameters())
+
+
+def _outside_flags(strategy: Any, body: PipelinedSequential, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Of ``flags`` (:func:`_flags` of the strategy's module), those of parameters outside the body."""
+    inner = {id(p) for p in body.parameters()}
+    return tuple(f for f, p in zip(flags, strategy.lightning_module.parameters()) if id(p) not in inner)
 
 
 def _agree(flags: tuple[bool, ...], device: torch.device, replica: int) -> None:

@@ -19,7 +19,6 @@ index, and the default process group of a driver holds exactly the drivers (tran
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -36,7 +35,7 @@ from typing_extensions import override
 
 from lightning_pipe import packages
 from lightning_pipe.engine.deferred import deferred_init
-from lightning_pipe.lightning import checks, ddp, observe
+from lightning_pipe.lightning import checks, ddp, observe, settings
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build, deferred_recording
 from lightning_pipe.lightning.checkpoints import PipelineCheckpoints
@@ -44,9 +43,7 @@ from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, mix_in, raw
 from lightning_pipe.lightning.precision import PipePrecision, loss_gradient, sum_tied
 from lightning_pipe.lightning.replicas import Replicas, ReplicatedStages
-from lightning_pipe.transport.dataplane import DATA_PLANES
 from lightning_pipe.transport.session import SESSION, abort_world
-from lightning_pipe.transport.topology import Topology
 
 __all__ = ["PipeStrategy"]
 
@@ -112,7 +109,6 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
     """
 
     strategy_name = "pipe"
-    _checked_topology: Topology | None = None  # the layout the sharding settings were last checked against
 
     def __init__(self, balance: list[int] | None = None, microbatches: int = 8, checkpoint: str = "except_last",
                  balance_mode: str = "balance_by_size", pipelined_backward: bool = True,
@@ -124,38 +120,13 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         arguments = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")} | kwargs
-        balance = checks.check_arguments(balance, microbatches, checkpoint, balance_mode, rpc_timeout_sec,
-                                         module_name, schedule, virtual_stages, kwargs)
-        checks.check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
-        checks.check_choice("data_plane", data_plane, DATA_PLANES)
-        ddp.check_arguments(kwargs, [n for n in inspect.signature(PipeStrategy).parameters if n != "kwargs"])
-        self._ddp_explicit = [k for k, v in kwargs.items() if (k in ddp.LIGHTNING[:4] and v is not None)
-                              or (k not in ddp.LIGHTNING and not ddp.is_default(k, v))]
-        sharding_strategy = checks.check_sharding(sharding_strategy, hybrid_shard_size, self._ddp_explicit)
-        if sharding_strategy != "NO_SHARD" and type(self).configure_ddp is not ReplicatedStages.configure_ddp:
-            raise ValueError(f"{type(self).__name__} overrides configure_ddp, which sharded stages never call "
-                             f"(sharding_strategy={sharding_strategy!r} shards each stage with FSDP2, no DDP): use "
-                             "sharding_strategy='NO_SHARD' with it, or leave configure_ddp alone")
-        ddp.defaults(kwargs)
+        given = {k: v for k, v in arguments.items() if k in settings.DEFAULTS}
+        values = settings.pipeline_settings(PipeStrategy, type(self), given, kwargs)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, **kwargs)
-        self.balance = balance
-        self.microbatches = microbatches
-        self.checkpoint = checkpoint
-        self.balance_mode = balance_mode
-        self.pipelined_backward = pipelined_backward
-        self.rpc_timeout_sec = float(rpc_timeout_sec)
-        self.module_name = module_name
-        self.deferred_batch_norm = deferred_batch_norm
-        self.timeline = timeline
-        self.schedule = schedule
-        self.virtual_stages = virtual_stages
-        self.state_dict_type = state_dict_type
-        self.sharding_strategy = sharding_strategy
-        self.hybrid_shard_size = hybrid_shard_size
-        self.data_plane = data_plane
+        self.__dict__.update(values)
         self._body: PipelinedSequential | None = None  # the body this strategy runs, once set up
         self._stage_optimizers: StageOptimizers | None = None
         self._replicas = Replicas(1)
@@ -180,23 +151,9 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         checks.check_settings(trainer, self._layer_sync is not None)
         ddp.check_settings(self._ddp_kwargs, trainer)
 
-    @override
-    def set_world_ranks(self) -> None:
-        """The layout of the job's processes, once the Trainer knows its devices and nodes (as it is made, before any
-        process starts): the sharding settings are checked against its number of replicas here (once)."""
-        super().set_world_ranks()
-        if self.topology != self._checked_topology:  # once per layout (again in each process, by the same Trainer)
-            checks.check_replicas(self.sharding_strategy, self.hybrid_shard_size, self.topology)
-            self._checked_topology = self.topology
-
     def _sharding(self) -> Any:
         """How each stage is sharded over its replicas (None: DDP, ``NO_SHARD``)."""
-        if self.sharding_strategy == "NO_SHARD":
-            return None
-        from lightning_pipe.transport.sharding import Sharding
-
-        return Sharding(self.sharding_strategy, self.hybrid_shard_size,
-                        broadcast_buffers=self._ddp_kwargs.get("broadcast_buffers", True) is not False)
+        return settings.sharding_of(self)
 
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process

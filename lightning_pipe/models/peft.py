@@ -77,35 +77,36 @@ def save_adapters(source: Any, peft_model: Any, directory: str, module_name: str
     (``adapter_model.safetensors`` and ``adapter_config.json``, what ``peft_model.save_pretrained`` writes), which
     ``PeftModel.from_pretrained(base, directory)`` loads into the plain model.
 
-    ``source`` is a checkpoint the pipeline wrote (one file, or a sharded directory, consolidated on the way), or a
-    ``Trainer`` fitted with ``PipeStrategy``: then call it on every process, as ``trainer.save_checkpoint`` (it
-    saves through it: every stage's adapters, from wherever they are sharded), and the main process writes.
-    ``peft_model`` is the ``PeftModel`` whose base the body was made from (for its config and names)."""
+    ``source`` is a checkpoint file the pipeline wrote (a sharded directory is consolidated first: ``python -m
+    lightning_pipe consolidate DIR FILE``), or a ``Trainer`` fitted with ``PipeStrategy``: then call it on every
+    process, as ``trainer.save_checkpoint`` (it gathers every stage's adapters through a full checkpoint, from
+    wherever they are sharded), and the main process writes. ``peft_model`` is the ``PeftModel`` whose base the body
+    was made from (for its config and names)."""
     from safetensors.torch import save_file
 
     if hasattr(source, "save_checkpoint") and hasattr(source, "strategy"):  # a Trainer: through a checkpoint
-        trainer = source
-        staging = trainer.strategy.broadcast(tempfile.mkdtemp(prefix="lightning_pipe-adapters-")
-                                             if trainer.is_global_zero else None)
+        trainer, strategy = source, source.strategy
+        staging = strategy.broadcast(tempfile.mkdtemp(prefix="lightning_pipe-adapters-")
+                                     if trainer.is_global_zero else None)
+        kind = getattr(strategy, "state_dict_type", "full")
         try:
             path = os.path.join(staging, "adapters.ckpt")
+            if kind != "full":
+                strategy.state_dict_type = "full"  # one file, every stage's entries gathered into it
             trainer.save_checkpoint(path)
             if trainer.is_global_zero:
                 save_adapters(path, peft_model, directory, module_name, adapter_name)
-            trainer.strategy.barrier("save_adapters")
+            strategy.barrier("save_adapters")
         finally:
+            if kind != "full":
+                strategy.state_dict_type = kind
             if trainer.is_global_zero:
                 shutil.rmtree(staging, ignore_errors=True)
         return
     path = str(source)
-    if os.path.isdir(path):  # a sharded checkpoint: consolidated into a file first
-        from lightning_pipe.lightning.sharded import consolidate_checkpoint
-
-        with tempfile.TemporaryDirectory(prefix="lightning_pipe-adapters-") as staging:
-            whole = os.path.join(staging, "whole.ckpt")
-            consolidate_checkpoint(path, whole)
-            save_adapters(whole, peft_model, directory, module_name, adapter_name)
-        return
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a sharded checkpoint (a directory): consolidate it into one file first "
+                         f"(python -m lightning_pipe consolidate {path} FILE), then pass FILE")
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     adapters = _peft_state(state, peft_model, module_name, adapter_name)
     os.makedirs(directory, exist_ok=True)

@@ -166,7 +166,7 @@ class StageHost(StageState):
 
     def refresh_replicas(self, configure: Any) -> list[int]:
         """Rebuild the DDP of this process's stages whose trainable set changed (see
-        :meth:`~lightning_pipe.transport.dataparallel.Averages.refresh`); the stages rebuilt."""
+        :meth:`~lightning_pipe.transport.averages.Averages.refresh`); the stages rebuilt."""
         return self.runner.averages.refresh(configure)
 
     def barrier(self) -> None:

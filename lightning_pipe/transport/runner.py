@@ -33,7 +33,7 @@ from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Finisher, Grads, Stage
 from lightning_pipe.engine.worker import Inline, Worker, autocast_context
-from lightning_pipe.transport.dataparallel import Averages
+from lightning_pipe.transport.averages import Averages
 from lightning_pipe.transport.messages import (
     MAILBOX,
     Slot,

@@ -1,0 +1,61 @@
+"""The arguments both loops' ``PipeStrategy`` take (the Trainer's and Fabric's): checked once, set on the strategy.
+
+Each strategy's constructor passes its own arguments through :func:`pipeline_settings` before building its
+``DDPStrategy`` with the rest, then sets what it returns; so the two loops accept, refuse and default the same
+arguments with the same words.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from lightning_pipe.lightning import checks, ddp
+from lightning_pipe.transport.dataplane import DATA_PLANES
+
+__all__: list[str] = []
+
+#: The pipeline's own arguments, with their defaults (those of both strategies' constructors).
+DEFAULTS: dict[str, Any] = {
+    "balance": None, "microbatches": 8, "checkpoint": "except_last", "balance_mode": "balance_by_size",
+    "pipelined_backward": True, "rpc_timeout_sec": 60.0, "module_name": "sequential_module",
+    "deferred_batch_norm": False, "timeline": None, "schedule": "gpipe", "virtual_stages": 1,
+    "state_dict_type": "full", "sharding_strategy": "NO_SHARD", "hybrid_shard_size": None, "data_plane": "auto",
+}
+
+
+def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Check the pipeline's arguments ``given`` (named as in :data:`DEFAULTS`) and the DDP keywords ``kwargs`` of a
+    ``cls`` being built, a subclass of the loop's ``PipeStrategy`` ``base`` (whose arguments are the known names; a
+    subclass's own ``configure_ddp`` is refused with sharding), and return the attributes to set on it; ``kwargs``
+    gets PipeStrategy's DDP defaults."""
+    values = {**DEFAULTS, **given}
+    values["balance"] = checks.check_arguments(values["balance"], values["microbatches"], values["checkpoint"],
+                                               values["balance_mode"], values["rpc_timeout_sec"],
+                                               values["module_name"], values["schedule"], values["virtual_stages"],
+                                               kwargs)
+    checks.check_choice("state_dict_type", values["state_dict_type"], ("full", "sharded"))
+    checks.check_choice("data_plane", values["data_plane"], DATA_PLANES)
+    ddp.check_arguments(kwargs, [n for n in inspect.signature(base).parameters if n != "kwargs"])
+    explicit = [k for k, v in kwargs.items() if (k in ddp.LIGHTNING[:4] and v is not None)
+                or (k not in ddp.LIGHTNING and not ddp.is_default(k, v))]
+    values["sharding_strategy"] = checks.check_sharding(values["sharding_strategy"], values["hybrid_shard_size"],
+                                                        explicit)
+    if values["sharding_strategy"] != "NO_SHARD" and getattr(cls, "configure_ddp", None) is not base.configure_ddp:
+        raise ValueError(f"{cls.__name__} overrides configure_ddp, which sharded stages never call "
+                         f"(sharding_strategy={values['sharding_strategy']!r} shards each stage with FSDP2, no DDP): "
+                         "use sharding_strategy='NO_SHARD' with it, or leave configure_ddp alone")
+    ddp.defaults(kwargs)
+    values["rpc_timeout_sec"] = float(values["rpc_timeout_sec"])
+    values["_ddp_explicit"] = explicit
+    return values
+
+
+def sharding_of(strategy: Any) -> Any:
+    """How each stage of ``strategy`` is sharded over its replicas (None: DDP, ``NO_SHARD``)."""
+    if strategy.sharding_strategy == "NO_SHARD":
+        return None
+    from lightning_pipe.transport.sharding import Sharding
+
+    return Sharding(strategy.sharding_strategy, strategy.hybrid_shard_size,
+                    broadcast_buffers=strategy._ddp_kwargs.get("broadcast_buffers", True) is not False)

@@ -1,0 +1,165 @@
+"""A Fabric training loop written as Fabric's docs write it, for the tests of PipeStrategy under Fabric.
+
+    python fabric_loop.py '{"cases": {"NAME": {"balance": [3, 2], ...}, ...}, "devices": 2}' OUT_DIR
+
+trains each case through ``lightning_pipe.PipeStrategy``, one after another in the same processes (each its own
+Fabric and pipeline: only the first launches processes, the stage workers serve every case), and writes
+``OUT_DIR/NAME/final.pt`` (``fabric.save``) and, from the main process, ``OUT_DIR/NAME/result.json``. :func:`run`
+is the same loop for any Fabric: the tests run it on one device in their own process, as the reference.
+``"package": "lightning_fabric"`` runs the job against the standalone package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+if (__name__ == "__main__" and json.loads(sys.argv[1]).get("package") == "lightning_fabric"
+        and not globals().get("_REWRITTEN")):  # the same source against the standalone package
+    from pathlib import Path
+
+    _REWRITTEN = True
+    source = Path(__file__).read_text().replace("import lightning as L", "import lightning_fabric as L")
+    exec(compile(source, __file__, "exec"), globals())  # noqa: S102
+    raise SystemExit(0)
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_pipe
+
+DEFAULTS: dict[str, Any] = {
+    "devices": 2, "balance": [3, 2], "microbatches": 4, "schedule": "gpipe", "last_stage_loss": False,
+    "optimizer": "sgd", "clip": None, "clip_value": None, "accumulate": 1, "scheduler": None, "model": "sequential",
+    "precision": "32-true", "build": "eager", "samples": 64, "batch_size": 8, "epochs": 1, "seed": 7,
+    "load": None, "launch_fn": False, "collectives": False, "package": "lightning",
+}
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss (module-level: it runs on the last stage under ``loss_on_last_stage``)."""
+    return nn.functional.mse_loss(output.float(), target)
+
+
+def body() -> nn.Sequential:
+    """The scenarios' body."""
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+class WithHead(nn.Module):
+    """A body under ``sequential_module`` and a head outside it (stage 0's process keeps it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequential_module = body()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.sequential_module(x))
+
+
+def model(config: dict[str, Any]) -> nn.Module:
+    """The model of ``config``, seeded."""
+    torch.manual_seed(config["seed"])
+    return body() if config["model"] == "sequential" else WithHead()
+
+
+def data(config: dict[str, Any]) -> TensorDataset:
+    """Regression samples, the same everywhere."""
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(config["samples"], 8, generator=g)
+    return TensorDataset(x, torch.tanh(x[:, :4] * 2) + 0.1 * torch.randn(config["samples"], 4, generator=g))
+
+
+def optimizer_of(config: dict[str, Any], module: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum, or AdamW with weight decay on the weights only (groups built from names)."""
+    if config["optimizer"] == "adamw":
+        decay = [p for n, p in module.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in module.named_parameters() if not n.endswith("weight")]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=0.01)
+    return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+
+
+def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
+    """The loop: setup, the optimizer and scheduler, batches from ``setup_dataloaders``, the loss on the last stage
+    or on the output, ``fabric.backward`` under ``no_backward_sync`` while accumulating, clipping, ``step``,
+    ``zero_grad``; ``fabric.load`` of an earlier run first, ``fabric.save`` at the end."""
+    config = {**DEFAULTS, **config}
+    fabric.seed_everything(config["seed"])
+    if config["build"] == "init_module":
+        with fabric.init_module():
+            net = model(config)
+    else:
+        net = model(config)
+    optimizer = optimizer_of(config, net)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if config["scheduler"] else None
+    net, optimizer = fabric.setup(net, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(data(config), batch_size=config["batch_size"]))
+    state: dict[str, Any] = {"model": net, "optimizer": optimizer, "step": 0}
+    if scheduler is not None:
+        state["scheduler"] = scheduler
+    if config["load"]:
+        fabric.load(config["load"], state)
+    body_of = net if config["model"] == "sequential" else net.sequential_module
+    for _ in range(config["epochs"]):
+        for k, (x, y) in enumerate(loader):
+            accumulating = (k + 1) % config["accumulate"] != 0
+            with fabric.no_backward_sync(net, enabled=accumulating):
+                if config["last_stage_loss"]:
+                    loss = lightning_pipe.loss_on_last_stage(body_of, x, y, mse)
+                else:
+                    loss = mse(net(x), y)
+                fabric.backward(loss / config["accumulate"])
+            if accumulating:
+                continue
+            if config["clip"] is not None:
+                fabric.clip_gradients(net, optimizer, max_norm=config["clip"])
+            if config["clip_value"] is not None:
+                fabric.clip_gradients(net, optimizer, clip_val=config["clip_value"])
+            optimizer.step()
+            optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+            state["step"] += 1
+    fabric.save(os.path.join(out, "final.pt"), state)
+    result: dict[str, Any] = {"step": state["step"], "world_size": fabric.world_size,
+                              "global_rank": fabric.global_rank, "lr": optimizer.param_groups[0]["lr"]}
+    if config["collectives"]:  # among the drivers, as under any strategy: one per replica
+        result["all_reduce"] = float(fabric.all_reduce(torch.tensor(float(fabric.global_rank + 1)), reduce_op="sum"))
+        result["broadcast"] = fabric.broadcast(f"from {fabric.global_rank}", src=0)
+        fabric.barrier()
+    return result
+
+
+def main(config: dict[str, Any], out: str) -> None:
+    """Run the loop of ``config`` through PipeStrategy (the first case launches the processes)."""
+    config = {**DEFAULTS, **config}
+    strategy = lightning_pipe.PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
+                                           schedule=config["schedule"], rpc_timeout_sec=60)
+    fabric = L.Fabric(accelerator="cpu", devices=config["devices"], strategy=strategy, precision=config["precision"])
+    os.makedirs(out, exist_ok=True)
+
+    def loop(fabric: Any) -> dict[str, Any]:
+        return run(fabric, config, out)
+
+    if config["launch_fn"]:
+        result = fabric.launch(loop)
+    else:
+        fabric.launch()
+        result = loop(fabric)
+    result["strategy"] = f"{type(fabric.strategy).__module__}.{type(fabric.strategy).__name__}"
+    if fabric.global_rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    for name, case in job["cases"].items():
+        print(f"[case {name}]", flush=True)
+        main({**case, "devices": job.get("devices", 2)}, os.path.join(sys.argv[2], name))

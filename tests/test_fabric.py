@@ -1,0 +1,171 @@
+"""``PipeStrategy`` under Lightning Fabric: a loop written as Fabric's docs write it trains through the pipeline to
+the weights of the same loop on one device, in both of Lightning's packages.
+
+Each job launches its processes once and runs its cases one after another (tests/scripts/fabric_loop.py): every
+case is its own Fabric and pipeline, the stage workers serving them all. The reference is the same loop, run in
+this process by a Fabric on one device with the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from filelock import FileLock
+from scripts import fabric_loop
+from strategy_utils import assert_same_weights, run_script
+
+import lightning_pipe
+
+# Each job: its processes and its cases (changes from fabric_loop.DEFAULTS: 2 stages [3, 2], 4 micro-batches,
+# GPipe, SGD with momentum, 8 steps of 8 samples).
+JOBS: dict[str, dict[str, Any]] = {
+    "2 processes": {"devices": 2, "cases": {
+        "sgd-clip-scheduler": {"clip": 0.05, "scheduler": "step"},
+        "adamw-1f1b-accumulate-clip": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True,
+                                       "accumulate": 2, "clip": 0.1},
+        "zero-bubble-clip-value": {"schedule": "zero-bubble", "last_stage_loss": True, "clip_value": 0.01},
+        "head-outside-launch-fn": {"model": "module", "launch_fn": True, "balance": [2, 3], "optimizer": "adamw"},
+        "bf16-mixed": {"precision": "bf16-mixed", "microbatches": 1},
+        "init-module": {"build": "init_module", "optimizer": "adamw"},
+        # A second program's loop: the first case's file loaded (model, optimizer, scheduler, step), at another
+        # balance, then one more epoch.
+        "load-other-balance": {"clip": 0.05, "scheduler": "step", "balance": [1, 4],
+                               "load": "sgd-clip-scheduler/final.pt"},
+    }},
+    "4 processes": {"devices": 4, "cases": {
+        "2replicas-adamw-1f1b-accumulate-clip": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True,
+                                                 "accumulate": 2, "clip": 0.1, "batch_size": 4, "collectives": True},
+        "2replicas-sgd-head-outside": {"model": "module", "balance": [2, 3], "batch_size": 4, "clip": 0.05},
+        # The 2-process job's checkpoint, loaded by two replicas.
+        "2replicas-load": {"clip": 0.05, "scheduler": "step", "batch_size": 4,
+                           "load": "../2-processes/sgd-clip-scheduler/final.pt"},
+    }},
+    "2 processes, lightning_fabric": {"devices": 2, "package": "lightning_fabric", "cases": {
+        "standalone-1f1b-adamw": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True, "clip": 0.1},
+    }},
+}
+NEEDS = {"4 processes": "2 processes"}
+CASES = [(job, case) for job, spec in JOBS.items() for case in spec["cases"]]
+
+
+#: What a case's ``load`` file was written by: that program's config (2 processes, one replica).
+FIRST = {"sgd-clip-scheduler/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"],
+         "../2-processes/sgd-clip-scheduler/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"]}
+
+
+def job_directory(root: Path, job: str) -> Path:
+    """Where ``job`` wrote its cases (it runs once per test session, under a lock shared by pytest's workers)."""
+    if job in NEEDS:
+        job_directory(root, NEEDS[job])
+    out = root / job.replace(",", "").replace(" ", "-")
+    done, failed = out.with_suffix(".done"), out.with_suffix(".failed")
+    with FileLock(str(out.with_suffix(".lock")), timeout=900):
+        if not done.exists() and not failed.exists():
+            spec = JOBS[job]
+            cases = {name: {**case, **({"load": str(out / case["load"])} if case.get("load") else {}),
+                            "package": spec.get("package", "lightning")} for name, case in spec["cases"].items()}
+            try:
+                job_spec = {"devices": spec["devices"], "package": spec.get("package", "lightning"), "cases": cases}
+                run_script("fabric_loop.py", json.dumps(job_spec), str(out), timeout=600)
+            except AssertionError as exc:
+                failed.write_text(str(exc))
+            else:
+                done.touch()
+    if failed.exists():
+        raise AssertionError(f"the Fabric job {job!r} failed:\n{failed.read_text()}")
+    return out
+
+
+def plain(config: dict[str, Any], replicas: int, out: Path) -> dict[str, Any]:
+    """The same loop on one device (a Fabric of one CPU), with the global batch; its saved state."""
+    config = {**config, "batch_size": config.get("batch_size", 8) * replicas}
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=config.get("precision", "32-true"))
+    fabric_loop.run(fabric, config, str(out))
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+@pytest.fixture
+def fabric_jobs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """Where the Fabric jobs write, shared by pytest's workers."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if worker_id != "master" else base) / "fabric-jobs"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("job", "case"), CASES, ids=[case for _, case in CASES])
+def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_path):
+    """The module's weights, the optimizer's state (by value), the scheduler's learning rate and the loop's own
+    values in the file ``fabric.save`` wrote equal those of the same loop on one device (rtol 1e-4, atol 2e-5):
+    SGD with momentum and AdamW with parameter groups, clipping by the global norm and by value, accumulation
+    under ``no_backward_sync``, GPipe, 1F1B and zero-bubble with the loss on the last stage, a head outside the
+    body, ``launch(fn)``, bf16-mixed, ``init_module``, 2 replicas x 2 stages, ``fabric.load`` in a later program at
+    another balance and replica count, and the standalone ``lightning_fabric`` package."""
+    out = job_directory(fabric_jobs, job) / case
+    config = {**JOBS[job]["cases"][case]}
+    replicas = JOBS[job]["devices"] // len(config.get("balance", fabric_loop.DEFAULTS["balance"]))
+    if config.get("load"):  # the reference runs the first program and the second in turn
+        plain(FIRST[config["load"]], 1, tmp_path / "first")
+        config["load"] = str(tmp_path / "first" / "final.pt")
+    expected = plain(config, replicas, tmp_path / "plain")
+    saved = torch.load(out / "final.pt", weights_only=True)
+    assert saved["step"] == expected["step"] > 0
+    assert_same_weights(saved["model"], expected["model"], rtol=1e-4, atol=2e-5)
+    assert saved["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    assert sorted(saved["optimizer"]["state"]) == sorted(expected["optimizer"]["state"])
+    for i, state in expected["optimizer"]["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(saved["optimizer"]["state"][i][key], value, rtol=1e-4, atol=2e-5,
+                                       msg=f"{i} {key}")
+    if "scheduler" in expected:
+        assert saved["scheduler"] == expected["scheduler"]
+    result = json.loads((out / "result.json").read_text())
+    package = JOBS[job].get("package", "lightning")
+    tree = "lightning_pipe.lightning" if package == "lightning_fabric" else "lightning_pipe.lightning_pytorch"
+    assert result["strategy"] == f"{tree}.fabric.PipeStrategy"
+    assert result["world_size"] == replicas and result["global_rank"] == 0  # Fabric sees the drivers alone
+    if config.get("collectives"):  # among the drivers: one value per replica
+        assert result["all_reduce"] == sum(range(1, replicas + 1))
+        assert result["broadcast"] == "from 0"
+    plain_model = fabric_loop.model({**fabric_loop.DEFAULTS, **config})
+    plain_model.load_state_dict(saved["model"])  # the file loads into the plain model, no strategy at all
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"sharding_strategy": "FULL_SHARD"}, "does not shard stages or checkpoints yet"),
+    ({"state_dict_type": "sharded"}, "does not shard stages or checkpoints yet"),
+])
+def test_what_fabric_cannot_do_yet_is_refused_as_the_fabric_is_made(arguments, message):
+    """Given to a Fabric, before any process starts: settings the Fabric binding does not honour are refused,
+    saying what to use."""
+    with pytest.raises(ValueError, match=message):
+        L.Fabric(accelerator="cpu", devices=2, strategy=lightning_pipe.PipeStrategy(**arguments))
+
+
+def test_a_gradient_scaler_is_refused_as_fabric_gives_the_strategy_its_precision():
+    """``precision="16-mixed"`` (a GPU's: on CPU Fabric makes it bf16-mixed) scales the loss with a gradient scaler
+    that would not see the other stages' gradients: refused as Fabric hands the strategy its plugin."""
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=lightning_pipe.PipeStrategy(balance=[3, 2]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a CUDA scaler made without CUDA warns)
+        scaled = MixedPrecision("16-mixed", "cuda")
+    with pytest.raises(ValueError, match="does not take precision='16-mixed' yet"):
+        fabric.strategy.precision = scaled
+
+
+def test_the_strategy_given_to_a_fabric_becomes_fabrics_and_pipe_is_registered():
+    """``lightning_pipe.PipeStrategy`` (the Trainer's class of the program's package) becomes that package's Fabric
+    strategy when a Fabric takes it, keeping its arguments; ``strategy="pipe"`` names it in Fabric's registry."""
+    strategy = lightning_pipe.PipeStrategy(balance=[3, 2], microbatches=6, schedule="1f1b")
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    assert type(fabric.strategy).__module__ == "lightning_pipe.lightning_pytorch.fabric"
+    assert (fabric.strategy.balance, fabric.strategy.microbatches, fabric.strategy.schedule) == ([3, 2], 6, "1f1b")
+    named = L.Fabric(accelerator="cpu", devices=2, strategy="pipe")
+    assert type(named.strategy).__module__ == "lightning_pipe.lightning_pytorch.fabric"
