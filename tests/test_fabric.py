@@ -9,7 +9,6 @@ this process by a Fabric on one device with the global batch.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,9 @@ JOBS: dict[str, dict[str, Any]] = {
         "zero-bubble-clip-value": {"schedule": "zero-bubble", "last_stage_loss": True, "clip_value": 0.01},
         "head-outside-launch-fn": {"model": "module", "launch_fn": True, "balance": [2, 3], "optimizer": "adamw"},
         "bf16-mixed": {"precision": "bf16-mixed", "microbatches": 1},
+        # fp16 with a gradient scaler (GPUs' 16-mixed, here on CPU): every stage unscaled before clipping, steps
+        # taken and the scale moved as on one device (one micro-batch: fp16 rounds smaller products otherwise).
+        "fp16-scaler-clip": {"precision": "16-mixed-scaler", "microbatches": 1, "clip": 0.5, "optimizer": "adamw"},
         "init-module": {"build": "init_module", "optimizer": "adamw"},
         # A second program's loop: the first case's file loaded (model, optimizer, scheduler, step), at another
         # balance, then one more epoch.
@@ -85,7 +87,7 @@ def job_directory(root: Path, job: str) -> Path:
 def plain(config: dict[str, Any], replicas: int, out: Path) -> dict[str, Any]:
     """The same loop on one device (a Fabric of one CPU), with the global batch; its saved state."""
     config = {**config, "batch_size": config.get("batch_size", 8) * replicas}
-    fabric = L.Fabric(accelerator="cpu", devices=1, precision=config.get("precision", "32-true"))
+    fabric = L.Fabric(accelerator="cpu", devices=1, **fabric_loop.precision({**fabric_loop.DEFAULTS, **config}))
     fabric_loop.run(fabric, config, str(out))
     return torch.load(out / "final.pt", weights_only=True)
 
@@ -124,6 +126,9 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
                                        msg=f"{i} {key}")
     if "scheduler" in expected:
         assert saved["scheduler"] == expected["scheduler"]
+    if "scale" in expected:  # the scaler took steps (AdamW's state exists) and moved its scale as on one device
+        assert saved["scale"] == expected["scale"] != fabric_loop.DEFAULTS["init_scale"]
+        assert expected["optimizer"]["state"]
     result = json.loads((out / "result.json").read_text())
     package = JOBS[job].get("package", "lightning")
     tree = "lightning_pipe.lightning" if package == "lightning_fabric" else "lightning_pipe.lightning_pytorch"
@@ -147,25 +152,52 @@ def test_what_fabric_cannot_do_yet_is_refused_as_the_fabric_is_made(arguments, m
         L.Fabric(accelerator="cpu", devices=2, strategy=lightning_pipe.PipeStrategy(**arguments))
 
 
-def test_a_gradient_scaler_is_refused_as_fabric_gives_the_strategy_its_precision():
-    """``precision="16-mixed"`` (a GPU's: on CPU Fabric makes it bf16-mixed) scales the loss with a gradient scaler
-    that would not see the other stages' gradients: refused as Fabric hands the strategy its plugin."""
-    from lightning.fabric.plugins.precision import MixedPrecision
-
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=lightning_pipe.PipeStrategy(balance=[3, 2]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (a CUDA scaler made without CUDA warns)
-        scaled = MixedPrecision("16-mixed", "cuda")
-    with pytest.raises(ValueError, match="does not take precision='16-mixed' yet"):
-        fabric.strategy.precision = scaled
-
-
 def test_the_strategy_given_to_a_fabric_becomes_fabrics_and_pipe_is_registered():
     """``lightning_pipe.PipeStrategy`` (the Trainer's class of the program's package) becomes that package's Fabric
-    strategy when a Fabric takes it, keeping its arguments; ``strategy="pipe"`` names it in Fabric's registry."""
+    strategy when a Fabric takes it, keeping its arguments; ``strategy="pipe"`` names it in both Fabric packages'
+    registries."""
+    import lightning_fabric
+
     strategy = lightning_pipe.PipeStrategy(balance=[3, 2], microbatches=6, schedule="1f1b")
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     assert type(fabric.strategy).__module__ == "lightning_pipe.lightning_pytorch.fabric"
     assert (fabric.strategy.balance, fabric.strategy.microbatches, fabric.strategy.schedule) == ([3, 2], 6, "1f1b")
     named = L.Fabric(accelerator="cpu", devices=2, strategy="pipe")
     assert type(named.strategy).__module__ == "lightning_pipe.lightning_pytorch.fabric"
+    standalone = lightning_fabric.Fabric(accelerator="cpu", devices=2, strategy="pipe")
+    assert type(standalone.strategy).__module__ == "lightning_pipe.lightning.fabric"
+
+
+def test_a_plugin_fabric_cannot_run_across_stages_is_refused_as_fabric_gives_it():
+    """A precision plugin of the user's own (here Fabric's transformer-engine-like ``Precision`` subclass that the
+    stages could not follow) is refused as Fabric hands it to the strategy, naming those it takes."""
+    from lightning.fabric.plugins.precision import Precision
+
+    class Custom(Precision):
+        precision = "custom"
+
+    with pytest.raises(ValueError, match="does not take precision='custom'"):
+        L.Fabric(accelerator="cpu", devices=2, strategy=lightning_pipe.PipeStrategy(balance=[3, 2]),
+                 plugins=[Custom()])
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_starts_the_same_fabric_loop_to_the_same_weights(fabric_jobs, tmp_path):
+    """The same Fabric script started by torchrun (2 processes, one pipeline) instead of by Fabric's launcher
+    trains bit-identical weights and optimizer state."""
+    import os
+    import sys
+
+    from dist_utils import free_port
+    from strategy_utils import SCRIPTS, run_command
+
+    reference = job_directory(fabric_jobs, "2 processes") / "sgd-clip-scheduler" / "final.pt"
+    job = {"devices": 2, "cases": {"torchrun": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"]}}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run_command([torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                 str(SCRIPTS / "fabric_loop.py"), json.dumps(job), str(tmp_path)], timeout=300, name="torchrun")
+    a, b = (torch.load(path, weights_only=True) for path in (tmp_path / "torchrun" / "final.pt", reference))
+    assert json.loads((tmp_path / "torchrun" / "result.json").read_text())["world_size"] == 1
+    assert_same_weights(a["model"], b["model"], rtol=0, atol=0)
+    for i, state in b["optimizer"]["state"].items():
+        assert torch.equal(a["optimizer"]["state"][i]["momentum_buffer"], state["momentum_buffer"])

@@ -39,15 +39,15 @@ from lightning_pipe.lightning.fabric_checkpoints import fabric_load, fabric_save
 from lightning_pipe.lightning.launcher import Serving
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, raw
-from lightning_pipe.lightning.precision import clip_by_global_norm, sum_tied
+from lightning_pipe.lightning.precision import clip_by_global_norm, sum_tied, unscale_remote
 from lightning_pipe.lightning.processes import PipelineLayout
 from lightning_pipe.lightning.replicas import Replicas
 
 __all__ = ["PipeStrategy"]
 
-#: Precision settings whose plugin changes nothing Fabric does across stages; "16-mixed"'s gradient scaler would
-#: have to see every stage's gradients, which Fabric's plugin does not let it (the Trainer's does).
-_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
+#: Fabric's precision settings taken: their plugins cast and autocast as on one device (the driver's autocast
+#: reaches every stage); "16-mixed"'s gradient scaler unscales every stage's gradients (:meth:`PipeStrategy.unscale`).
+_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 
 class _Holder(nn.Module):
@@ -92,7 +92,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
     ``module.sequential_module``) runs one stage per process; with more processes than stages the pipeline is
     replicated and each stage averaged over its replicas. Takes the arguments of the Trainer's ``PipeStrategy``
     (``lightning_pipe.PipeStrategy`` given to ``Fabric`` becomes this class); ``sharding_strategy`` other than
-    ``"NO_SHARD"``, ``state_dict_type="sharded"`` and ``precision="16-mixed"`` are refused (docs/fabric.md)."""
+    ``"NO_SHARD"`` and ``state_dict_type="sharded"`` are refused (docs/fabric.md)."""
 
     strategy_name = "pipe"
 
@@ -135,9 +135,8 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         """Fabric's precision plugin, refused (as the Fabric is made) where it cannot work across stages."""
         name = getattr(precision, "precision", None)
         if name is not None and str(name) not in _PRECISIONS:
-            raise ValueError(f"PipeStrategy under Fabric does not take precision={name!r} yet: its gradient scaler "
-                             f"would not see the other stages' gradients. Use one of {_PRECISIONS} (bf16-mixed for "
-                             "mixed precision), or the Trainer, where 16-mixed works")
+            raise ValueError(f"PipeStrategy under Fabric does not take precision={name!r} (a plugin of its own, or "
+                             f"one that changes the model's layers): use one of {_PRECISIONS}")
         self._precision = precision
 
     # ------------------------------------------------------------------ processes
@@ -208,8 +207,8 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         for optimizer in optimizers:  # built before the split: its remote parameters are the driver's placeholders now
             for group in optimizer.param_groups:
                 group["params"] = [after.get(names.get(id(p), ""), p) for p in group["params"]]
-        self._stage_optimizers.mirror(optimizers, {id(p): n for n, p in after.items()}, None,
-                                      str(self.precision.precision))
+        self._stage_optimizers.mirror(optimizers, {id(p): n for n, p in after.items()},
+                                      getattr(self.precision, "scaler", None), str(self.precision.precision))
         self._mirrored = list(optimizers)
         return module, optimizers, scheduler
 
@@ -270,6 +269,10 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
 
         body.before_forward = before_forward
         body.on_backward = on_backward
+        # What the loss's gradient will be, for the backwards a schedule runs before fabric.backward: the scale of a
+        # gradient scaler (16-mixed) where there is one (the loop's own division is committed with it).
+        body.loss_scale = lambda: float(self.precision.scaler.get_scale()) if getattr(  # type: ignore[attr-defined]
+            self.precision, "scaler", None) is not None and self.precision.scaler.is_enabled() else 1.0
         self._replicas.hosts, self._replicas.count = body.hosts, self.world_size
         self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes, body.tied_sync)
         self._stage_optimizers.before_update = body.pipeline.runner.averages.before_update
@@ -284,10 +287,23 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         finally:
             self._replicas.in_backward -= 1
 
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Under a gradient scaler (``16-mixed``), unscale ``optimizer``'s gradients on every stage, once per step
+        (before clipping, or before the step): an overflow on any stage skips the step everywhere."""
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return
+        from torch.amp.grad_scaler import OptState
+
+        if scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
+            scaler.unscale_(optimizer)
+            unscale_remote(scaler, optimizer)
+
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         optimizer = raw(optimizer)
         sum_tied(optimizer)  # before the update, if clipping did not already
+        self.unscale(optimizer)  # every stage's, before the scaler decides whether to step
         output = super().optimizer_step(optimizer, **kwargs)
         if self._stage_optimizers is not None:
             self._stage_optimizers.step_remote(optimizer)
@@ -299,7 +315,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         optimizer = raw(optimizer)
         if getattr(optimizer, "_lp_hosts", None) is None:
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-        self.precision.unscale_gradients(optimizer)
+        self.unscale(optimizer)
         return clip_by_global_norm(optimizer, float(max_norm), float(norm_type), error_if_nonfinite)
 
     @override
@@ -308,7 +324,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         hosts = getattr(optimizer, "_lp_hosts", None)
         if hosts is None:
             return super().clip_gradients_value(module, optimizer, clip_val)
-        self.precision.unscale_gradients(optimizer)
+        self.unscale(optimizer)
         sum_tied(optimizer)
         for group in optimizer.param_groups:
             for p in group["params"]:

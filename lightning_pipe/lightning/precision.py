@@ -28,15 +28,7 @@ class PipePrecision:
     def _after_closure(self, model: Any, optimizer: Any) -> None:
         # Called after backward and the driver's unscaling, before clipping and scaler.step: remote stages
         # unscale too, and an overflow on any stage must skip the step everywhere and lower the scale.
-        scaler = getattr(self, "scaler", None)
-        hosts = getattr(optimizer, "_lp_hosts", None)
-        if scaler is not None and hosts is not None and scaler.is_enabled():
-            found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
-            if found is not None:  # the driver unscaled (this was not a skipped backward)
-                overflow = hosts.call("unscale_grads", optimizer._lp_index, 1.0 / float(scaler.get_scale()))
-                if any(overflow):
-                    device = next(iter(found), torch.device("cpu"))
-                    found[device] = found.get(device, torch.zeros((), device=device)) + 1.0
+        unscale_remote(getattr(self, "scaler", None), optimizer)
         super()._after_closure(model, optimizer)  # type: ignore[misc]
 
     def _lp_unscale_shards(self) -> None:
@@ -79,6 +71,21 @@ class PipePrecision:
                 sharding.local(p.grad).detach().clamp_(-clip_val, clip_val)
         hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
         return None
+
+
+def unscale_remote(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Once the driver's part of ``optimizer`` (a mirrored one) is unscaled by ``scaler`` (a gradient scaler, or
+    None), the remote stages unscale theirs, and an overflow on any of them counts as the driver's: the scaler then
+    skips the step everywhere and lowers its scale."""
+    hosts = getattr(optimizer, "_lp_hosts", None)
+    if scaler is None or hosts is None or not scaler.is_enabled():
+        return
+    found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
+    if found is not None:  # the driver unscaled (this was not a skipped backward)
+        overflow = hosts.call("unscale_grads", optimizer._lp_index, 1.0 / float(scaler.get_scale()))
+        if any(overflow):
+            device = next(iter(found), torch.device("cpu"))
+            found[device] = found.get(device, torch.zeros((), device=device)) + 1.0
 
 
 def clip_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,

@@ -36,8 +36,19 @@ DEFAULTS: dict[str, Any] = {
     "devices": 2, "balance": [3, 2], "microbatches": 4, "schedule": "gpipe", "last_stage_loss": False,
     "optimizer": "sgd", "clip": None, "clip_value": None, "accumulate": 1, "scheduler": None, "model": "sequential",
     "precision": "32-true", "build": "eager", "samples": 64, "batch_size": 8, "epochs": 1, "seed": 7,
-    "load": None, "launch_fn": False, "collectives": False, "package": "lightning",
+    "load": None, "launch_fn": False, "collectives": False, "package": "lightning", "init_scale": 2.0 ** 4,
 }
+
+
+def precision(config: dict[str, Any]) -> dict[str, Any]:
+    """Fabric's precision arguments: ``"16-mixed-scaler"`` is fp16 with a gradient scaler, as on GPUs, here on CPU
+    (``init_scale`` small enough that steps are taken, ``growth_interval`` short enough that the scale moves)."""
+    if config["precision"] != "16-mixed-scaler":
+        return {"precision": config["precision"]}
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=config["init_scale"], growth_interval=2)
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -127,6 +138,9 @@ def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
                 scheduler.step()
             state["step"] += 1
     fabric.save(os.path.join(out, "final.pt"), state)
+    scaler = getattr(fabric.strategy.precision, "scaler", None)
+    if scaler is not None:
+        state["scale"] = float(scaler.get_scale())
     result: dict[str, Any] = {"step": state["step"], "world_size": fabric.world_size,
                               "global_rank": fabric.global_rank, "lr": optimizer.param_groups[0]["lr"]}
     if config["collectives"]:  # among the drivers, as under any strategy: one per replica
@@ -141,7 +155,7 @@ def main(config: dict[str, Any], out: str) -> None:
     config = {**DEFAULTS, **config}
     strategy = lightning_pipe.PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
                                            schedule=config["schedule"], rpc_timeout_sec=60)
-    fabric = L.Fabric(accelerator="cpu", devices=config["devices"], strategy=strategy, precision=config["precision"])
+    fabric = L.Fabric(accelerator="cpu", devices=config["devices"], strategy=strategy, **precision(config))
     os.makedirs(out, exist_ok=True)
 
     def loop(fabric: Any) -> dict[str, Any]:
