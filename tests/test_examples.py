@@ -254,7 +254,8 @@ def test_fabric_finetune_trains_through_the_pipeline_saves_the_plain_model_and_c
     a model built under ``init_module``): the validation loss falls, the saved file scores the same in the plain
     model with no strategy, and a second run loaded from it starts where the first ended. The README's run
     (``python examples/fabric_finetune.py``, 150 steps) is quoted there."""
-    arguments = ["--layers", "2", "--width", "64", "--context", "32", "--warmup", "2", "--log_every", "4"]
+    arguments = ["--layers", "2", "--balance", "2", "2", "--width", "64", "--context", "32", "--warmup", "2",
+                 "--log_every", "4"]
     first = run_script("examples/fabric_finetune.py", *arguments, "--steps", "8", "--out", str(tmp_path / "a"),
                        timeout=240).stdout
     before = float(re.search(r"validation loss before fine-tuning: ([0-9.]+)", first)[1])

@@ -47,6 +47,14 @@ JOBS: dict[str, dict[str, Any]] = {
         # The 2-process job's checkpoint, loaded by two replicas.
         "2replicas-load": {"clip": 0.05, "scheduler": "step", "batch_size": 4,
                            "load": "../2-processes/sgd-clip-scheduler/final.pt"},
+        # Each stage sharded over its 2 replicas by FSDP2: the one file gathered from the shards, and loaded into
+        # shards again (FULL_SHARD, then SHARD_GRAD_OP at another balance, as a later program).
+        "2replicas-full-shard-1f1b-accumulate-clip": {"sharding": "FULL_SHARD", "optimizer": "adamw",
+                                                      "schedule": "1f1b", "last_stage_loss": True, "accumulate": 2,
+                                                      "clip": 0.1, "batch_size": 4},
+        "2replicas-shard-grad-op-load": {"sharding": "SHARD_GRAD_OP", "clip": 0.05, "scheduler": "step",
+                                         "batch_size": 4, "balance": [2, 3],
+                                         "load": "../2-processes/sgd-clip-scheduler/final.pt"},
     }},
     "2 processes, lightning_fabric": {"devices": 2, "package": "lightning_fabric", "cases": {
         "standalone-1f1b-adamw": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True, "clip": 0.1},
@@ -142,8 +150,7 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
-    ({"sharding_strategy": "FULL_SHARD"}, "does not shard stages or checkpoints yet"),
-    ({"state_dict_type": "sharded"}, "does not shard stages or checkpoints yet"),
+    ({"state_dict_type": "sharded"}, "does not write sharded checkpoints yet"),
 ])
 def test_what_fabric_cannot_do_yet_is_refused_as_the_fabric_is_made(arguments, message):
     """Given to a Fabric, before any process starts: settings the Fabric binding does not honour are refused,

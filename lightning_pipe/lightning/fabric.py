@@ -39,7 +39,7 @@ from lightning_pipe.lightning.fabric_checkpoints import fabric_load, fabric_save
 from lightning_pipe.lightning.launcher import Serving
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, raw
-from lightning_pipe.lightning.precision import clip_by_global_norm, sum_tied, unscale_remote
+from lightning_pipe.lightning.precision import PipePrecision, clip_by_global_norm, sum_tied, unscale_remote
 from lightning_pipe.lightning.processes import PipelineLayout
 from lightning_pipe.lightning.replicas import Replicas
 
@@ -50,7 +50,7 @@ __all__ = ["PipeStrategy"]
 _PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 
-class _Holder(nn.Module):
+class FabricModel(nn.Module):
     """A bare ``nn.Sequential`` given to ``fabric.setup``, under the name the pipeline's build looks for."""
 
     def __init__(self, body: nn.Module, name: str) -> None:
@@ -91,8 +91,8 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
     """Pipeline parallelism for a Fabric loop: the module's ``nn.Sequential`` body (the module itself, or
     ``module.sequential_module``) runs one stage per process; with more processes than stages the pipeline is
     replicated and each stage averaged over its replicas. Takes the arguments of the Trainer's ``PipeStrategy``
-    (``lightning_pipe.PipeStrategy`` given to ``Fabric`` becomes this class); ``sharding_strategy`` other than
-    ``"NO_SHARD"`` and ``state_dict_type="sharded"`` are refused (docs/fabric.md)."""
+    (``lightning_pipe.PipeStrategy`` given to ``Fabric`` becomes this class); ``state_dict_type="sharded"`` is
+    refused (docs/fabric.md)."""
 
     strategy_name = "pipe"
 
@@ -106,11 +106,11 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
                  checkpoint_io: Any = None, precision: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         given = {k: v for k, v in locals().items() if k in settings.DEFAULTS}
-        if sharding_strategy != "NO_SHARD" or state_dict_type != "full":
+        if state_dict_type != "full":
             raise ValueError(
-                f"PipeStrategy under Fabric does not shard stages or checkpoints yet (sharding_strategy="
-                f"{sharding_strategy!r}, state_dict_type={state_dict_type!r}): use the defaults ('NO_SHARD', "
-                "'full') with Fabric, or the Trainer, where both work")
+                f"PipeStrategy under Fabric does not write sharded checkpoints yet (state_dict_type="
+                f"{state_dict_type!r}): fabric.save writes one file of the plain model's state (state_dict_type="
+                "'full', stages sharded over their replicas included); the Trainer writes sharded directories")
         values = settings.pipeline_settings(PipeStrategy, type(self), given, kwargs)
         self._ddp_comm_hook = kwargs.pop("ddp_comm_hook", None)
         self._ddp_comm_state = kwargs.pop("ddp_comm_state", None)
@@ -218,7 +218,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
             raise RuntimeError("PipeStrategy under Fabric sets up one model: its stages hold the processes of the job "
                                "(call fabric.setup once, with the model and its optimizers)")
         bare = isinstance(module, nn.Sequential)
-        root = _Holder(module, self.module_name) if bare else module
+        root = FabricModel(module, self.module_name) if bare else module
         body = build(self, root)
         self._attach(root, body)
         root.to(self.root_device)  # the driver's part (the remote layers' placeholders stay on meta)
@@ -233,7 +233,8 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         if bare:  # loss_on_last_stage(model, ...) finds the pipeline through the module Fabric was given
             module.pipeline_loss = pipeline_loss  # type: ignore[assignment]
         self.model = body if bare else root
-        self._replicas.start(self, body)  # DDP for every stage (and the outside layers) where there are replicas
+        self._replicas.start(self, body)  # DDP or FSDP2 for every stage (DDP for the outside layers) with replicas
+        PipePrecision._lp_unscale_shards(self.precision)  # type: ignore[arg-type] - a scaler unscales shards too
         return self.model
 
     @override
@@ -349,9 +350,19 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         optimizer's the plain model's optimizer's, written stage by stage (the other replicas write nothing)."""
         if self._body is None or self._stage_optimizers is None:
             return super().save_checkpoint(path, state, storage_options, filter)
-        if self.is_global_zero:
-            fabric_save(str(path), state, self._body, self._module, self.model, filter or {}, self.checkpoint_io,
-                        storage_options)
+        body = self._body
+        together = body.sharded  # every replica holds shards of every stage: each takes part
+        if together:
+            body.pipeline.runner.averages.before_update()  # stage 0's parameters the shards again
+            for future in body.hosts.start("gather_whole", timeout=0):
+                future.result()
+        try:
+            if self.is_global_zero or together:
+                fabric_save(str(path), state, body, self._module, self.model, filter or {}, self.checkpoint_io,
+                            storage_options, write=self.is_global_zero)
+        finally:
+            if together:
+                body.hosts.call("release_whole")
         return None
 
     @override
@@ -362,6 +373,8 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         if self._body is None or self._stage_optimizers is None or not state:
             return super().load_checkpoint(path, state, strict, weights_only)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if self._body.sharded:  # whole copies of stage 0's shards (a forward's) dropped: the shards are loaded
+            self._body.pipeline.runner.averages.before_update()
         return fabric_load(checkpoint, state, strict, self._stage_optimizers, self._module, self.model)
 
     # ------------------------------------------------------------------ the end

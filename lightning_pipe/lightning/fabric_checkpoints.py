@@ -28,6 +28,7 @@ from lightning_pipe.lightning.checkpoints import (
 )
 from lightning_pipe.lightning.optimizers import StageOptimizers
 from lightning_pipe.lightning.streamed import save_streamed
+from lightning_pipe.transport import optim, sharding
 
 __all__: list[str] = []
 
@@ -36,10 +37,11 @@ def _unwrapped(obj: Any) -> Any:
     return obj.module if isinstance(obj, DistributedDataParallel) else obj
 
 
-def _module_state(table: _Placeholders, body: PipelinedSequential, root: nn.Module, module: nn.Module
+def _module_state(table: _Placeholders | None, body: PipelinedSequential, root: nn.Module, module: nn.Module
                   ) -> dict[str, Any]:
-    """``module``'s ``state_dict`` (the root module, or the body alone), remote stages' tensors as placeholders
-    registered in ``table`` under the root's names."""
+    """``module``'s ``state_dict`` (the root module, or the body alone), this process's shards gathered whole (a
+    collective of their replicas), remote stages' tensors as placeholders registered in ``table`` under the root's
+    names (None: not registered, a replica that does not write)."""
     state = module_state_dict(root, body, False)  # type: ignore[arg-type]
     prefix = "" if module is root else f"{body.name}."
     own: dict[str, Any] = {}
@@ -47,28 +49,35 @@ def _module_state(table: _Placeholders, body: PipelinedSequential, root: nn.Modu
         if not name.startswith(prefix):
             continue
         key = name[len(prefix):]
-        own[key] = t
-        if isinstance(t, Tensor) and t.is_meta:
+        own[key] = sharding.full(t) if isinstance(t, Tensor) else t
+        if table is not None and isinstance(t, Tensor) and t.is_meta:
             table.add(t, body.stage_of(name), ("state", name), own, key)
     return own
 
 
 def fabric_save(path: str, state: Mapping[str, Any], body: PipelinedSequential, root: nn.Module, model: nn.Module,
-                filter: Mapping[str, Callable[[str, Any], bool]], checkpoint_io: Any, storage_options: Any) -> None:
-    """Write ``state`` (Fabric's, its objects unwrapped) to ``path``: see the module's docstring."""
-    table = _Placeholders(body.hosts)
+                filter: Mapping[str, Callable[[str, Any], bool]], checkpoint_io: Any, storage_options: Any,
+                write: bool = True) -> None:
+    """Write ``state`` (Fabric's, its objects unwrapped) to ``path``: see the module's docstring. Where the stages
+    are sharded over the replicas, every replica's driver calls this at once (the shards it holds gathered whole:
+    collectives), each remote stage's shards gathered whole by its replica 0's process first; the main process
+    alone ``write``s."""
+    table = _Placeholders(body.hosts) if write else None
     converted: dict[str, Any] = {}
     for key, obj in state.items():
         obj = _unwrapped(obj)
         if obj is root or obj is body or obj is _unwrapped(model):
             value: Any = _module_state(table, body, root, obj)
         elif isinstance(obj, torch.optim.Optimizer) and hasattr(obj, "_lp_index"):
-            value = optimizer_placeholders(table, obj, obj.state_dict())
+            own = optim.whole(obj.state_dict())  # (shards gathered whole: a collective of their replicas)
+            value = optimizer_placeholders(table, obj, own) if table is not None else own
         elif hasattr(obj, "state_dict") and callable(obj.state_dict):
             value = obj.state_dict()
         else:
             value = obj
         _apply_filter(key, dict(filter), value, converted)
+    if table is None:
+        return
     if type(checkpoint_io) is TorchCheckpointIO and "://" not in path and storage_options is None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         save_atomically(lambda p: save_streamed(converted, p, table.lazy, table.fetch), path)

@@ -37,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "optimizer": "sgd", "clip": None, "clip_value": None, "accumulate": 1, "scheduler": None, "model": "sequential",
     "precision": "32-true", "build": "eager", "samples": 64, "batch_size": 8, "epochs": 1, "seed": 7,
     "load": None, "launch_fn": False, "collectives": False, "package": "lightning", "init_scale": 2.0 ** 4,
+    "sharding": "NO_SHARD",
 }
 
 
@@ -154,7 +155,8 @@ def main(config: dict[str, Any], out: str) -> None:
     """Run the loop of ``config`` through PipeStrategy (the first case launches the processes)."""
     config = {**DEFAULTS, **config}
     strategy = lightning_pipe.PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
-                                           schedule=config["schedule"], rpc_timeout_sec=60)
+                                           schedule=config["schedule"], rpc_timeout_sec=60,
+                                           sharding_strategy=config["sharding"])
     fabric = L.Fabric(accelerator="cpu", devices=config["devices"], strategy=strategy, **precision(config))
     os.makedirs(out, exist_ok=True)
 
