@@ -268,3 +268,24 @@ def test_fabric_finetune_trains_through_the_pipeline_saves_the_plain_model_and_c
     resumed = float(re.search(r"validation loss before fine-tuning: ([0-9.]+)", second)[1])
     assert resumed == pytest.approx(after, abs=2e-3)  # the loaded model, not a fresh one
     assert "step 9:" in second and "step 1:" not in second  # counted on from the loaded step
+
+
+@pytest.mark.timeout(300)
+def test_lora_example_keeps_a_bfloat16_base_with_float32_adapters(tmp_path):
+    """``--model.base_dtype bfloat16`` under ``precision: 32-true``: the frozen base stays in bfloat16, PEFT's
+    adapters in float32 through the pipeline (Lightning's bf16-true would cast them too), and the plain model with
+    the saved adapters scores as the pipeline did."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    out = run_script("examples/finetune_lora.py", "fit", "--config", "configs/finetune_lora/cpu.yaml",
+                     "--model.base_dtype=bfloat16", "--model.context=32", "--trainer.max_steps=6",
+                     "--trainer.val_check_interval=6", f"--trainer.default_root_dir={tmp_path}",
+                     "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
+                     timeout=240).stdout
+    before = float(re.search(r"validation loss before fine-tuning: ([0-9.]+)", out)[1])
+    after = float(re.search(r"validation loss after fine-tuning: ([0-9.]+)", out)[1])
+    plain = float(re.search(r"the plain model with them, no strategy: validation loss ([0-9.]+)", out)[1])
+    assert after < before and plain == pytest.approx(after, abs=2e-3), (before, after, plain)
+    adapters = load_file(tmp_path / "lightning_logs" / "version_0" / "adapter" / "adapter_model.safetensors")
+    assert {t.dtype for t in adapters.values()} == {torch.float32}

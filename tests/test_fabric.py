@@ -31,6 +31,9 @@ JOBS: dict[str, dict[str, Any]] = {
         "zero-bubble-clip-value": {"schedule": "zero-bubble", "last_stage_loss": True, "clip_value": 0.01},
         "head-outside-launch-fn": {"model": "module", "launch_fn": True, "balance": [2, 3], "optimizer": "adamw"},
         "bf16-mixed": {"precision": "bf16-mixed", "microbatches": 1},
+        "bf16-true": {"precision": "bf16-true", "microbatches": 1},
+        "interleaved-1f1b": {"schedule": "interleaved-1f1b", "virtual_stages": 2, "last_stage_loss": True,
+                             "balance": [1, 1, 1, 2], "optimizer": "adamw", "clip": 0.1},
         # fp16 with a gradient scaler (GPUs' 16-mixed, here on CPU): every stage unscaled before clipping, steps
         # taken and the scale moved as on one device (one micro-batch: fp16 rounds smaller products otherwise).
         "fp16-scaler-clip": {"precision": "16-mixed-scaler", "microbatches": 1, "clip": 0.5, "optimizer": "adamw"},
@@ -118,7 +121,8 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
     another balance and replica count, and the standalone ``lightning_fabric`` package."""
     out = job_directory(fabric_jobs, job) / case
     config = {**JOBS[job]["cases"][case]}
-    replicas = JOBS[job]["devices"] // len(config.get("balance", fabric_loop.DEFAULTS["balance"]))
+    stages = len(config.get("balance", fabric_loop.DEFAULTS["balance"])) // config.get("virtual_stages", 1)
+    replicas = JOBS[job]["devices"] // stages  # (processes per pipeline: stages over virtual stages)
     if config.get("load"):  # the reference runs the first program and the second in turn
         plain(FIRST[config["load"]], 1, tmp_path / "first")
         config["load"] = str(tmp_path / "first" / "final.pt")
