@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -146,15 +148,11 @@ def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
     assert "1f1b theory" in out
 
 
-@pytest.mark.timeout(300)
-def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_path):
-    """A Hugging Face Llama checkpoint (trained briefly and saved here: no small pretrained decoder ships in a
-    package) is loaded by the body per the model's names, before the first step: the pipeline's validation loss
-    before fine-tuning is the checkpoint's own. 1F1B with the loss on the last stage lowers it, and the Hugging
-    Face checkpoint the example writes back scores as the pipeline did. Validation loss 3.272 -> 3.012 nats per
-    byte in these 16 steps; the README's full run, from a fresh model, ``python examples/finetune_causal_lm.py fit
-    --config configs/finetune_causal_lm/cpu.yaml`` (300 steps): 5.592 -> 2.098."""
-    transformers = pytest.importorskip("transformers")
+def pretrained_llama(directory: Path) -> tuple[torch.nn.Module, Any]:
+    """A small Hugging Face Llama over bytes "pre-trained" a few steps here on the corpus (no small pretrained
+    decoder ships in a package), so that its loss (about 3.3) is its own, far from a fresh model's (5.5); saved to
+    ``directory``. Returns it and the corpus (windows of 32 bytes)."""
+    import transformers
     from finetune_causal_lm import TokenCorpus, next_token_loss
 
     torch.manual_seed(3)
@@ -164,13 +162,27 @@ def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_
     pretrained = transformers.LlamaForCausalLM(config)
     data = TokenCorpus(context=32)
     data.setup("fit")
-    # "Pre-training": a few steps here, so that its loss (about 3.3) is its own, far from a fresh model's (5.5).
     optimizer = torch.optim.AdamW(pretrained.parameters(), lr=0.01)
     for _, (x, y) in zip(range(20), data.train_dataloader()):
         optimizer.zero_grad()
         next_token_loss(pretrained(input_ids=x).logits, y).backward()
         optimizer.step()
-    pretrained.eval().save_pretrained(tmp_path / "pretrained")
+    pretrained.eval().save_pretrained(directory)
+    return pretrained, data
+
+
+@pytest.mark.timeout(300)
+def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_path):
+    """A Hugging Face Llama checkpoint (trained briefly and saved here: no small pretrained decoder ships in a
+    package) is loaded by the body per the model's names, before the first step: the pipeline's validation loss
+    before fine-tuning is the checkpoint's own. 1F1B with the loss on the last stage lowers it, and the Hugging
+    Face checkpoint the example writes back scores as the pipeline did. Validation loss 3.272 -> 3.012 nats per
+    byte in these 16 steps; the README's full run, from a fresh model, ``python examples/finetune_causal_lm.py fit
+    --config configs/finetune_causal_lm/cpu.yaml`` (300 steps): 5.592 -> 2.098."""
+    transformers = pytest.importorskip("transformers")
+    from finetune_causal_lm import next_token_loss
+
+    pretrained, data = pretrained_llama(tmp_path / "pretrained")
 
     def score(model: torch.nn.Module) -> float:
         total, count = 0.0, 0
@@ -205,24 +217,11 @@ def test_lora_example_trains_adapters_alone_saves_them_in_peft_format_and_resume
     format hold LoRA's tensors alone, and ``PeftModel.from_pretrained`` loads them into the plain model, which
     scores as the pipeline did. Lightning's checkpoint leaves the frozen base out (``drop_frozen``), and a second
     run resumes from it (the base from its own files)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from finetune_causal_lm import TokenCorpus, next_token_loss
     from safetensors.torch import load_file
 
-    torch.manual_seed(3)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      tie_word_embeddings=False)
-    pretrained = transformers.LlamaForCausalLM(config)
-    data = TokenCorpus(context=32)
-    data.setup("fit")
-    optimizer = torch.optim.AdamW(pretrained.parameters(), lr=0.01)
-    for _, (x, y) in zip(range(20), data.train_dataloader()):
-        optimizer.zero_grad()
-        next_token_loss(pretrained(input_ids=x).logits, y).backward()
-        optimizer.step()
-    pretrained.eval().save_pretrained(tmp_path / "pretrained")
+    pretrained_llama(tmp_path / "pretrained")
     arguments = ["fit", "--config", "configs/finetune_lora/cpu.yaml", f"--model.pretrained={tmp_path / 'pretrained'}",
                  "--model.context=32", "--trainer.strategy.init_args.balance=[2, 2]", "--trainer.max_steps=16",
                  "--trainer.val_check_interval=16", "--model.lr=0.01", f"--trainer.default_root_dir={tmp_path}",

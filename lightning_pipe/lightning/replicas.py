@@ -91,12 +91,7 @@ class Replicas:
             if body.tied_sync is not None:
                 body.tied_sync.params = {f"{body.name}.{name}": p for name, p in
                                          body.named_parameters(remove_duplicate=False) if not p.is_meta}
-        for j, future in enumerate(futures, start=1):
-            try:
-                future.result()
-            except Exception as exc:
-                exc.add_note(f"while building the DistributedDataParallel of stage {j}'s process")
-                raise
+        _wait(futures, "building")
         self._wrap_outside(strategy, body)
         body.pipeline.reduce = self.reducing
         self.active = True
@@ -128,12 +123,7 @@ class Replicas:
         twin = ddp.rebuild_copy(strategy)  # no init_sync: the replicas are in step
         futures = body.hosts.start("refresh_replicas", twin.configure_ddp, timeout=0)
         body.pipeline.runner.averages.refresh(twin.configure_ddp)
-        for j, future in enumerate(futures, start=1):
-            try:
-                future.result()
-            except Exception as exc:
-                exc.add_note(f"while rebuilding the DistributedDataParallel of stage {j}'s process")
-                raise
+        _wait(futures, "rebuilding")
         if not outside:
             return
         wrapped = strategy.model
@@ -165,6 +155,16 @@ class Replicas:
         body.pipeline.runner.averages.replicate(None)
         for future in futures:
             future.result()
+
+
+def _wait(futures: list[Any], doing: str) -> None:
+    """Wait for each remote stage's process (futures in process order from 1), an error noting which."""
+    for j, future in enumerate(futures, start=1):
+        try:
+            future.result()
+        except Exception as exc:
+            exc.add_note(f"while {doing} the DistributedDataParallel of stage {j}'s process")
+            raise
 
 
 def _flags(module: nn.Module) -> tuple[bool, ...]:
