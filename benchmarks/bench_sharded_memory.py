@@ -56,8 +56,12 @@ class StepTimes(pl.Callback):
         self.ends.append(time.perf_counter())
 
 
-def run(layers: int, width: int, stages: int, replicas: int, setting: str, steps: int, out: str) -> None:
-    """One job; every replica's driver writes its pipeline's peaks and step time to ``out``/replica<r>.json."""
+def run(layers: int, width: int, stages: int, replicas: int, setting: str, steps: int, out: str,
+        resume: bool = False) -> None:
+    """One job; every replica's driver writes its pipeline's peaks and step time to ``out``/replica<r>.json.
+    ``resume``: the job resumes from the checkpoint the training job saved in ``out`` instead (the same layout,
+    its ``max_steps`` reached: the checkpoint is read, nothing trained) and writes its peaks to
+    ``out``/resume<r>.json."""
     from lightning_pipe import PipeStrategy
 
     pl.seed_everything(0)
@@ -71,8 +75,13 @@ def run(layers: int, width: int, stages: int, replicas: int, setting: str, steps
     with trainer.init_module():
         model = Body(layers, width)
     data = TensorDataset(torch.randn(16 * replicas * steps, width), torch.randn(16 * replicas * steps, width))
-    trainer.fit(model, DataLoader(data, batch_size=16))
+    trainer.fit(model, DataLoader(data, batch_size=16), ckpt_path=os.path.join(out, "model.ckpt") if resume else None)
     trained = [peak(), *[p["peak"] for p in trainer.strategy.memory_per_process()[1:]]]
+    if resume:
+        assert trainer.global_step == steps, trainer.global_step  # restored, and nothing more trained
+        with open(os.path.join(out, f"resume{trainer.global_rank}.json"), "w") as f:
+            json.dump({"base": base, "peaks": trained}, f)
+        return
     trainer.save_checkpoint(os.path.join(out, "model.ckpt"))
     saved = [peak(), *[p["peak"] for p in trainer.strategy.memory_per_process()[1:]]]
     later = times.ends[2:]
@@ -102,10 +111,16 @@ def main() -> None:
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's mmap threshold dynamic (by default every job runs with "
                              "MALLOC_MMAP_THRESHOLD_=1048576, see the module's docstring)")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="skip the resume (by default each setting's checkpoint is resumed by a job of its own, "
+                             "and each process's peak while resuming is compared with its peak while training)")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--job", nargs=3, metavar=("REPLICAS", "SETTING", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--resume-job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        run(args.layers, args.width, args.stages, int(args.job[0]), args.job[1], args.steps, args.job[2])
+        run(args.layers, args.width, args.stages, int(args.job[0]), args.job[1], args.steps, args.job[2],
+            args.resume_job)
         return
     layer = (args.width * args.width + args.width) * 4
     stage = layer * args.layers / args.stages
@@ -113,30 +128,20 @@ def main() -> None:
           f"per stage, U = {layer / GiB:.3f} GiB per layer; AdamW", flush=True)
     worst: dict[tuple[int, str], float] = {}
     steps: dict[tuple[int, str], float] = {}
+    resumed: dict[tuple[int, str], float] = {}
+    env = dict(os.environ) if args.default_malloc else {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
     for replicas in args.replicas:
-        for setting in SETTINGS:
+        for setting in args.settings:
             out = tempfile.mkdtemp(prefix="lp-bench-sharded-")
             command = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--width",
                        str(args.width), "--stages", str(args.stages), "--steps", str(args.steps),
                        "--job", str(replicas), setting, out]
             start = time.perf_counter()
             try:
-                # Its own session: on a timeout every process of the job is ended, by the job's group id.
-                env = dict(os.environ) if args.default_malloc else {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
-                proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, env=env)
-                try:
-                    _, err = proc.communicate(timeout=args.timeout)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)
-                    proc.communicate()
-                    raise SystemExit(f"d={replicas} {setting}: no result within {args.timeout:.0f} s") from None
-                if proc.returncode != 0:
-                    raise SystemExit(f"d={replicas} {setting} failed:\n{err[-3000:]}")
-                results = []
-                for r in range(replicas):
-                    with open(os.path.join(out, f"replica{r}.json")) as f:
-                        results.append(json.load(f))
+                results = _job(command, replicas, out, "replica", args.timeout, env, f"d={replicas} {setting}")
+                if not args.no_resume:
+                    resumes = _job([*command, "--resume-job"], replicas, out, "resume", args.timeout, env,
+                                   f"d={replicas} {setting} resuming")
             finally:
                 shutil.rmtree(out, ignore_errors=True)
             held = [p - result["base"] for result in results for p in result["peaks"]]
@@ -148,12 +153,43 @@ def main() -> None:
                   f"process above base (GiB) {' '.join(f'{b / GiB:.2f}' for b in held)}; theory "
                   f"{expected / GiB:.2f}, worst/theory {max(held) / expected:.2f}; with the sharded save "
                   f"{max(saving) / GiB:.2f}; step {steps[replicas, setting] * 1000:.0f} ms", flush=True)
+            if not args.no_resume:  # each process against itself (same replica, same stage) while training
+                resuming = [p - result["base"] for result in resumes for p in result["peaks"]]
+                resumed[replicas, setting] = max(r / t for r, t in zip(resuming, held))
+                print(f"{'':19s} resuming from its checkpoint: peak per process above base (GiB) "
+                      f"{' '.join(f'{b / GiB:.2f}' for b in resuming)}; resuming / training per process "
+                      f"{' '.join(f'{r / t:.2f}' for r, t in zip(resuming, held))}", flush=True)
     for replicas in args.replicas:
-        for setting in SETTINGS[1:]:
-            print(f"RESULT p={args.stages} d={replicas} {setting}: worst process / NO_SHARD's worst = "
-                  f"{worst[replicas, setting] / worst[replicas, 'NO_SHARD']:.2f} (theory "
-                  f"{theory(setting, stage, layer, replicas) / theory('NO_SHARD', stage, layer, replicas):.2f}), "
-                  f"step time / NO_SHARD's = {steps[replicas, setting] / steps[replicas, 'NO_SHARD']:.2f}")
+        for setting in args.settings:
+            if setting != "NO_SHARD" and "NO_SHARD" in args.settings:
+                print(f"RESULT p={args.stages} d={replicas} {setting}: worst process / NO_SHARD's worst = "
+                      f"{worst[replicas, setting] / worst[replicas, 'NO_SHARD']:.2f} (theory "
+                      f"{theory(setting, stage, layer, replicas) / theory('NO_SHARD', stage, layer, replicas):.2f}), "
+                      f"step time / NO_SHARD's = {steps[replicas, setting] / steps[replicas, 'NO_SHARD']:.2f}")
+            if (replicas, setting) in resumed:
+                print(f"RESULT p={args.stages} d={replicas} {setting} resume: largest peak_resuming/peak_training "
+                      f"of a process = {resumed[replicas, setting]:.2f}")
+
+
+def _job(command: list[str], replicas: int, out: str, name: str, timeout: float, env: dict[str, str],
+         what: str) -> list[dict[str, object]]:
+    """Run one job in its own session (on a timeout every process of it is ended, by the job's group id); what
+    each replica's driver wrote to ``out``/<name><r>.json."""
+    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        raise SystemExit(f"{what}: no result within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{err[-3000:]}")
+    results = []
+    for r in range(replicas):
+        with open(os.path.join(out, f"{name}{r}.json")) as f:
+            results.append(json.load(f))
+    return results
 
 
 if __name__ == "__main__":

@@ -277,14 +277,16 @@ class PipelineCheckpoints(PipelineProcesses):
             # The body's load_state_dict hands the remote layers' entries to their stages.
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
             return
-        # Sharded: each process reads its own entries by key, whatever split saved them.
+        # Sharded: each process reads its own entries by key, whatever split saved them (of a tensor it holds as a
+        # shard, the shard's bytes alone).
         module, body = self.lightning_module, self._remote()
-        names = list(module_state_dict(module, checks.body_of(module, self.module_name), False))
+        held = module_state_dict(module, checks.body_of(module, self.module_name), False)
+        names = list(held)
         sharded.check_names(info, names, strict)
         remote = {layer for layer, process in body.owner.items() if process} if body is not None else set()
         prefixes = tuple(f"{self.module_name}.{layer}." for layer in remote)
         futures = body.hosts.start("load_shards", info["path"], info["index"], strict, timeout=0) if body else []
-        module.load_state_dict(sharded.local_tensors(info, [n for n in names if not n.startswith(prefixes)]),
+        module.load_state_dict(sharded.local_tensors(info, [n for n in names if not n.startswith(prefixes)], held),
                                strict=False)
         for future in futures:
             future.result()

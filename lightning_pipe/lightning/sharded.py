@@ -157,20 +157,29 @@ def check_names(info: Mapping[str, Any], expected: Sequence[str], strict: bool) 
                            f"{' ...' if len(unexpected) > 5 else ''}); pass strict=False to load what matches")
 
 
-def local_tensors(info: Mapping[str, Any], names: Sequence[str]) -> dict[str, Tensor]:
-    """The entries ``names`` (this process's) read from the checkpoint."""
-    return shards.read_tensors(info["path"], names)
+def local_tensors(info: Mapping[str, Any], names: Sequence[str], held: Mapping[str, Tensor] | None = None
+                  ) -> dict[str, Tensor]:
+    """The entries ``names`` (this process's) read from the checkpoint. ``held``: this process's tensors by name;
+    an entry held as a shard (a ``DTensor``: a stage sharded over its replicas) is read as that shard alone."""
+    from lightning_pipe.transport import sharding
+
+    held, present = held or {}, set(info["index"])
+    shards_of = {n: sharding.empty_like(held[n], held[n].dtype) for n in names
+                 if n in present and n in held and sharding.is_dtensor(held[n])}
+    shards.read_into(info["path"], shards_of)
+    return {**shards.read_tensors(info["path"], [n for n in names if n not in shards_of]), **shards_of}
 
 
 def local_optimizer_state(info: Mapping[str, Any], k: int, group_state: Mapping[str, Any],
                           optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Optimizer ``k``'s ``state_dict`` for this process's parameters: their states from the checkpoint, the
-    parameter groups (hyper-parameters) as saved; ``optimizer`` spans the whole model in the plain model's
-    order (its remote parameters as placeholders), as the one that saved did."""
+    """Optimizer ``k``'s ``state_dict`` for this process's parameters: their states from the checkpoint (a
+    parameter held as a shard, its states' shards alone), the parameter groups (hyper-parameters) as saved;
+    ``optimizer`` spans the whole model in the plain model's order (its remote parameters as placeholders), as the
+    one that saved did."""
     names = list(optimizer._lp_names)  # type: ignore[attr-defined]
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    own = [n for n, p in zip(names, params) if not p.is_meta]
-    states = shards.read_optimizer_states(info["path"], k, own)
+    own = {n: p for n, p in zip(names, params) if not p.is_meta}
+    states = shards.read_optimizer_states(info["path"], k, list(own), held=own)
     index = {n: i for i, n in enumerate(names)}
     return {"state": {index[n]: s for n, s in states.items()}, "param_groups": group_state["param_groups"]}
 

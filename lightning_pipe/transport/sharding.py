@@ -316,10 +316,20 @@ def full(t: Tensor) -> Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
+def empty_like(param: Tensor, dtype: torch.dtype) -> Tensor:
+    """An uninitialised ``DTensor`` of ``dtype`` held as the ``DTensor`` ``param`` is (its mesh, placements and
+    this process's shard of it, on its device): what a shard of a checkpoint's entry is read into."""
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local()
+    return DTensor.from_local(torch.empty(local.shape, dtype=dtype, device=local.device), param.device_mesh,
+                              param.placements, run_check=False, shape=param.shape, stride=param.stride())
+
+
 def like(param: Tensor, value: Tensor) -> Tensor:
     """``value`` (whole, the shape of ``param``) as ``param`` is held: its shard as a ``DTensor`` where ``param``
-    is one, else itself."""
-    if not is_dtensor(param) or value.shape != param.shape:
+    is one, else itself (a ``DTensor`` already, read as its shard alone: itself)."""
+    if not is_dtensor(param) or is_dtensor(value) or value.shape != param.shape:
         return value
     from torch.distributed.tensor import distribute_tensor
 

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import pickle
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -164,11 +165,79 @@ def paths(metadata: Any) -> dict[str, tuple[Any, ...]]:
     return {key: tuple(mapping.get(key, (key,))) for key in metadata.state_dict_metadata}
 
 
-def read(directory: str, wanted: Callable[[tuple[Any, ...]], bool], metadata: Any = None
-         ) -> dict[tuple[Any, ...], Any]:
-    """The entries whose path ``wanted`` accepts, by path, read on CPU (DCP reads only their bytes)."""
-    import torch.distributed.checkpoint as dcp
+class _Part:
+    """Where one stored tensor's bytes lie in its file (DCP stores each as ``torch.save`` writes it: a small zip
+    archive), found from the archive's index and pickle alone, on the meta device: no data read."""
+
+    def __init__(self, view: Any) -> None:
+        header = torch.load(view, map_location="meta", weights_only=True)
+        self.offset = header.untyped_storage()._checkpoint_offset  # of its data, from the archive's start
+        self.dtype, self.stride, self.start = header.dtype, header.stride(), header.storage_offset()
+
+    def span(self, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:
+        """The first element and the element past the last of the block at ``offsets`` of ``lengths``, in the
+        stored tensor's storage (the rows of a block of whole rows are contiguous: just their bytes)."""
+        first = self.start + sum(o * s for o, s in zip(offsets, self.stride))
+        if any(n == 0 for n in lengths):
+            return first, first
+        return first, first + sum((n - 1) * s for n, s in zip(lengths, self.stride)) + 1
+
+
+def _reader(directory: str) -> Any:
+    """DCP's file-system reader of ``directory``, except that of each stored tensor it reads only the bytes of the
+    part asked for: a shard of a ``DTensor`` (a stage sharded over its replicas) from a tensor saved whole costs
+    the shard's bytes, read and held, not the tensor's. (DCP's own reader loads every stored tensor whole and
+    then narrows it.) Stored items it does not know how to cut (transformed by an extension, or whose
+    archive's data cannot be located: another byte order, a torch that does not say) are read by DCP's way."""
+    import sys
+
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    class Reader(FileSystemReader):
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            theirs, ours = [], []
+            for item in plan.items:
+                stored = self.storage_data[item.storage_index]
+                plain = item.type == LoadItemType.TENSOR and not stored.transform_descriptors
+                (ours if plain and sys.byteorder == "little" else theirs).append(item)
+            by_file: dict[str, list[Any]] = {}
+            for item in ours:
+                by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for relative, items in by_file.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, relative), "rb") as stream:
+                    for item in items:
+                        if not self._read_part(stream, item, planner):
+                            theirs.append(item)
+            return super().read_data(dataclasses.replace(plan, items=theirs), planner)
+
+        def _read_part(self, stream: Any, item: Any, planner: Any) -> bool:
+            stored = self.storage_data[item.storage_index]
+            try:
+                part = _Part(self._slice_file(stream, stored))
+            except (AttributeError, RuntimeError, ValueError, pickle.UnpicklingError):
+                return False
+            first, end = part.span(item.storage_offsets, item.lengths)
+            size = torch.empty((), dtype=part.dtype).element_size()
+            data = bytearray((end - first) * size)
+            stream.seek(stored.offset + part.offset + first * size)
+            if stream.readinto(data) != len(data):
+                raise OSError(f"{self.path}/{stored.relative_path} ends before the tensor stored at offset "
+                              f"{stored.offset} does: a truncated checkpoint file")
+            target = planner.resolve_tensor(item).detach()
+            if data:  # (an empty block: nothing to copy)
+                target.copy_(torch.frombuffer(data, dtype=part.dtype).as_strided(tuple(item.lengths), part.stride))
+            planner.commit_tensor(item, target)
+            return True
+
+    return Reader(directory)
+
+
+def read(directory: str, wanted: Callable[[tuple[Any, ...]], bool], metadata: Any = None,
+         into: Callable[[tuple[Any, ...], Any], Tensor | None] | None = None) -> dict[tuple[Any, ...], Any]:
+    """The entries whose path ``wanted`` accepts, by path, read on CPU; ``into(path, metadata)`` may give a tensor
+    to read an entry into instead (a ``DTensor``: its own shard alone is read, see :func:`_reader`)."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = read_metadata(directory) if metadata is None else metadata
@@ -176,25 +245,25 @@ def read(directory: str, wanted: Callable[[tuple[Any, ...]], bool], metadata: An
     if not keys:
         return {}
     flat: dict[str, Any] = {}
-    for key in keys:
+    for key, path in keys.items():
         md = metadata.state_dict_metadata[key]
-        flat[key] = (torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata)
-                     else None)  # bytes: DCP puts the object it unpickles there
+        target = into(path, md) if into is not None and isinstance(md, TensorStorageMetadata) else None
+        flat[key] = (target if target is not None else torch.empty(md.size, dtype=md.properties.dtype)
+                     if isinstance(md, TensorStorageMetadata) else None)  # bytes: DCP puts the object there
     with _single_process():
-        dcp.load(flat, storage_reader=FileSystemReader(directory), no_dist=True)
+        dcp.load(flat, storage_reader=_reader(directory), no_dist=True)
     return {path: flat[key] for key, path in keys.items()}
 
 
 def read_into(directory: str, targets: Mapping[str, Tensor]) -> None:
     """Read the state-dict entries ``targets`` names into those tensors, in place: into a ``DTensor`` its own
-    shard alone (DCP reads only the bytes of the chunks that overlap it), whichever layout saved them."""
+    shard alone (only the bytes of that shard are read, :func:`_reader`), whichever layout saved them."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
     if not targets:
         return
     with _single_process():
-        dcp.load({STATE: dict(targets)}, storage_reader=FileSystemReader(directory), no_dist=True)
+        dcp.load({STATE: dict(targets)}, storage_reader=_reader(directory), no_dist=True)
 
 
 def read_tensors(directory: str, names: Iterable[str], metadata: Any = None) -> dict[str, Tensor]:
@@ -204,12 +273,23 @@ def read_tensors(directory: str, names: Iterable[str], metadata: Any = None) -> 
     return {path[1]: t for path, t in found.items()}
 
 
-def read_optimizer_states(directory: str, k: int, names: Sequence[str], metadata: Any = None
-                          ) -> dict[str, dict[str, Any]]:
-    """Optimizer ``k``'s per-parameter states of ``names`` (those the checkpoint has), by name."""
+def read_optimizer_states(directory: str, k: int, names: Sequence[str], metadata: Any = None,
+                          held: Mapping[str, Tensor] | None = None) -> dict[str, dict[str, Any]]:
+    """Optimizer ``k``'s per-parameter states of ``names`` (those the checkpoint has), by name. ``held``: the
+    parameters by name; a state of a parameter held as a shard (a ``DTensor``: a stage sharded over its replicas),
+    of the parameter's shape, is read as that shard alone (a ``DTensor`` like the parameter)."""
+    from lightning_pipe.transport import sharding
+
     names, optimizer = set(names), str(k)
+
+    def into(path: tuple[Any, ...], md: Any) -> Tensor | None:
+        param = (held or {}).get(path[2])
+        if param is None or not sharding.is_dtensor(param) or tuple(md.size) != tuple(param.shape):
+            return None
+        return sharding.empty_like(param, md.properties.dtype)
+
     found = read(directory, lambda p: len(p) == 4 and p[0] == OPTIMIZER and p[1] == optimizer and p[2] in names,
-                 metadata)
+                 metadata, into)
     out: dict[str, dict[str, Any]] = {}
     for path, value in found.items():
         out.setdefault(path[2], {})[path[3]] = value

@@ -170,23 +170,14 @@ class StageState:
         self.load_state_dict(shards.read_tensors(directory, [n for n in names if n in held]), strict=False)
 
     def load_optimizer_shards(self, directory: str, k: int) -> None:
-        """Load optimizer ``k``'s states of this process's parameters from a sharded checkpoint (read one
-        parameter at a time where the stage is sharded: no process holds more than one whole state tensor)."""
+        """Load optimizer ``k``'s states of this process's parameters from a sharded checkpoint (where the stage is
+        sharded over its replicas, each state of a parameter's shape is read as this process's shard alone: only
+        its bytes are read, never the whole tensor)."""
         if k not in self.optimizers:
             return
-        _, names = self.optimizers[k]
-        if not self.is_sharded():
-            self.load_optimizer_state(k, shards.read_optimizer_states(directory, k, names))
-            return
-        optimizer, _ = self.optimizers[k]
+        optimizer, names = self.optimizers[k]
         params = dict(zip(names, (p for g in optimizer.param_groups for p in g["params"])))
-        metadata = shards.read_metadata(directory)
-        states = {}
-        for name in names:
-            for n, state in shards.read_optimizer_states(directory, k, [name], metadata).items():
-                states[n] = {key: sharding.like(params[n], v) if isinstance(v, Tensor) else v
-                             for key, v in state.items()}
-        optim.load_state_by_name(optimizer, names, states)
+        self.load_optimizer_state(k, shards.read_optimizer_states(directory, k, names, held=params))
 
     def state_dict_names(self) -> list[str]:
         """The names of this process's entries, as the LightningModule's ``state_dict`` has them."""
