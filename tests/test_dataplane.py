@@ -100,6 +100,81 @@ def _within(tensor, buffer):
     return buffer.data_ptr() <= tensor.data_ptr() < buffer.data_ptr() + buffer.numel()
 
 
+def _two_planes(key: str):
+    """The data planes of two processes of pipeline ``key`` (ranks 0 and 1), both in this process, over real gloo
+    groups (one per sender, as ``rendezvous`` makes them) met in an in-memory store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_pipe.transport.dataplane import DataPlane
+
+    store, groups = dist.HashStore(), {}
+
+    def join(rank: int) -> None:  # each rank's groups, made at once (they meet)
+        groups[rank] = [dist.ProcessGroupGloo(dist.PrefixStore(f"{sender}/", store), rank, 2,
+                                              datetime.timedelta(seconds=20)) for sender in range(2)]
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return [DataPlane(key, groups[rank], rank, ["p0", "p1"], 5.0, None) for rank in range(2)]
+
+
+@pytest.mark.timeout(60)
+def test_a_send_racing_close_is_delivered_and_every_sends_future_completes(monkeypatch):
+    """Process 0 sends 5 hand-offs to process 1 while another of its threads closes its plane, between the
+    checks of the 4th send and its start (forced: that send's encoding waits for the close). Each send is either
+    on the channel ahead of ``CLOSE`` or refused (None: the runner sends it by RPC, into the mailbox, as here), so
+    process 1 takes all 5; and every future a send returned completes, at the latest once the plane is closed.
+    Before, the 4th went on the channel after ``CLOSE``, where process 1 never looks (its take waited out the
+    timeout), and ``close()`` dropped the first 3 sends' future unfinished (a share waiting on it hung)."""
+    from lightning_pipe.transport import dataplane
+    from lightning_pipe.transport.messages import MAILBOX
+
+    sender, receiver = _two_planes("racing-close")
+    slots = [("racing-close", 0, "F", i, 1, 0) for i in range(5)]
+    reached, released = threading.Event(), threading.Event()
+    real = dataplane.encode
+
+    def encode(kind, slot, payload, **kwargs):
+        if slot == slots[3]:  # checked that the plane carries it, not started yet: the close comes now
+            reached.set()
+            assert released.wait(10)
+        return real(kind, slot, payload, **kwargs)
+
+    monkeypatch.setattr(dataplane, "encode", encode)
+    futures, refused = [], []
+
+    def send_all() -> None:
+        for i, slot in enumerate(slots):
+            sent = sender.send("p1", slot, (torch.full((3,), float(i)),))
+            if sent is None:  # what StageRunner._send does then: by RPC, into the receiver's mailbox
+                refused.append(i)
+                MAILBOX.put(slot, (torch.full((3,), float(i)),))
+            else:
+                futures.append(sent)
+
+    thread = threading.Thread(target=send_all)
+    thread.start()
+    assert reached.wait(10)
+    closing = threading.Thread(target=sender.close)
+    closing.start()
+    closing.join(timeout=10)
+    released.set()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and not closing.is_alive()
+    assert 4 in refused, refused  # once the plane is closed, a send goes by RPC
+    for i, slot in enumerate(slots):
+        (value,) = receiver.take("p0", slot, 3.0, lambda i=i: f"taking hand-off {i}")
+        assert torch.equal(value, torch.full((3,), float(i))), i
+    for sent in futures:
+        assert sent.result(timeout=3) is None
+    receiver.close()
+
+
 def test_a_payload_beyond_tuples_lists_and_plain_values_crosses_too():
     """What is not tuples and lists of tensors and plain values (a dict, bytes, a tensor of a dtype numpy lacks)
     is pickled the other way, with persistent ids, and crosses as it is, its tensors views of the receive."""

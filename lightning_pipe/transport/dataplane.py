@@ -158,8 +158,9 @@ class DataPlane:
             return None
         if self.max_bytes is not None and len(message) > self.max_bytes:
             return None
-        sent = self._send(self._rank_of[name], message, None, describe or (lambda: f"sending to {where(name)}"), True)
-        self.sent += slot[2] != ANSWER
+        describe = describe or (lambda: f"sending to {where(name)}")
+        started, sent = self._send(self._rank_of[name], message, None, describe, True)
+        self.sent += started and slot[2] != ANSWER
         return sent
 
     def send_step(self, name: str, run: int, step: tuple[Any, ...]) -> bool:
@@ -176,16 +177,13 @@ class DataPlane:
         if self.max_bytes is not None and len(message) > self.max_bytes:
             return False
         sent: Future[Any] = Future()
-        self._send(self._rank_of[name], message, sent, lambda: f"sending a step to {where(name)}")
-        return not (sent.done() and sent.exception() is not None)
+        started, _ = self._send(self._rank_of[name], message, sent, lambda: f"sending a step to {where(name)}")
+        return started and not (sent.done() and sent.exception() is not None)
 
     def alive(self, name: str, run: int) -> bool:
         """Tell process ``name`` (the driver) that this one still works on run ``run``; False where this plane
         does not carry it."""
-        if not self.carries(name):
-            return False
-        self._send(self._rank_of[name], control(ALIVE, run), None, lambda: "")
-        return True
+        return self.carries(name) and self._send(self._rank_of[name], control(ALIVE, run), None, lambda: "")[0]
 
     def send_many(self, name: str, run: int, items: Sequence[tuple[Slot, Any]]) -> Future[Any] | None:
         """Start sending several ``(slot, payload)`` items of run ``run`` to process ``name`` in one message
@@ -204,8 +202,12 @@ class DataPlane:
                 self._send(peer, control(ABORT, run), None, lambda: "")
 
     def _send(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str],
-              batch: bool = False) -> Future[Any] | None:
+              batch: bool = False) -> tuple[bool, Future[Any] | None]:
+        """Start ``message`` (``GROW`` first where it needs a larger receive); whether it started (not once the plane
+        is closed: nothing follows ``CLOSE`` on a channel, a send racing :meth:`close` goes by RPC), and its future."""
         with self._lock:
+            if self.closed:
+                return False, None
             if batch:  # the sends until the next flush share one future (one of its own costs ~4 µs a send)
                 sent = self._batch = self._batch if self._batch is not None and not self._batch.done() else Future()
             posted = self._posted[peer]
@@ -215,7 +217,7 @@ class DataPlane:
                     self._start(peer, control(GROW, grown), None, describe)  # one per smaller receive
                     self._capacity[peer] = grown
             self._start(peer, message, sent, describe)
-        return sent
+        return True, sent
 
     def _start(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str]) -> None:
         """Send ``message`` to ``peer``; a data message's send completes ``sent`` at :meth:`flush`, a control
@@ -383,16 +385,13 @@ class DataPlane:
         return thread
 
     def close(self) -> None:
-        """Tell every peer this process sends no more: a stage waiting for it looks in the mailbox instead."""
+        """Tell every peer this process sends no more (a stage waiting for it looks in the mailbox instead), then
+        see the sends started before through, completing their futures (a share racing this may never flush them).
+        ``CLOSE`` goes under the lock that starts sends: no send follows it, later ones go by RPC."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-        for peer in self._channels:
-            try:
-                self._send(peer, control(CLOSE, 0), None, lambda: "")
-            except Exception:  # noqa: BLE001 - a peer already gone has nothing to end
-                pass
-        with self._lock:
-            self._lingering += [(peer, order, work) for work, _, _, peer, order in self._pending]
-            self._pending, self._batch = [], None
+            for peer in self._channels:  # (a failed send marks its channel; a peer gone has nothing to end)
+                self._start(peer, control(CLOSE, 0), None, lambda: "")
+        self.flush()
