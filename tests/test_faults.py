@@ -140,6 +140,87 @@ def test_a_crash_while_saving_a_sharded_checkpoint_never_leaves_one_that_looks_c
         torch.testing.assert_close(last[key], uninterrupted[key], rtol=0, atol=0, msg=key)
 
 
+#: A sharded run saving every epoch: epoch=0.ckpt, last.ckpt, epoch=1.ckpt, then last.ckpt replaced (the 4th save).
+SHARDED_EVERY_EPOCH = {"state_dict_type": "sharded", "optimizer": "adamw", "scheduler": "step", "epochs": 2,
+                       "save_every": "epoch"}
+
+
+def _killed_replacing_last(out: Path, env: dict[str, str]) -> Path:
+    """Train SHARDED_EVERY_EPOCH until the main process is killed right after the first step of replacing
+    last.ckpt at epoch 1 (``LP_CRASH_AT_SAVE=4:after``); the checkpoint directory it left."""
+    result = run_script("train.py", json.dumps(SHARDED_EVERY_EPOCH), str(out), timeout=240, expect_ok=False,
+                        env={"LP_CRASH_AT_SAVE": "4:after", **env})
+    assert result.returncode != 0 and not (out / "result.json").exists(), result.stdout[-3000:]
+    return out / "ckpts"
+
+
+def _staged(ckpts: Path, kind: str) -> list[Path]:
+    return sorted(p for p in ckpts.iterdir() if p.name.startswith(".last.ckpt" + kind))
+
+
+def _step(path: Path) -> int:
+    from lightning_pipe.lightning.sharded import read_meta
+
+    return read_meta(str(path))["global_step"]
+
+
+@pytest.mark.timeout(600)
+def test_killed_between_the_two_renames_of_a_replaced_checkpoint_resume_from_last_finds_the_previous_one(tmp_path):
+    """On a file system that cannot swap two directories (NFS, Lustre: LP_NO_EXCHANGE), a replaced sharded
+    checkpoint goes aside (``.last.ckpt.old-<owner>``) before the new one takes its name. The main process killed
+    between the two renames left no last.ckpt at all, and ``fit(ckpt_path="last")`` found nothing: it trained from
+    scratch. Now the next launch puts the previous checkpoint back (its save's process is dead), resumes from it to
+    the weights the uninterrupted run had (its epoch=1.ckpt, saved before the kill), and clears what the dead job
+    left, but not the staging directory of a save still running (this test's own process)."""
+    import torch
+
+    import lightning_pipe
+    from lightning_pipe.transport import placing
+
+    ckpts = _killed_replacing_last(tmp_path, {"LP_NO_EXCHANGE": "1"})
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    (old,), (new,) = _staged(ckpts, placing.OLD), _staged(ckpts, placing.PARTIAL)
+    assert (_step(old), _step(new)) == (8, 16)  # the previous last.ckpt aside, the new one complete but not in place
+    lightning_pipe.consolidate_checkpoint(str(ckpts / "epoch=1.ckpt"), str(tmp_path / "uninterrupted.pt"))
+    running = Path(placing.staging(str(ckpts / "epoch=9.ckpt"), placing.PARTIAL))
+    running.mkdir()  # a save of a process that runs (this one): never touched
+
+    result = run_script("train.py", json.dumps({**SHARDED_EVERY_EPOCH, "resume": "last"}), str(tmp_path),
+                        timeout=240)
+    assert f"Restored all states from the checkpoint at {ckpts / 'last.ckpt'}" in result.stdout, result.stdout[-3000:]
+    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == 16
+    lightning_pipe.consolidate_checkpoint(str(tmp_path / "final.ckpt"), str(tmp_path / "resumed.pt"))
+    resumed, uninterrupted = (torch.load(tmp_path / n, weights_only=True) for n in ("resumed.pt", "uninterrupted.pt"))
+    torch.testing.assert_close(resumed["state_dict"], uninterrupted["state_dict"], rtol=1e-5, atol=1e-6)
+    assert [p.name for p in ckpts.iterdir() if p.name.startswith(".")] == [running.name]  # the dead job's: gone
+    assert (ckpts / "last.ckpt").is_dir()
+
+
+@pytest.mark.timeout(400)
+def test_killed_right_after_a_checkpoint_is_swapped_into_place_it_is_whole_and_the_next_sweep_clears_the_old(
+        tmp_path):
+    """Where the file system swaps two directories in one step (renameat2's RENAME_EXCHANGE: ext4, XFS, tmpfs),
+    last.ckpt holds a whole checkpoint at every moment: killed right after the swap, it is the new one (epoch 1's
+    step 16), the previous one under the staging name, which the next sweep (a save, a resume or a launch in
+    that folder) removes, its process being dead."""
+    from lightning_pipe.transport import placing
+
+    probe = [tmp_path / "a", tmp_path / "b"]
+    for p in probe:
+        p.mkdir()
+    if not placing.exchange(str(probe[0]), str(probe[1])):
+        pytest.skip("this file system has no swap (renameat2's RENAME_EXCHANGE)")
+    ckpts = _killed_replacing_last(tmp_path / "job", {})
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == \
+        ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
+    (previous,) = _staged(ckpts, placing.PARTIAL)
+    assert (_step(ckpts / "last.ckpt"), _step(previous)) == (16, 8)
+    assert not _staged(ckpts, placing.OLD)
+    assert len(placing.sweep(str(ckpts))) == 1
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
+    assert _step(ckpts / "last.ckpt") == 16
+
+
 @pytest.mark.timeout(120)
 def test_anomaly_detection_reaches_the_stage_that_makes_a_nan(tmp_path):
     """Trainer(detect_anomaly=True): as on one device, the backward function that returned NaN is named, in

@@ -38,7 +38,7 @@ from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.optimizers import StageOptimizers, raw
 from lightning_pipe.lightning.processes import PipelineProcesses
 from lightning_pipe.lightning.streamed import Source, save_streamed
-from lightning_pipe.transport import optim, sharding, shards
+from lightning_pipe.transport import optim, placing, sharding, shards
 
 __all__: list[str] = []
 
@@ -61,13 +61,37 @@ def save_atomically(save: Callable[[str], None], path: str) -> None:
     if "://" in path:
         save(path)
         return
-    temporary = shards.staging(path, ".tmp")
+    temporary = shards.staging(path, placing.TMP)
+    placing.sweep(os.path.dirname(os.path.abspath(path)))  # what saves of dead processes left there
     try:
         save(temporary)
         os.replace(temporary, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)
+
+
+def sweep_checkpoint_folders(trainer: pl.Trainer | None) -> None:
+    """Clear the folders where ``trainer`` saves and looks for checkpoints (each ``ModelCheckpoint``'s, and the
+    root directory, where Lightning's SLURM requeue saves) of what saves of processes that no longer run left
+    there, a checkpoint a dead save was replacing put back at its name
+    (:func:`~lightning_pipe.transport.placing.sweep`). Run as the job is launched: before Lightning looks for
+    ``fit(ckpt_path="last")``, which finds only what is at its name."""
+    if trainer is None:
+        return
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    folders = {getattr(trainer, "default_root_dir", None)}
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        if isinstance(callback, ModelCheckpoint):
+            folder = callback.dirpath
+            if folder is None:  # where Lightning will put them (the logger's version folder)
+                with contextlib.suppress(Exception):
+                    folder = callback._ModelCheckpoint__resolve_ckpt_dir(trainer)  # type: ignore[attr-defined]
+            folders.add(folder)
+    for folder in folders:
+        if isinstance(folder, (str, os.PathLike)) and "://" not in str(folder):
+            placing.sweep(os.fspath(folder))
 
 
 @contextlib.contextmanager
@@ -258,6 +282,8 @@ class PipelineCheckpoints(PipelineProcesses):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if isinstance(checkpoint_path, (str, os.PathLike)):  # a save that died replacing it: the one it replaced
+            placing.recover(os.fspath(checkpoint_path))
         if sharded.is_sharded(checkpoint_path):
             return sharded.read_meta(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)

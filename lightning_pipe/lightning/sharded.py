@@ -5,9 +5,10 @@ Every process of replica 0's pipeline writes its own stage's weights and optimiz
 (:mod:`lightning_pipe.transport.shards`), at once; the main process writes its own, the rest of Lightning's
 checkpoint (loops, callbacks, schedulers, hyper-parameters, optimizers' parameter groups) as one entry, and
 last DCP's ``.metadata`` for every process's entries. Nothing is gathered anywhere. The files are written into
-``.<name>.partial-<pid>`` beside it (``shards.staging``) and the directory renamed to ``<path>`` once
-``.metadata`` is in: a crash midway leaves the partial directory, never a ``<path>`` that looks whole, and the
-previous checkpoints untouched::
+``.<name>.partial-<owner>`` beside it (``shards.staging``) and the directory put at ``<path>`` once ``.metadata`` is
+in (:func:`~lightning_pipe.transport.placing.put_in_place`): a crash at any moment leaves the previous checkpoint
+(or this one) findable, never a ``<path>`` that looks whole and is not, and what a dead save left behind is
+cleared by the next save, the next resume or the next launch (:func:`~lightning_pipe.transport.placing.sweep`)::
 
     epoch=3-step=400.ckpt/
         .metadata          DCP's index of every entry (written last, by the main process)
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pipe.transport import optim, shards
+from lightning_pipe.transport import optim, placing, shards
 
 __all__ = ["consolidate_checkpoint", "is_sharded"]
 
@@ -58,9 +59,11 @@ def _own(checkpoint: Mapping[str, Any], optimizers: Sequence[torch.optim.Optimiz
 
 
 def prepare(path: str) -> str:
-    """An empty directory where this process stages a sharded checkpoint for ``path`` (what an earlier save left
-    there removed), made before any process writes into it."""
-    partial = shards.staging(path, ".partial-")
+    """An empty directory where this process stages a sharded checkpoint for ``path`` (what an earlier save of
+    this process left there removed, and what saves of processes that no longer run left beside it: see
+    :mod:`~lightning_pipe.transport.placing`), made before any process writes into it."""
+    partial = shards.staging(path, placing.PARTIAL)
+    placing.sweep(os.path.dirname(os.path.abspath(path)))
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     return partial
@@ -89,7 +92,7 @@ def save(checkpoint: Mapping[str, Any], path: str, hosts: Any, optimizers: Seque
         rest["lightning_pipe"] = {**FORMAT, "names": list(checkpoint["state_dict"])}  # the plain model's order
         shards.write_shard(partial, 0, shards.entries(local, own, rest), group=together,
                            others=lambda: [part for future in futures for part in [future.result()] if part])
-        _swap(partial, path)
+        placing.put_in_place(partial, path)  # at every moment, a complete checkpoint at path (or in .old-)
     except BaseException:
         for future in futures:  # the others stop writing into it before it goes
             with contextlib.suppress(BaseException):
@@ -110,20 +113,6 @@ def save_shards(checkpoint: Mapping[str, Any], partial: str, hosts: Any,
     finally:
         for future in futures:
             future.result()
-
-
-def _swap(partial: str, path: str) -> None:
-    """Put the complete directory ``partial`` at ``path``, replacing what is there."""
-    if os.path.lexists(path):
-        old = shards.staging(path, ".old-")
-        os.rename(path, old)
-        os.rename(partial, path)
-        if os.path.isdir(old) and not os.path.islink(old):
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.remove(old)
-    else:
-        os.rename(partial, path)
 
 
 def read_meta(path: str) -> dict[str, Any]:

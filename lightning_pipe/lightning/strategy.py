@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_pipe import packages
 from lightning_pipe.engine.deferred import deferred_init
-from lightning_pipe.lightning import checks, ddp, observe, settings
+from lightning_pipe.lightning import checkpoints, checks, ddp, observe, settings
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build, deferred_recording
 from lightning_pipe.lightning.checkpoints import PipelineCheckpoints
@@ -150,6 +150,9 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         """Reject Trainer settings this strategy cannot honour (run where :meth:`check_model` runs)."""
         checks.check_settings(trainer, self._layer_sync is not None)
         ddp.check_settings(self._ddp_kwargs, trainer)
+        # Not a check, but run where the checks run (as the job is launched, before fit looks for ckpt_path="last"):
+        # what a dead job's saves left in the checkpoint folders, cleared, a checkpoint it was replacing put back.
+        checkpoints.sweep_checkpoint_folders(trainer)
 
     def _sharding(self) -> Any:
         """How each stage is sharded over its replicas (None: DDP, ``NO_SHARD``)."""

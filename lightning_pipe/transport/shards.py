@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.transport.placing import staging  # noqa: F401 - the save paths stage through here
+
 __all__: list[str] = []
 
 #: DCP's metadata file: the last file written, and what makes a directory a sharded checkpoint.
@@ -327,15 +329,6 @@ def sharded_checkpoints(folder: str, depth: int = 4) -> list[str]:
         elif depth > 1:
             found.extend(sharded_checkpoints(entry.path, depth - 1))
     return found
-
-
-def staging(path: str, kind: str) -> str:
-    """Where a checkpoint for ``path`` is written before it is renamed into place: beside it, hidden, tagged
-    ``kind`` (``".tmp"`` for a file, ``".partial-"`` for a sharded directory) and this process's id, and never
-    holding Lightning's ``hpc_ckpt_`` (Lightning takes the digits of every name holding it for a version, so a
-    half-written ``hpc_ckpt_2.ckpt.tmp123`` would make every later resume look for version 2123)."""
-    head, tail = os.path.split(os.path.normpath(path))
-    return os.path.join(head, f".{tail.replace('hpc_ckpt_', 'hpc-ckpt-')}{kind}{os.getpid()}")
 
 
 def check_directory(path: str, limit: int = 20) -> None:

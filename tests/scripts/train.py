@@ -513,27 +513,50 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
                       **kwargs)
 
 
-def crash_at_save(n: int) -> None:
-    """Kill this process (SIGKILL: nothing runs after) when the n-th written checkpoint is about to be
-    renamed into place (a file by os.replace, a sharded checkpoint's directory by os.rename): the moment a
-    crash would leave a half-written checkpoint behind."""
+def crash_at_save(spec: str) -> None:
+    """Kill this process (SIGKILL: nothing runs after) as the n-th written checkpoint is put into place (``spec``
+    ``"n"``: before, a file by os.replace, a sharded checkpoint's directory by placing.put_in_place), or right
+    after the first step of putting it there (``"n:after"``: its swap with the checkpoint it replaces, or the
+    rename of that one to its .old- name; a new name's rename): the moments a crash would leave a half-written
+    checkpoint, or none at all, behind. With LP_NO_EXCHANGE set, the file system is taken for one without a swap
+    (NFS, Lustre): a replaced directory goes by two renames."""
     import signal
 
-    calls = [0]
+    from lightning_pipe.transport import placing
 
-    def crashing(real: Any) -> Any:
-        def rename(src: Any, dst: Any) -> None:
-            # A checkpoint put into place (not a file put into place inside a sharded checkpoint's partial
-            # directory: DCP's .metadata, renamed from .metadata.tmp, written last).
-            if (".tmp" in str(src) or ".partial-" in str(src)) and ".partial-" not in str(dst):
-                calls[0] += 1
-                if calls[0] == n:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            real(src, dst)
-        return rename
+    n, _, when = spec.partition(":")
+    count, armed = [0], [False]
 
-    os.replace = crashing(os.replace)  # type: ignore[assignment]
-    os.rename = crashing(os.rename)  # type: ignore[assignment]
+    def put(real: Any, src: Any, dst: Any) -> Any:
+        count[0] += 1
+        if count[0] == int(n):
+            if when != "after":
+                os.kill(os.getpid(), signal.SIGKILL)
+            armed[0] = True
+        try:
+            return real(src, dst)
+        finally:
+            armed[0] = False
+
+    def step(real: Any) -> Any:
+        def stepped(*args: Any) -> Any:
+            done = real(*args)
+            if armed[0] and done is not False:  # (a swap the file system refuses: no step taken)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return done
+        return stepped
+
+    real_replace, real_put = os.replace, placing.put_in_place
+
+    def replace(src: Any, dst: Any) -> None:
+        if ".tmp" in str(src) and ".partial-" not in str(dst):  # a one-file checkpoint (not DCP's .metadata)
+            return put(step(real_replace), src, dst)
+        return real_replace(src, dst)
+
+    os.replace = replace  # type: ignore[assignment]
+    placing.put_in_place = lambda staged, path: put(real_put, staged, path)
+    os.rename = step(os.rename)  # type: ignore[assignment]
+    placing.exchange = (lambda a, b: False) if os.environ.get("LP_NO_EXCHANGE") else step(placing.exchange)
 
 
 def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningModule:
@@ -541,7 +564,7 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
     if not plain:
         count_collectives(out, config["count_collectives"])
     if os.environ.get("LP_CRASH_AT_SAVE"):
-        crash_at_save(int(os.environ["LP_CRASH_AT_SAVE"]))
+        crash_at_save(os.environ["LP_CRASH_AT_SAVE"])
     pl.seed_everything(config["seed"], workers=True)
     if config["guard"] and not plain:
         os.environ["LP_GUARD_PROCESSES"] = str(len(config["balance"]) // config["virtual_stages"])
