@@ -34,6 +34,7 @@ import dataclasses
 import io
 import os
 import pickle
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -172,6 +173,11 @@ class _Part:
     archive), found from the archive's index and pickle alone, on the meta device: no data read."""
 
     def __init__(self, view: Any) -> None:
+        archive = torch._C.PyTorchFileReader(view)  # what torch.load opens it with
+        order = archive.get_record("byteorder") if archive.has_record("byteorder") else b"little"
+        if order != sys.byteorder.encode():
+            raise ValueError(f"stored {order.decode()}-endian")  # torch.load swaps the bytes: its way, then
+        view.seek(0)
         header = torch.load(view, map_location="meta", weights_only=True)
         self.offset = header.untyped_storage()._checkpoint_offset  # of its data, from the archive's start
         self.dtype, self.stride, self.start = header.dtype, header.stride(), header.storage_offset()
@@ -190,9 +196,7 @@ def _reader(directory: str) -> Any:
     part asked for: a shard of a ``DTensor`` (a stage sharded over its replicas) from a tensor saved whole costs
     the shard's bytes, read and held, not the tensor's. (DCP's own reader loads every stored tensor whole and
     then narrows it.) Stored items it does not know how to cut (transformed by an extension, or whose
-    archive's data cannot be located: another byte order, a torch that does not say) are read by DCP's way."""
-    import sys
-
+    archive's data cannot be located: another byte order, a torch that does not say) are read DCP's way."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.planner import LoadItemType
 
@@ -202,7 +206,7 @@ def _reader(directory: str) -> Any:
             for item in plan.items:
                 stored = self.storage_data[item.storage_index]
                 plain = item.type == LoadItemType.TENSOR and not stored.transform_descriptors
-                (ours if plain and sys.byteorder == "little" else theirs).append(item)
+                (ours if plain else theirs).append(item)
             by_file: dict[str, list[Any]] = {}
             for item in ours:
                 by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
