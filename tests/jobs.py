@@ -368,3 +368,27 @@ class Jobs:
     def result(self, case: str) -> dict[str, Any]:
         """What ``case``'s main process wrote in its result.json."""
         return json.loads((self.directory(case) / "result.json").read_text())
+
+
+# ------------------------------------------------------------------------------- what the suite did not yet prove
+# (tests/test_sharding.py, "What the suite did not yet prove".) Mixed precision sharded against one device: one device
+# accumulating over the replicas' batches in turn (``replica_batches``) rounds as the replicas do, each batch's
+# products in half precision alone; fp16 from a scale no step overflows at (the unscaling and step over shards run;
+# SGD, as AdamW's update hardly changes with its gradients' scale), bf16 in the group's "sharded-full-shard-bf16".
+# SHARD_GRAD_OP accumulating. Their names do not start with "sharded-": test_sharding's grid compares those with one
+# device on the global batch.
+GROUPS["4 processes sharded"].update({
+    "fp16-steps-full-shard": {**_SHARDED, "sharding": "FULL_SHARD", "precision": "16-mixed-scaler", "init_scale": 16.0,
+                              "microbatches": 1, "balance": [1, 3], "optimizer": "sgd"},
+    "shard-grad-op-accumulate": {**_SHARDED, "sharding": "SHARD_GRAD_OP", "accumulate": 2, "samples": 64},
+})
+# HYBRID_SHARD on a real 2-D mesh: 4 replicas x 2 stages (8 processes), each stage sharded over rows of 2 replicas
+# (hybrid_shard_size=2) and replicated across the 2 rows; clipped by the global norm (over the shard groups alone),
+# and fp16 from a scale no step overflows at (overflows or'ed over the shard groups).
+_HYBRID = {"devices": 8, "batch_size": 2, "samples": 32, "epochs": 1, "optimizer": "adamw", "sharding": "HYBRID_SHARD",
+           "hybrid_shard_size": 2}
+GROUPS["8 processes hybrid"] = {
+    "hybrid-2x2-clip": {**_HYBRID, "microbatches": 2, "clip": 0.05, "log_grad_norm": True},
+    "hybrid-2x2-fp16-steps": {**_HYBRID, "microbatches": 1, "balance": [1, 3], "precision": "16-mixed-scaler",
+                              "init_scale": 16.0, "optimizer": "sgd"},
+}

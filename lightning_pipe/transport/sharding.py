@@ -300,15 +300,16 @@ def any_true(flag: bool, tensors: Iterable[Tensor]) -> bool:
     return bool(value.item())
 
 
-def held(parameters: Iterable[Tensor], optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+def held(parameters: Iterable[Tensor], optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, float]:
     """How many elements of ``parameters`` this process holds (``parameters``: its shards of them), of how many
-    (``whole``), and of its optimizers' state for them (``optimizer``)."""
+    (``whole``), and of its optimizers' state for them (``optimizer``); ``sum``, the sum of the values it holds
+    (which part of the whole: shards of a group add up to it, replicated ones are equal)."""
     parameters = list(parameters)
     ids = {id(p) for p in parameters}
     state = sum(local(v).numel() for optimizer in optimizers for p, s in optimizer.state.items() if id(p) in ids
                 for v in s.values() if isinstance(v, Tensor) and v.dim() > 0)
     return {"parameters": sum(local(p).numel() for p in parameters), "whole": sum(p.numel() for p in parameters),
-            "optimizer": state}
+            "optimizer": state, "sum": sum(float(local(p).detach().double().sum()) for p in parameters)}
 
 
 def full(t: Tensor) -> Tensor:

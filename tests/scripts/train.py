@@ -48,7 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "last_stage_loss": False, "predict": False, "build": "eager", "guard": False, "save_initial": False,
     "init": None, "state_dict_type": "full", "ddp": {}, "hook": None, "rare_gate": False,
     "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None, "count_collectives": False,
-    "data_plane": "auto",
+    "data_plane": "auto", "init_scale": 2.0**20, "replica_batches": False,
 }
 
 
@@ -375,6 +375,29 @@ def data(config: dict[str, Any]) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+class ReplicaBatches(torch.utils.data.Sampler):
+    """One device's order for the batches of ``replicas`` replicas under Lightning's shuffling DistributedSampler
+    (seeded by ``seed``): each step's batch of replica 0, then replica 1's, and so on."""
+
+    def __init__(self, dataset: TensorDataset, replicas: int, batch_size: int, seed: int) -> None:
+        self.parts = [DistributedSampler(dataset, num_replicas=replicas, rank=r, shuffle=True, seed=seed)
+                      for r in range(replicas)]
+        self.batch_size = batch_size
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls it as each epoch starts, as on the replicas'
+        for part in self.parts:
+            part.set_epoch(epoch)
+
+    def __iter__(self) -> Any:
+        parts = [list(part) for part in self.parts]
+        for start in range(0, len(parts[0]), self.batch_size):
+            for part in parts:
+                yield from part[start:start + self.batch_size]
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+
 class MemoryProbe(pl.Callback):
     """Records every pipeline process's memory after the given training steps (main process writes)."""
 
@@ -468,7 +491,7 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     if config["precision"] == "16-mixed-scaler":  # fp16 with a gradient scaler, as on GPUs, here on CPU
         from pytorch_lightning.plugins import MixedPrecision
 
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=config["init_scale"], growth_interval=3)
         precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
     kwargs: dict[str, Any] = dict(
         accelerator=config["accelerator"], max_epochs=config["epochs"], max_steps=config["max_steps"], logger=False,
@@ -583,7 +606,12 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
     dataset = data(config)
     processes = len(config["balance"]) // config["virtual_stages"] if config["balance"] else config["devices"]
     replicas = config["devices"] * config["nodes"] // processes
-    if plain and replicas > 1:
+    if plain and replicas > 1 and config["replica_batches"]:
+        # Each replica's batch in turn (batch_size: a replica's), for one device accumulating over them: the
+        # replicas' step computed batch by batch as they compute it, which mixed precision rounds alike.
+        sampler = ReplicaBatches(dataset, replicas, config["batch_size"], config["seed"])
+        loader = DataLoader(dataset, batch_size=config["batch_size"], sampler=sampler)
+    elif plain and replicas > 1:
         # With replicas, Lightning gives training loaders a shuffling DistributedSampler seeded by
         # seed_everything, as under DDP; one device drawing the same permutation sees the union of every
         # replica's batch. One pipeline uses the loader as it is, as one device does.
