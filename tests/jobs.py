@@ -298,6 +298,8 @@ GROUPS["4 processes fine-tuning"] = {
     "ft-freeze-embedding-ddp-accumulate": {**_EMBEDDING, "freeze_at": 2, "accumulate": 2, "samples": 64},
     "ft-unfreeze-stage-1-ddp": _STAGE_1,
     "ft-unfreeze-stage-1-shard-grad-op": {**_STAGE_1, "sharding": "SHARD_GRAD_OP"},
+    # Stage 1 trained, then frozen whole at step 2: its DDP goes, stage 0's stays.
+    "ft-freeze-stage-1-ddp": {**_FT, "frozen": ["3.", "4.", "5."], "freeze_at": 2},
 }
 
 
