@@ -18,6 +18,11 @@ every process has (torch and Lightning imported): its peak against the theory, `
 and ``RESULT`` lines with each setting's worst process against the same job's worst under ``NO_SHARD``, and its
 step time against ``NO_SHARD``'s (measured one job after another, on the same machine).
 
+Then each setting's checkpoint is resumed by a job of its own (the same layout, its ``max_steps`` reached: the
+checkpoint is read, nothing is trained), and each process's peak while resuming is printed against its own peak
+while training: ``RESULT ... resume: largest peak_resuming/peak_training of a process`` (at most 1 when resuming
+fits wherever training fits; ``--no-resume`` skips it).
+
 Every job runs with ``MALLOC_MMAP_THRESHOLD_=1048576`` (glibc: blocks of 1 MiB or more are mapped and given
 back when freed), so that the peaks are what the processes hold, not what glibc's heap keeps: with its default,
 dynamic threshold, buffers of a shard's size (16 MiB at d = 4) are carved from the heap, which fragments as
@@ -25,6 +30,7 @@ they come and go (measured at d = 4, ``FULL_SHARD``: 0.75-1.04 GiB per process, 
 threshold fixed). ``--default-malloc`` leaves it dynamic.
 
     python benchmarks/bench_sharded_memory.py [--layers 8] [--width 4096] [--stages 2] [--replicas 2 4]
+                                              [--settings NO_SHARD SHARD_GRAD_OP FULL_SHARD] [--no-resume]
 """
 
 from __future__ import annotations
