@@ -256,8 +256,8 @@ class StageRunner:
         sends: list[Future[Any]] = []
         grads: dict[int, Grads] = {}
         self._beat = time.monotonic()
-        if spec.dtype is not None and torch.get_default_dtype() != spec.dtype:
-            torch.set_default_dtype(spec.dtype)  # a process of its own, serving this pipeline
+        if spec.dtype is not None and torch.get_default_dtype() != spec.dtype and 0 not in self.stages:
+            torch.set_default_dtype(spec.dtype)  # a worker's own; never the driver's program's (bf16-true's leaked)
         later: dict[tuple[int, int], Callable[..., None]] = {}
         averages = self.averages.step(run, actions, spec.reduce, spec.eager)
         if spec.eager:
