@@ -8,7 +8,7 @@ that leaves the cores free, as a GPU's kernels do):
 - ``overlap``: each stage's DDP reducer is prepared for its last backward of the step, so its buckets are
   all-reduced while that backward still runs and while the stage before it is in its backward;
 - ``after``: the same DDP, its reduction started only once the stage's whole backward is over (what averaging
-  after the pipeline's backward gives: ``lightning_pipe.transport.dataparallel.OVERLAP = False``);
+  after the pipeline's backward gives: ``lightning_pipe.transport.parallel.ddp.OVERLAP = False``);
 - ``overlap, views``: as ``overlap``, with ``gradient_as_bucket_view=True``.
 
 Per stage (replica 0's process of each), median over the timed steps:
@@ -130,10 +130,10 @@ def child(args: argparse.Namespace) -> None:
     """One training run (this process and the 3 Lightning starts): the run's records go to ``args.out``."""
     import lightning.pytorch as pl
 
-    from lightning_pipe.transport import dataparallel
+    from lightning_pipe.transport.parallel import ddp
 
     torch.set_num_threads(1)
-    compute, dataparallel.OVERLAP, views = RUNS[args.child]
+    compute, ddp.OVERLAP, views = RUNS[args.child]
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:

@@ -1,5 +1,5 @@
 """One hand-off between two processes: by torch's RPC into the mailbox (``data_plane="rpc"``) against the
-point-to-point data plane (``lightning_pipe.transport.dataplane``: one gloo message into a receive posted ahead,
+point-to-point data plane (``lightning_pipe.transport.wire.dataplane``: one gloo message into a receive posted ahead,
 taken by the thread that needs it), per tensor size: where ``data_plane="auto"`` switches from one to the other.
 
 Two processes pass a ``rows x width`` float32 tensor back and forth (ping-pong), each hand-off one message from
@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from processes import free_port, run_processes
 
-from lightning_pipe.transport.dataplane import DataPlane
-from lightning_pipe.transport.messages import MAILBOX, _deliver
-from lightning_pipe.transport.rendezvous import _groups
+from lightning_pipe.transport.stages.rendezvous import _groups
+from lightning_pipe.transport.wire.dataplane import DataPlane
+from lightning_pipe.transport.wire.messages import MAILBOX, _deliver
 
 
 def _payload(t: torch.Tensor) -> Any:

@@ -58,7 +58,7 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _record(key: str, on: bool) -> list[Event]:
     """Start recording every stage of pipeline ``key`` in this process, or stop and return the events."""
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     events: list[Event] = []
     for stage in _RUNNERS[key].stages.values():

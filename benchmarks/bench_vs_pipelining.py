@@ -288,7 +288,7 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
 
     # CPU by kind of thread, per engine: each step's share is what the threads used from the barrier before
     # it to the barrier after it (read outside the timed part). Compute: where each engine runs its stage.
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     def compute(engine: str) -> set[int]:
         """The threads that run the stage: the worker's (steps by RPC), the step listener (steps on the data plane:

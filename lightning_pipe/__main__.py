@@ -55,7 +55,7 @@ Run '{PROG} COMMAND --help' for a command's arguments.
 def consolidate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """``consolidate DIR FILE``: the sharded checkpoint ``DIR`` as one file (Lightning's format, the plain
     model's state dict) at ``FILE``. A path that is not what it must be ends in a message and status 2."""
-    from lightning_pipe.transport.shards import check_directory
+    from lightning_pipe.transport.parallel.shards import check_directory
 
     try:
         check_directory(args.directory)

@@ -5,9 +5,9 @@ Lightning ships the same classes twice, as ``pytorch_lightning`` (with ``lightni
 Lightning itself keeps one source and generates the standalone copy by rewriting its imports; so does this
 module, at import time and in memory::
 
-    lightning_pipe/lightning/*.py ──(as written)──────────────────► lightning_pipe.lightning (pytorch_lightning)
-                                  ──(pytorch_lightning → lightning.pytorch,
-                                     lightning_fabric → lightning.fabric)──► lightning_pipe.lightning_pytorch
+    lightning_pipe/lightning/**/*.py ──(as written)─────────────────► lightning_pipe.lightning (pytorch_lightning)
+                                    ──(pytorch_lightning → lightning.pytorch,
+                                       lightning_fabric → lightning.fabric)──► lightning_pipe.lightning_pytorch
 
 The second tree is served by a finder on ``sys.meta_path``, compiled from the same files (tracebacks point at
 them); the engine and the transport, which import no Lightning, are shared by both. Neither Lightning package is
@@ -155,7 +155,7 @@ def accept() -> None:
     for name, tree in {**_REGISTRIES, **_FABRIC_REGISTRIES}.items():
         base = getattr(sys.modules.get(name), "Strategy", None)
         for other, binding_name in TREES.items():
-            module = sys.modules.get(f"{binding_name}.strategy")
+            module = sys.modules.get(f"{binding_name}.trainer.strategy")
             if base is None or module is None or not hasattr(module, "PipeStrategy"):
                 continue
             if other != tree or name in _FABRIC_REGISTRIES:
@@ -252,10 +252,10 @@ def adopt(strategy: Any, accelerator: Any, arguments: dict[str, Any]) -> None:
     giving it, comes from that tree: its class becomes that tree's ``PipeStrategy`` and its constructor runs again
     with the ``arguments`` it was given. A subclass is refused, with the class to derive from instead."""
     here = next(t for t, name in TREES.items() for base in type(strategy).__mro__
-                if base.__name__ == "PipeStrategy" and base.__module__ == f"{name}.strategy")
+                if base.__name__ == "PipeStrategy" and base.__module__ == f"{name}.trainer.strategy")
     fabric = fabric_of(accelerator)
     if fabric is not None:  # given to a Fabric: that package's Fabric strategy, with the same arguments
-        if type(strategy).__name__ != "PipeStrategy" or type(strategy).__module__ != f"{TREES[here]}.strategy":
+        if type(strategy).__name__ != "PipeStrategy" or type(strategy).__module__ != f"{TREES[here]}.trainer.strategy":
             raise TypeError(
                 f"{type(strategy).__qualname__} derives from {TREES[here]}.PipeStrategy, the Trainer's binding, and "
                 f"was given to a Fabric: derive it from {TREES[fabric]}.fabric.PipeStrategy instead")
@@ -270,7 +270,7 @@ def adopt(strategy: Any, accelerator: Any, arguments: dict[str, Any]) -> None:
     if tree is None or tree == here:
         return
     target = binding(tree).PipeStrategy
-    if type(strategy).__name__ != "PipeStrategy" or type(strategy).__module__ != f"{TREES[here]}.strategy":
+    if type(strategy).__name__ != "PipeStrategy" or type(strategy).__module__ != f"{TREES[here]}.trainer.strategy":
         raise TypeError(
             f"{type(strategy).__qualname__} derives from {TREES[here]}.PipeStrategy, the binding for {here}, and "
             f"was given to {tree}'s Trainer: derive it from {TREES[tree]}.PipeStrategy instead (lightning_pipe."

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_pipe.transport.sharding import Sharding, any_true, mesh_for, total_norm
+from lightning_pipe.transport.parallel.fsdp import Sharding, any_true, mesh_for, total_norm
 
 
 def two_by_two_mesh(rank: int, world: int, path: str) -> tuple[float, bool, list[int], list[int]]:

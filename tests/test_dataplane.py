@@ -21,9 +21,9 @@ from torch import nn
 from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import pipeline_loss, run_pipeline
 from lightning_pipe.transport import pipeline_over_rpc
-from lightning_pipe.transport.codec import DATA, Unsuitable, decode, encode, header
-from lightning_pipe.transport.dataplane import AUTO_MAX_BYTES
-from lightning_pipe.transport.rendezvous import connect
+from lightning_pipe.transport.stages.rendezvous import connect
+from lightning_pipe.transport.wire.codec import DATA, Unsuitable, decode, encode, header
+from lightning_pipe.transport.wire.dataplane import AUTO_MAX_BYTES
 
 
 # ---------------------------------------------------------------------- one message
@@ -64,7 +64,7 @@ def test_flush_waits_for_the_last_send_to_each_process_and_fails_with_the_first_
     import threading as _threading
     from concurrent.futures import Future
 
-    from lightning_pipe.transport.dataplane import DataPlane
+    from lightning_pipe.transport.wire.dataplane import DataPlane
 
     waited = []
 
@@ -107,7 +107,7 @@ def _two_planes(key: str):
 
     import torch.distributed as dist
 
-    from lightning_pipe.transport.dataplane import DataPlane
+    from lightning_pipe.transport.wire.dataplane import DataPlane
 
     store, groups = dist.HashStore(), {}
 
@@ -131,8 +131,8 @@ def test_a_send_racing_close_is_delivered_and_every_sends_future_completes(monke
     process 1 takes all 5; and every future a send returned completes, at the latest once the plane is closed.
     Before, the 4th went on the channel after ``CLOSE``, where process 1 never looks (its take waited out the
     timeout), and ``close()`` dropped the first 3 sends' future unfinished (a share waiting on it hung)."""
-    from lightning_pipe.transport import dataplane
-    from lightning_pipe.transport.messages import MAILBOX
+    from lightning_pipe.transport.wire import dataplane
+    from lightning_pipe.transport.wire.messages import MAILBOX
 
     sender, receiver = _two_planes("racing-close")
     slots = [("racing-close", 0, "F", i, 1, 0) for i in range(5)]
@@ -208,7 +208,7 @@ def test_a_hand_off_is_pickled_with_holes_for_its_tensors():
 def test_a_steps_items_before_plain_are_not_looked_through_and_its_targets_travel_joined():
     """A step's actions and spec go as they are (a bytes value among them is not taken for a hole), and targets
     split from one batch travel as one tensor, each micro-batch's a view of it once split again."""
-    from lightning_pipe.transport.steps import _joined, _split
+    from lightning_pipe.transport.stages.steps import _joined, _split
 
     targets = list(torch.arange(40.0).reshape(10, 4).split([3, 3, 4]))
     deliveries = [(("k", 5, "T", i, 1, "target"), t) for i, t in enumerate(targets)]
@@ -230,7 +230,7 @@ def test_a_steps_items_before_plain_are_not_looked_through_and_its_targets_trave
                                      [torch.ones(2)], [torch.ones(2, 2).to_sparse()] * 2],
                          ids=["shapes", "dtypes", "mappings", "scalars", "one", "sparse"])
 def test_targets_that_do_not_join_travel_one_by_one(targets):
-    from lightning_pipe.transport.steps import _joined, _split
+    from lightning_pipe.transport.stages.steps import _joined, _split
 
     deliveries = [(("k", 5, "T", i, 1, "target"), t) for i, t in enumerate(targets)]
     index, payloads = _joined(deliveries)
@@ -239,7 +239,7 @@ def test_targets_that_do_not_join_travel_one_by_one(targets):
 
 def test_the_last_stages_losses_travel_as_one_tensor_and_arrive_as_they_were_held():
     from lightning_pipe.engine.loss import MicroLoss
-    from lightning_pipe.transport.steps import _packed, _unpacked
+    from lightning_pipe.transport.stages.steps import _packed, _unpacked
 
     held = {i: MicroLoss(torch.tensor(float(i) / 3), None) for i in range(5)}
     packed = _packed(held)
@@ -277,7 +277,7 @@ def test_point_to_point_for_gpu_stages_is_refused_saying_what_to_use():
 
 # ---------------------------------------------------------------------- through processes
 def _counts(key: str) -> dict[str, int] | None:
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     plane = _RUNNERS[key].plane
     return None if plane is None else {"sent": plane.sent, "received": plane.received}
@@ -347,7 +347,7 @@ def test_auto_sends_what_is_larger_than_its_limit_by_rpc_and_the_rest_point_to_p
 
 
 def _kept_alive(key: str) -> int:
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     return len(_RUNNERS[key].plane._lingering)
 
@@ -411,7 +411,7 @@ def _record_threads(key: str) -> None:
     """Record, in this process, the thread that runs each share of a step of pipeline ``key``."""
     import threading
 
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     runner = _RUNNERS[key]
     run_actions = runner.run_actions
@@ -425,7 +425,7 @@ def _record_threads(key: str) -> None:
 
 
 def _threads(key: str) -> list[str]:
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     return _RUNNERS[key].threads
 
@@ -513,7 +513,7 @@ def _slow_commit(key: str) -> None:
     """Make this process's commits of a step's gradients take a second."""
     import time
 
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     runner = _RUNNERS[key]
     commit = runner.commit
@@ -565,7 +565,7 @@ def _slow_or_failing_commits(key: str, fail: bool) -> None:
     """Make this process's commits take half a second, noting the thread and the time each ends; or fail."""
     import time
 
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     runner = _RUNNERS[key]
     commit = runner.commit
@@ -582,7 +582,7 @@ def _slow_or_failing_commits(key: str, fail: bool) -> None:
 
 
 def _seen(key: str):
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     return _RUNNERS[key].seen
 
@@ -590,7 +590,7 @@ def _seen(key: str):
 def _commits_on_the_plane(rank: int, world: int, fail: bool):
     import time
 
-    from lightning_pipe.transport import steps
+    from lightning_pipe.transport.stages import steps
 
     pipeline = pipeline_over_rpc("planned", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
     if pipeline is None:

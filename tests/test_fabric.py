@@ -144,7 +144,7 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
     result = json.loads((out / "result.json").read_text())
     package = JOBS[job].get("package", "lightning")
     tree = "lightning_pipe.lightning" if package == "lightning_fabric" else "lightning_pipe.lightning_pytorch"
-    assert result["strategy"] == f"{tree}.fabric.PipeStrategy"
+    assert result["strategy"] == f"{tree}.fabric.strategy.PipeStrategy"
     assert result["world_size"] == replicas and result["global_rank"] == 0  # Fabric sees the drivers alone
     if config.get("collectives"):  # among the drivers: one value per replica
         assert result["all_reduce"] == sum(range(1, replicas + 1))
@@ -171,12 +171,12 @@ def test_the_strategy_given_to_a_fabric_becomes_fabrics_and_pipe_is_registered()
 
     strategy = lightning_pipe.PipeStrategy(balance=[3, 2], microbatches=6, schedule="1f1b")
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
-    assert type(fabric.strategy).__module__ == "lightning_pipe.lightning_pytorch.fabric"
+    assert type(fabric.strategy).__module__ == "lightning_pipe.lightning_pytorch.fabric.strategy"
     assert (fabric.strategy.balance, fabric.strategy.microbatches, fabric.strategy.schedule) == ([3, 2], 6, "1f1b")
     named = L.Fabric(accelerator="cpu", devices=2, strategy="pipe")
-    assert type(named.strategy).__module__ == "lightning_pipe.lightning_pytorch.fabric"
+    assert type(named.strategy).__module__ == "lightning_pipe.lightning_pytorch.fabric.strategy"
     standalone = lightning_fabric.Fabric(accelerator="cpu", devices=2, strategy="pipe")
-    assert type(standalone.strategy).__module__ == "lightning_pipe.lightning.fabric"
+    assert type(standalone.strategy).__module__ == "lightning_pipe.lightning.fabric.strategy"
 
 
 def test_a_plugin_fabric_cannot_run_across_stages_is_refused_as_fabric_gives_it():

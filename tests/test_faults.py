@@ -32,8 +32,8 @@ def test_a_failing_driver_says_why_before_it_stops_the_others(monkeypatch, capsy
     """The error, with the notes that name the stage and process, is printed before the other processes are
     told to exit: Lightning's launcher kills the whole job within 5 s of one of them exiting, which may be
     before the traceback is printed."""
-    from lightning_pipe.transport import session
     from lightning_pipe.transport.topology import Topology
+    from lightning_pipe.transport.wire import session
 
     told = []
     monkeypatch.setattr(session.SESSION, "topology", Topology(2, 2))

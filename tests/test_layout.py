@@ -103,6 +103,52 @@ def test_the_layout_check_sees_a_wrong_arrow():
     assert not may_import("models", "transport") and not may_import("engine", "transport")
 
 
+#: The rooms inside a layer, and the rooms of the same layer each may import: a data plane knows no stage, a
+#: parallelism knows neither the data plane nor the stages, the shared core of the binding knows neither loop, and
+#: the two loops know each other not at all. A layer's own top-level modules are the room "" (for the transport:
+#: topology and placing; for the binding: the core both loops share).
+ROOMS = {
+    "transport": {"": {""}, "wire": {"", "wire"}, "parallel": {"", "parallel"},
+                  "stages": {"", "wire", "parallel", "stages"}},
+    "lightning": {"": {""}, "trainer": {"", "trainer"}, "fabric": {"", "fabric"}},
+}
+
+
+def room(name: str) -> tuple[str, str] | None:
+    """(layer, room) of a module in a layer with rooms; a package's ``__init__`` (a face, which may re-export
+    any of its rooms) is None."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[1] not in ROOMS:
+        return None
+    inner = parts[2] if len(parts) > 3 or parts[2] in ROOMS[parts[1]] else ""
+    return (parts[1], inner) if inner in ROOMS[parts[1]] else None
+
+
+def test_rooms_import_one_way():
+    """Each loop's binding (``lightning/trainer``, ``lightning/fabric``) above the core both share; the transport's
+    stages above its data plane (``wire``) and its parallelisms (``parallel``), which know nothing of each other."""
+    known = set(modules())
+    wrong = []
+    for name, path in modules().items():
+        mine = room(name)
+        if mine is None or (path.name == "__init__.py" and mine[1] == ""):
+            continue
+        for target in imports(path, name, known):
+            theirs = room(target) if target in known else None
+            if theirs is not None and theirs[0] == mine[0] and theirs[1] not in ROOMS[mine[0]][mine[1]]:
+                wrong.append(f"{name} -> {target}")
+    assert wrong == []
+    assert {r for n in known if (r := room(n))} == {(layer, r) for layer, rooms in ROOMS.items() for r in rooms}
+
+
+def test_each_loop_and_each_parallelism_is_a_room_found_by_name():
+    """The tree says where each thing is: a reader looking for Fabric's or the Trainer's binding, DDP, FSDP or the
+    data plane finds a folder or a module of that name."""
+    for where in ("lightning/trainer/strategy.py", "lightning/fabric/strategy.py", "transport/parallel/ddp.py",
+                  "transport/parallel/fsdp.py", "transport/wire/dataplane.py", "engine/pipeline.py"):
+        assert (PACKAGE / where).is_file(), where
+
+
 def test_no_import_cycle():
     known = set(modules())
     graph = {name: {t for t in imports(path, name, known) if t in known and t != name}

@@ -20,7 +20,7 @@ from jobs import config as case_config
 from strategy_utils import SCRIPTS, assert_same_weights, run_script
 from test_strategy import load, plain_weights
 
-MIRROR = "lightning_pipe.lightning_pytorch.strategy"
+MIRROR = "lightning_pipe.lightning_pytorch.trainer.strategy"
 
 
 @pytest.mark.timeout(900)
@@ -46,7 +46,7 @@ def test_checkpoints_resume_across_the_packages_both_ways(jobs):
     for name in ("L-resume-from-pytorch-lightning", "resume-from-lightning-pytorch"):
         assert jobs.result(name)["global_step"] == 24
         assert_same_weights(load(jobs.directory(name) / "final.ckpt"), full, rtol=1e-6, atol=1e-7)
-    assert jobs.result("resume-from-lightning-pytorch")["strategy"] == "lightning_pipe.lightning.strategy"
+    assert jobs.result("resume-from-lightning-pytorch")["strategy"] == "lightning_pipe.lightning.trainer.strategy"
     assert jobs.result("L-resume-from-pytorch-lightning")["strategy"] == MIRROR
 
 
@@ -68,7 +68,7 @@ def test_a_program_that_imports_lightning_pipe_first(package, how, plain, tmp_pa
     made before the package was imported (for the default package) is taken by the package's Trainer. Both train
     to the plain model's weights."""
     result, weights = user(package, how, tmp_path)
-    binding = MIRROR if package == "lightning" else "lightning_pipe.lightning.strategy"
+    binding = MIRROR if package == "lightning" else "lightning_pipe.lightning.trainer.strategy"
     assert result["trainer"].startswith("lightning.pytorch." if package == "lightning" else "pytorch_lightning.")
     assert result["strategy"] == binding and result["steps"] == 4
     assert result["balance"] == ([2, 3] if how == "string" else [3, 2])  # inferred from example_input_array
@@ -83,7 +83,7 @@ def test_a_program_of_the_standalone_package_resumes_from_its_checkpoint_as_if_u
     run_script("user.py", "pytorch_lightning", "resume", str(tmp_path), timeout=300)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["trainer"].startswith("pytorch_lightning.")
-    assert result["strategy"] == "lightning_pipe.lightning.strategy"
+    assert result["strategy"] == "lightning_pipe.lightning.trainer.strategy"
     assert result["steps"] == {"uninterrupted": 8, "first": 4, "final": 8}, result
     assert_same_weights(torch.load(tmp_path / "final.pt"), torch.load(tmp_path / "uninterrupted.pt"),
                         rtol=1e-6, atol=1e-7)
@@ -124,7 +124,7 @@ def test_lightning_pipe_offers_the_names_of_the_package_the_program_imported(pac
                           capture_output=True, text=True, timeout=120, cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
     binding = "lightning_pipe.lightning_pytorch" if package == "lightning" else "lightning_pipe.lightning"
-    assert done.stdout.split() == [f"{binding}.strategy", f"{binding}.report", "True"]
+    assert done.stdout.split() == [f"{binding}.trainer.strategy", f"{binding}.trainer.report", "True"]
     registered = (f"import sys, lightning_pipe, {trainer}.strategies as s\n"
                   "print('pipe' in s.StrategyRegistry,\n"
                   "      sorted(m for m in sys.modules if m.startswith('lightning_pipe.l')))")
@@ -156,9 +156,9 @@ def test_the_names_are_those_of_the_package_the_asking_module_imported():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "lightning_pipe.lightning_pytorch.strategy lightning_pipe.lightning_pytorch.report",
-        "lightning_pipe.lightning.strategy lightning_pipe.lightning.report",
-        "lightning_pipe.lightning.strategy [1, 1] True", "Mine",
+        "lightning_pipe.lightning_pytorch.trainer.strategy lightning_pipe.lightning_pytorch.trainer.report",
+        "lightning_pipe.lightning.trainer.strategy lightning_pipe.lightning.trainer.report",
+        "lightning_pipe.lightning.trainer.strategy [1, 1] True", "Mine",
         "refused: Other derives from lightning_pipe.lightning_pytorch.PipeStrategy, the binding for lightning.pytorch, "
         "and was given to pytorch_lightning's Trainer: derive it from lightning_pipe.lightning.PipeStrategy instead "
         "(lightning_pipe.PipeStrategy is the class of the Lightning package the program imported, when only one "
@@ -170,7 +170,7 @@ def test_the_mirror_is_the_source_with_its_imports_renamed():
     packages, and in nothing that is not an import or a dotted name of them."""
     from lightning_pipe.packages import rewrite
 
-    source = (Path(__file__).parent.parent / "lightning_pipe" / "lightning" / "strategy.py").read_text()
+    source = (Path(__file__).parent.parent / "lightning_pipe" / "lightning" / "trainer" / "strategy.py").read_text()
     mirrored = rewrite(source)
     assert "pytorch_lightning" not in mirrored and "lightning_fabric" not in mirrored
     assert "from lightning.pytorch.strategies import StrategyRegistry" in mirrored

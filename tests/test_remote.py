@@ -177,7 +177,7 @@ def test_every_schedule_across_processes_matches_one_process(plane):
 
 def _stage_state(key: str) -> dict[str, int]:
     """What the remote stage of pipeline ``key`` in this process keeps, and how often it was told to release."""
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     runner = _RUNNERS[key]
     if not hasattr(runner, "released"):
@@ -253,7 +253,7 @@ def _events(key: str) -> list[tuple[float, str, int]]:
     """The events recorded so far by this process's stage of pipeline ``key`` (recording starts
     with the first call)."""
     from lightning_pipe.engine.timeline import Recorder
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     stage = _RUNNERS[key].stage
     if stage.recorder is None:
@@ -333,7 +333,7 @@ class _Raise(torch.autograd.Function):
 
 def _set_mode(mode: str) -> None:
     from lightning_pipe.engine.worker import Inline, Worker
-    from lightning_pipe.transport.runner import _RUNNERS
+    from lightning_pipe.transport.stages.runner import _RUNNERS
 
     runner = _RUNNERS["test"]
     threaded = mode.endswith("(send thread)")  # sends started from a thread of their own, as a GPU stage's are

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineReport
 from lightning_pipe.engine.timeline import Recorder
-from lightning_pipe.lightning.report import plot_losses
+from lightning_pipe.lightning.trainer.report import plot_losses
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -172,7 +172,7 @@ def test_the_processes_of_an_attempt_agree_on_a_token_that_no_earlier_attempt_us
     count of torchrun (per node, not agreed) plays no part."""
     import torch.distributed as dist
 
-    from lightning_pipe.transport import session
+    from lightning_pipe.transport.wire import session
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=20))
     key = session._ATTEMPT_KEY
@@ -203,7 +203,7 @@ def test_a_checkpoint_being_written_is_no_version_to_lightnings_requeue(tmp_path
     hold no ``hpc_ckpt_``."""
     from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-    from lightning_pipe.transport.shards import staging
+    from lightning_pipe.transport.parallel.shards import staging
 
     (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"a whole checkpoint")
     for kind in (".tmp", ".partial-", ".old-"):

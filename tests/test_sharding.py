@@ -164,7 +164,7 @@ def _resume_a_shard(rank: int, world: int, directory: str, port: int) -> dict[st
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from lightning_pipe.lightning import sharded
-    from lightning_pipe.transport import sharding, shards
+    from lightning_pipe.transport.parallel import fsdp, shards
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -190,7 +190,7 @@ def _resume_a_shard(rank: int, world: int, directory: str, port: int) -> dict[st
         before = _bytes_read()
         state = sharded.local_optimizer_state(info, 0, {"param_groups": optimizer.state_dict()["param_groups"]},
                                               optimizer)["state"][0]
-        found["main process's AdamW state"] = (_bytes_read() - before, sharding.is_dtensor(state["exp_avg"])
+        found["main process's AdamW state"] = (_bytes_read() - before, fsdp.is_dtensor(state["exp_avg"])
                                                and torch.equal(state["exp_avg"].to_local(), 2 * rows)
                                                and torch.equal(state["exp_avg_sq"].to_local(), 3 * rows)
                                                and float(state["step"]) == 5.0)
@@ -213,7 +213,7 @@ def test_a_process_holding_a_shard_reads_only_the_shards_bytes_of_a_checkpoint_s
     loads every stored tensor whole before narrowing it: 16 MiB read per process and tensor, moved whole to the
     device before its shard was cut."""
     from lightning_pipe.lightning import sharded
-    from lightning_pipe.transport import shards
+    from lightning_pipe.transport.parallel import shards
 
     whole = _saved_weight()
     states = {0: {"weight": {"exp_avg": 2 * whole, "exp_avg_sq": 3 * whole, "step": torch.tensor(5.0)}}}
@@ -296,7 +296,7 @@ def test_two_layers_of_one_stage_sharing_a_parameter_are_refused_before_sharding
     saying what to do, before anything is sharded."""
     from torch import nn
 
-    from lightning_pipe.transport.sharding import Sharding, shard
+    from lightning_pipe.transport.parallel.fsdp import Sharding, shard
 
     first, second = nn.Linear(4, 4), nn.Linear(4, 4)
     second.weight = first.weight

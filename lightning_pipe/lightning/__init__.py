@@ -1,23 +1,19 @@
-"""The Lightning binding: ``PipeStrategy`` and what it delegates to, the driver's stand-in body, callbacks.
+"""The Lightning binding: one room per loop over the core both share.
 
-What it offers, by module:
-
-- ``strategy``: ``PipeStrategy``, which reads as Lightning's hook order and delegates each concern to:
-  ``processes`` (what Lightning sees of the processes: the drivers), ``launcher`` (starting them), ``requeue``
-  (SLURM's requeue signal: handled between batches, ignored by stage workers), ``checks``
-  (what it refuses), ``build`` (the body cut into a pipeline), ``layers`` (modes and ``requires_grad`` in
-  step), ``optimizers`` (the user's optimizers across stages), ``precision`` (clipping and loss scaling
-  across stages), ``replicas`` (averaging over replicas), ``checkpoints`` (Lightning's checkpoint hooks:
-  ``streamed``, one file that loads into the plain model, written stage by stage; ``sharded``, a file per
-  process), ``observe`` (timelines and memory);
-- ``body``: ``PipelinedSequential``, the driver's body: stage 0's layers, the others' placeholders;
-- ``report``: ``PipelineReport``, the callback that draws the loss curve and the timeline;
-- ``gradients``: ``grad_norm`` over every stage.
+- ``trainer/``: the Trainer's ``PipeStrategy`` (``strategy``), its processes' and replicas' hooks
+  (``processes``), its checkpoint hooks (``checkpoints``), ``PipelineReport`` (``report``) and ``grad_norm``
+  (``gradients``);
+- ``fabric/``: Fabric's ``PipeStrategy`` (``strategy``) and ``fabric.save``/``fabric.load`` (``checkpoints``);
+- the core, used by both: ``processes`` (the job's pipelines; what a loop sees: the drivers), ``launcher``,
+  ``settings`` (the arguments both take), ``checks`` (what they refuse), ``build`` (the body cut into a
+  pipeline), ``body`` (``PipelinedSequential``, the driver's body: stage 0's layers, the others' placeholders),
+  ``placeholders``, ``layers`` (modes and ``requires_grad`` in step), ``optimizers`` (the user's optimizers
+  across stages), ``precision`` (clipping and loss scaling across stages), ``replicas`` and ``ddp`` (averaging
+  over replicas), ``tied``, ``checkpoints`` (what both loops' saves share), ``streamed`` (one file written stage
+  by stage), ``sharded`` (DCP directories), ``requeue`` (SLURM's signal), ``observe`` (timelines, memory).
 """
 
-from lightning_pipe.lightning.gradients import grad_norm
-from lightning_pipe.lightning.report import PipelineReport
 from lightning_pipe.lightning.sharded import consolidate_checkpoint
-from lightning_pipe.lightning.strategy import PipeStrategy
+from lightning_pipe.lightning.trainer import PipelineReport, PipeStrategy, grad_norm
 
 __all__ = ["PipeStrategy", "PipelineReport", "consolidate_checkpoint", "grad_norm"]

@@ -25,7 +25,7 @@ from lightning_pipe.engine.autograd import pipeline_loss, run_pipeline
 from lightning_pipe.engine.loss import LossFn, check_sendable
 from lightning_pipe.engine.microbatch import Batch, TensorOrTensors
 from lightning_pipe.lightning.placeholders import BODIES, listed, version, wrap_placeholders
-from lightning_pipe.transport import sharding
+from lightning_pipe.transport.parallel import fsdp
 
 __all__: list[str] = []
 
@@ -261,8 +261,8 @@ def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefi
     shapes checked and count as loaded."""
     for name, target in [*module.named_parameters(), *module.named_buffers()]:
         key = prefix + name
-        if sharding.is_dtensor(target) and isinstance(state.get(key), Tensor) and not sharding.is_dtensor(state[key]):
-            state[key] = sharding.like(target, state[key])  # a stage sharded over the replicas: its shard here
+        if fsdp.is_dtensor(target) and isinstance(state.get(key), Tensor) and not fsdp.is_dtensor(state[key]):
+            state[key] = fsdp.like(target, state[key])  # a stage sharded over the replicas: its shard here
     parts: dict[int, dict[str, Any]] = {}
     empty: list[str] = []
     real = {f"{child}.{name}" for child, layer in module.named_children() if module.owner[child] != 0

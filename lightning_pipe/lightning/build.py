@@ -30,12 +30,13 @@ from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
 from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
-from lightning_pipe.transport import host, sharding
-from lightning_pipe.transport.driver import RemotePipeline
-from lightning_pipe.transport.rendezvous import connect
-from lightning_pipe.transport.runner import StageRunner
-from lightning_pipe.transport.session import worker_name
-from lightning_pipe.transport.tied import TiedCopies
+from lightning_pipe.transport.parallel import fsdp
+from lightning_pipe.transport.stages import host
+from lightning_pipe.transport.stages.driver import RemotePipeline
+from lightning_pipe.transport.stages.rendezvous import connect
+from lightning_pipe.transport.stages.runner import StageRunner
+from lightning_pipe.transport.stages.tied import TiedCopies
+from lightning_pipe.transport.wire.session import worker_name
 
 __all__: list[str] = []
 
@@ -253,7 +254,7 @@ def _broadcast_state(strategy: PipeStrategy, module: nn.Module, module_name: str
         return
     with torch.no_grad():
         for tensor in _local_tensors(module, module_name, remote).values():
-            if sharding.is_dtensor(tensor):
+            if fsdp.is_dtensor(tensor):
                 continue  # a stage sharded over the replicas already: each holds its own shard
             buffer = tensor.detach().to(strategy.root_device)
             dist.broadcast(buffer, src=0)

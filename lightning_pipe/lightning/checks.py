@@ -71,7 +71,7 @@ SHARDED_DDP_ARGUMENTS = ("init_sync", "broadcast_buffers")
 def check_sharding(setting: Any, shard_size: Any, ddp_given: list[str]) -> str:
     """Reject a ``sharding_strategy`` (and ``hybrid_shard_size``) that cannot work, and DDP arguments that would
     mean nothing with it (no DDP wraps a sharded stage); return the setting's name."""
-    from lightning_pipe.transport.sharding import SETTINGS
+    from lightning_pipe.transport.parallel.fsdp import SETTINGS
 
     name = getattr(setting, "name", setting)  # torch's ShardingStrategy enum, as Lightning's FSDPStrategy takes
     if not isinstance(name, str) or name.upper() not in SETTINGS:

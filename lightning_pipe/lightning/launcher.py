@@ -2,7 +2,7 @@
 
 The launcher checks the model and settings before any process starts, then starts the processes as
 Lightning's script launcher does; in each, the strategy joins the process's session
-(:mod:`lightning_pipe.transport.session`). Drivers return to the script and run the Lightning loop; stage
+(:mod:`lightning_pipe.transport.wire.session`). Drivers return to the script and run the Lightning loop; stage
 workers serve RPC until every driver is done, and never return to the script.
 """
 
@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_pipe.transport.session import _PARENT_ENV, serve_until_shutdown
+from lightning_pipe.transport.wire.session import _PARENT_ENV, serve_until_shutdown
 
 __all__: list[str] = []
 

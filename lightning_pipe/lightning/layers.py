@@ -13,7 +13,7 @@ from collections.abc import Callable
 from torch import nn
 
 from lightning_pipe.lightning.body import PipelinedSequential
-from lightning_pipe.transport.host import layer_modes
+from lightning_pipe.transport.stages.host import layer_modes
 
 __all__: list[str] = []
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from lightning_pipe.engine.timeline import Recorder, write_chrome_trace
 from lightning_pipe.lightning.body import PipelinedSequential
-from lightning_pipe.transport import host
+from lightning_pipe.transport.stages import host
 
 __all__: list[str] = []
 

@@ -2,7 +2,7 @@
 
 ``configure_optimizers`` runs on the driver over the whole LightningModule (the layers of remote stages are
 placeholders there, with their real names), so parameter groups built from names work as on one device.
-Each stage then builds the same optimizer class over its own parameters (:mod:`lightning_pipe.transport.optim`).
+Each stage then builds the same optimizer class over its own parameters (:mod:`lightning_pipe.transport.stages.optim`).
 As soon as the driver's step has its final gradients (its closure evaluated, clipping included), every remote
 stage starts its part with the same hyper-parameters (learning rates moved by schedulers included), while the
 driver updates its own parameters; :meth:`StageOptimizers.step_remote` (``PipeStrategy.post_optimizer_step``)
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from lightning_pipe.lightning.tied import TiedSync, add_twins, twin_states
-from lightning_pipe.transport import optim
-from lightning_pipe.transport.host import HostGroup
+from lightning_pipe.transport.stages import optim
+from lightning_pipe.transport.stages.host import HostGroup
 
 __all__: list[str] = []
 

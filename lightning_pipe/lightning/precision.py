@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.lightning.placeholders import is_placeholder
-from lightning_pipe.transport import sharding
+from lightning_pipe.transport.parallel import fsdp
 
 __all__: list[str] = []
 
@@ -42,13 +42,13 @@ class PipePrecision:
 
         def unscale(optimizer: Any, inv_scale: Any, found_inf: Any, allow_fp16: bool) -> Any:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            shards = [g for g in grads if sharding.is_dtensor(g)]
+            shards = [g for g in grads if fsdp.is_dtensor(g)]
             if not shards:
                 return original(optimizer, inv_scale, found_inf, allow_fp16)
-            view = SimpleNamespace(param_groups=[{"params": [_holding(sharding.local(g)) for g in grads]}])
+            view = SimpleNamespace(param_groups=[{"params": [_holding(fsdp.local(g)) for g in grads]}])
             per_device = original(view, inv_scale, found_inf, allow_fp16)
             for flag in per_device.values():
-                flag.copy_(torch.tensor(float(sharding.any_true(bool(flag.item()), shards))))
+                flag.copy_(torch.tensor(float(fsdp.any_true(bool(flag.item()), shards))))
             return per_device
 
         scaler._unscale_grads_ = unscale
@@ -68,7 +68,7 @@ class PipePrecision:
         params = [p for p in self.main_params(optimizer) if not is_placeholder(p)]  # type: ignore[attr-defined]
         for p in params:
             if p.grad is not None:
-                sharding.local(p.grad).detach().clamp_(-clip_val, clip_val)
+                fsdp.local(p.grad).detach().clamp_(-clip_val, clip_val)
         hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
         return None
 
@@ -97,7 +97,7 @@ def clip_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, norm_
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     norm_type = float(norm_type)
     remote = hosts.start("grad_norm", optimizer._lp_index, norm_type)  # type: ignore[attr-defined]
-    norms = [sharding.total_norm(grads, norm_type)] + [future.result() for future in remote]
+    norms = [fsdp.total_norm(grads, norm_type)] + [future.result() for future in remote]
     if math.isinf(norm_type):
         total = max(norms)
     elif norm_type == 2.0:
@@ -110,7 +110,7 @@ def clip_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, norm_
     coefficient = max_norm / (total + 1e-6)  # as torch.nn.utils.clip_grad_norm_
     if coefficient < 1.0:
         for g in grads:
-            sharding.local(g).detach().mul_(coefficient)
+            fsdp.local(g).detach().mul_(coefficient)
         hosts.call("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
     return torch.tensor(total)
 

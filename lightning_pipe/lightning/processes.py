@@ -3,7 +3,7 @@
 Processes are laid out as replicas x stages (:class:`~lightning_pipe.transport.topology.Topology`); Lightning's
 cluster environment keeps the view of all of them (its launchers, torchrun and SLURM use it), while the
 strategy shows Lightning the drivers alone: ``world_size`` is the number of replicas, ``global_rank`` the
-replica index. Each process joins its stage group and RPC once (:mod:`lightning_pipe.transport.session`).
+replica index. Each process joins its stage group and RPC once (:mod:`lightning_pipe.transport.wire.session`).
 SLURM's requeue signal is handled between training batches on the drivers and ignored by the stage workers
 (:mod:`lightning_pipe.lightning.requeue`).
 """
@@ -17,13 +17,11 @@ import torch
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning_fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only
-from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_pipe.lightning import checks, requeue
-from lightning_pipe.lightning.launcher import PipeLauncher
-from lightning_pipe.transport.session import start_session
 from lightning_pipe.transport.topology import Topology
+from lightning_pipe.transport.wire.session import start_session
 
 __all__: list[str] = []
 
@@ -169,39 +167,3 @@ class PipelineLayout:
             reset_seed()
         self._process_group_backend = self._get_process_group_backend()  # type: ignore[attr-defined]
         self.start_session()
-
-
-class PipelineProcesses(PipelineLayout, DDPStrategy):
-    """The Trainer's ``DDPStrategy`` whose processes form pipelines (:class:`PipelineLayout`)."""
-
-    #: What Fabric's connector reads of a strategy it is given before giving it an accelerator (which makes this
-    #: strategy Fabric's ``PipeStrategy``: :func:`lightning_pipe.packages.adopt`).
-    _precision: Any = None
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self._launcher = PipeLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
-    def setup_distributed(self) -> None:
-        self.join()
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self._requeue = requeue.DeferredRequeue()
-        self._requeue.install(self.cluster_environment)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self._requeue is not None:
-            self._requeue.at_batch_start(self, self.lightning_module.trainer)
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        if self._requeue is not None:
-            requeuing, self._requeue = self._requeue, None
-            requeuing.uninstall(self)

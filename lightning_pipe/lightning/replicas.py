@@ -2,7 +2,7 @@
 
 While fitting with more than one replica, every stage's process wraps its partition in the
 ``DistributedDataParallel`` that ``PipeStrategy.configure_ddp`` builds, over a group of that stage's replicas
-(:mod:`lightning_pipe.transport.dataparallel` drives it: buckets are all-reduced during the stage's last
+(:mod:`lightning_pipe.transport.parallel.ddp` drives it: buckets are all-reduced during the stage's last
 backward of each step, overlapping the backward of the stages before it). The driver's own layers outside the
 body (a head, a loss module with weights) are wrapped as Lightning's ``DDPStrategy`` wraps a model: a DDP over
 the LightningModule that leaves the body out, which Lightning's forward redirection, ``no_sync`` and manual
@@ -11,7 +11,6 @@ backward drive as usual. While Lightning accumulates gradients it blocks the syn
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 from collections.abc import Iterator
@@ -23,12 +22,10 @@ import torch.distributed as dist
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from typing_extensions import override
 
 from lightning_pipe.lightning import ddp
 from lightning_pipe.lightning.body import PipelinedSequential
-from lightning_pipe.lightning.processes import PipelineProcesses
-from lightning_pipe.transport.host import HostGroup
+from lightning_pipe.transport.stages.host import HostGroup
 
 __all__: list[str] = []
 
@@ -190,57 +187,3 @@ def _agree(flags: tuple[bool, ...], device: torch.device, replica: int) -> None:
             f"{sum(flags)} of {len(flags)} parameter tensors; another replica's requires_grad differs): each would "
             "step apart from the others. Change requires_grad on every replica at the same step (in a hook every "
             "replica runs, such as on_train_batch_start, from values every replica shares)")
-
-
-class ReplicatedStages(PipelineProcesses):
-    """The processes of pipelines whose replicas are averaged stage by stage by torch's DDP (:class:`Replicas`):
-    what ``PipeStrategy`` does of ``DDPStrategy``'s ``configure_ddp`` and ``block_backward_sync``."""
-
-    _replicas: Replicas
-    _fitting: bool
-    _body: PipelinedSequential | None
-    _lp_layers: Any  # the driver's layers' settings sent to their stages (lightning/layers.py's LayerSync)
-
-    @property
-    def init_sync(self) -> bool:
-        """Whether every replica starts from replica 0's weights (DDP's ``init_sync``: while fitting, False leaves
-        that to the script, as under DDPStrategy)."""
-        return not self._fitting or self._ddp_kwargs.get("init_sync", True)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """A training step starts: the averaging follows what the replicas train now (:meth:`Replicas.refresh`)."""
-        if self._body is not None and self._lp_layers is not None:
-            self._lp_layers.requires_grad()  # the remote stages' flags first: they rebuild from them
-            self._replicas.refresh(self, self._body)
-        return super().training_step(*args, **kwargs)
-
-    @override
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
-        """Backwards inside keep their gradients per replica (DDP's ``no_sync``, while Lightning accumulates)."""
-        with self._replicas.no_sync(), super().block_backward_sync():
-            yield None
-
-    @override
-    def configure_ddp(self, module: nn.Module, device_ids: list[int] | None,  # type: ignore[override]
-                      process_group: dist.ProcessGroup | None, stage: int | None) -> DistributedDataParallel:
-        """Wrap ``module`` in the ``DistributedDataParallel`` that averages it over ``process_group``: stage
-        ``stage``'s partition (an ``nn.Sequential`` of its layers, named by their index in the body) over that
-        stage's replicas, called in the stage's process; or, with ``stage=None``, the LightningModule's layers
-        outside the body (the body left to its stages) over the drivers. Override it to change one stage's
-        DDP (a comm hook, buckets); it must wrap ``module`` itself::
-
-            class MyStrategy(PipeStrategy):
-                def configure_ddp(self, module, device_ids, process_group, stage):
-                    ddp = super().configure_ddp(module, device_ids, process_group, stage)
-                    if stage == 1:
-                        ddp.register_comm_hook(process_group, my_hook)   # instead of ddp_comm_hook
-                    return ddp
-
-        In a stage's process it runs on a copy of this strategy holding its arguments and a subclass's own
-        attributes (not the Trainer's accelerator, cluster environment, model or optimizers). The default
-        passes every DDP argument and registers ``ddp_comm_hook`` (through ``ddp_comm_wrapper``), with its own
-        copy of ``ddp_comm_state``."""
-        return ddp.wrap(self, module, device_ids, process_group)
-

@@ -11,7 +11,7 @@ import inspect
 from typing import Any
 
 from lightning_pipe.lightning import checks, ddp
-from lightning_pipe.transport.dataplane import DATA_PLANES
+from lightning_pipe.transport.wire.dataplane import DATA_PLANES
 
 __all__: list[str] = []
 
@@ -55,7 +55,7 @@ def sharding_of(strategy: Any) -> Any:
     """How each stage of ``strategy`` is sharded over its replicas (None: DDP, ``NO_SHARD``)."""
     if strategy.sharding_strategy == "NO_SHARD":
         return None
-    from lightning_pipe.transport.sharding import Sharding
+    from lightning_pipe.transport.parallel.fsdp import Sharding
 
     return Sharding(strategy.sharding_strategy, strategy.hybrid_shard_size,
                     broadcast_buffers=strategy._ddp_kwargs.get("broadcast_buffers", True) is not False)

@@ -2,7 +2,7 @@
 directory, each pipeline process writing its own entries.
 
 Every process of replica 0's pipeline writes its own stage's weights and optimizer states by key
-(:mod:`lightning_pipe.transport.shards`), at once; the main process writes its own, the rest of Lightning's
+(:mod:`lightning_pipe.transport.parallel.shards`), at once; the main process writes its own, the rest of Lightning's
 checkpoint (loops, callbacks, schedulers, hyper-parameters, optimizers' parameter groups) as one entry, and
 last DCP's ``.metadata`` for every process's entries. Nothing is gathered anywhere. The files are written into
 ``.<name>.partial-<owner>`` beside it (``shards.staging``) and the directory put at ``<path>`` once ``.metadata`` is
@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pipe.transport import optim, placing, shards
+from lightning_pipe.transport import placing
+from lightning_pipe.transport.parallel import shards
+from lightning_pipe.transport.stages import optim
 
 __all__ = ["consolidate_checkpoint", "is_sharded"]
 
@@ -150,11 +152,11 @@ def local_tensors(info: Mapping[str, Any], names: Sequence[str], held: Mapping[s
                   ) -> dict[str, Tensor]:
     """The entries ``names`` (this process's) read from the checkpoint. ``held``: this process's tensors by name;
     an entry held as a shard (a ``DTensor``: a stage sharded over its replicas) is read as that shard alone."""
-    from lightning_pipe.transport import sharding
+    from lightning_pipe.transport.parallel import fsdp
 
     held, present = held or {}, set(info["index"])
-    shards_of = {n: sharding.empty_like(held[n], held[n].dtype) for n in names
-                 if n in present and n in held and sharding.is_dtensor(held[n])}
+    shards_of = {n: fsdp.empty_like(held[n], held[n].dtype) for n in names
+                 if n in present and n in held and fsdp.is_dtensor(held[n])}
     shards.read_into(info["path"], shards_of)
     return {**shards.read_tensors(info["path"], [n for n in names if n not in shards_of]), **shards_of}
 

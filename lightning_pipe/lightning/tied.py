@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_pipe.transport import optim
-from lightning_pipe.transport.tied import TiedCopies, TiedParameter
+from lightning_pipe.transport.stages import optim
+from lightning_pipe.transport.stages.tied import TiedCopies, TiedParameter
 
 __all__: list[str] = []
 

@@ -1,18 +1,22 @@
 """The transport: stages of one pipeline in other processes, over ``torch.distributed.rpc``; no Lightning.
 
-What it offers, by module:
+By room:
 
-- ``messages``: the mailbox that receives tensors, how they are packed, and how errors travel back;
-- ``runner``: a stage in its process (``StageRunner``), running its share of each step in schedule order;
-- ``driver``: the driver's side (``RemotePipeline``: stage 0 here, the others there), and
-  ``pipeline_over_rpc`` to set one up without Lightning;
-- ``host``: a process hosting one stage with what training it needs (optimizers, gradients, state);
-- ``optim``: an optimizer split across stages; ``dataparallel``: averaging gradients across replicas;
-- ``topology``, ``session``: which process does what, and each process's RPC session for its whole life.
+- ``wire/``, how bytes move: ``session`` (each process's RPC session for its whole life), ``messages`` (the
+  mailbox that receives tensors; how errors travel back), ``codec`` (a hand-off as one message), ``dataplane``
+  (hand-offs by point-to-point gloo beside RPC);
+- ``stages/``, a stage in its process: ``runner`` (``StageRunner``, its share of each step in schedule order),
+  ``driver`` (``RemotePipeline``: stage 0 here, the others there; ``pipeline_over_rpc`` to set one up without
+  Lightning), ``steps`` (a step's control messages), ``rendezvous`` (where the data plane meets), ``host`` (a
+  process hosting one stage with its optimizers, gradients and state), ``optim``, ``stagestate``, ``tied``,
+  ``settled``;
+- ``parallel/``, a stage over its replicas, one module per parallelism: ``ddp`` (torch's DDP), ``fsdp``
+  (FSDP2), what both share (``reduction``, ``averages``) and FSDP's checkpoint shards (``shards``);
+- ``topology`` (which process does what) and ``placing`` (checkpoints put into place atomically).
 """
 
-from lightning_pipe.transport.driver import RemotePipeline, pipeline_over_rpc
-from lightning_pipe.transport.runner import StageRunner
+from lightning_pipe.transport.stages.driver import RemotePipeline, pipeline_over_rpc
+from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.topology import Topology
 
 __all__ = ["RemotePipeline", "StageRunner", "Topology", "pipeline_over_rpc"]

@@ -156,7 +156,7 @@ REFUSED = ("no_body", "not_sequential", "bad_balance", "no_example", "sync_batch
 def refusals(out: str) -> None:
     """Every model or setting refused before any process starts, one after another in this process: each
     must fail in the launcher, having started no other process (which would set the launcher's variable)."""
-    from lightning_pipe.transport.session import _PARENT_ENV
+    from lightning_pipe.transport.wire.session import _PARENT_ENV
 
     for what in REFUSED:
         try:

@@ -642,7 +642,7 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
                        "strategy": type(trainer.strategy).__module__,
                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
     if config["sharding"] != "NO_SHARD" and not plain:  # how much of its stage every process holds, per replica
-        from lightning_pipe.transport.sharding import held
+        from lightning_pipe.transport.parallel.fsdp import held
 
         real = [p for p in model.sequential_module.parameters() if not p.is_meta]
         with open(os.path.join(out, f"held_replica{trainer.global_rank}.json"), "w") as f:

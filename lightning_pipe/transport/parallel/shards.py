@@ -17,7 +17,7 @@ Why no process group: DCP's collective save and load take a process group regist
 (``dist.get_rank(group)``, ``gather_object(dst=<global rank>)``). The processes of one pipeline cannot have one:
 each process's default group is its *stage* group (stage ``i`` of every replica, :mod:`~lightning_pipe.transport.
 session`), whose ranks are replica indices, so every process of replica 0's pipeline has default rank 0 and no
-``new_group`` can name them; a gloo group made through the world store (as :mod:`~lightning_pipe.transport.tied`
+``new_group`` can name them; a gloo group made through the world store (as :mod:`~lightning_pipe.transport.stages.tied`
 makes one) is unregistered, and DCP's collectives refuse it. What DCP's collectives would exchange, each
 process's plan and its written files, needs no collective here: every process holds distinct keys (no resharding
 of a tensor across processes, nothing to deduplicate), so each runs DCP's save on its own (``no_dist``) into the
@@ -284,15 +284,15 @@ def read_optimizer_states(directory: str, k: int, names: Sequence[str], metadata
     """Optimizer ``k``'s per-parameter states of ``names`` (those the checkpoint has), by name. ``held``: the
     parameters by name; a state of a parameter held as a shard (a ``DTensor``: a stage sharded over its replicas),
     of the parameter's shape, is read as that shard alone (a ``DTensor`` like the parameter)."""
-    from lightning_pipe.transport import sharding
+    from lightning_pipe.transport.parallel import fsdp
 
     names, optimizer = set(names), str(k)
 
     def into(path: tuple[Any, ...], md: Any) -> Tensor | None:
         param = (held or {}).get(path[2])
-        if param is None or not sharding.is_dtensor(param) or tuple(md.size) != tuple(param.shape):
+        if param is None or not fsdp.is_dtensor(param) or tuple(md.size) != tuple(param.shape):
             return None
-        return sharding.empty_like(param, md.properties.dtype)
+        return fsdp.empty_like(param, md.properties.dtype)
 
     found = read(directory, lambda p: len(p) == 4 and p[0] == OPTIMIZER and p[1] == optimizer and p[2] in names,
                  metadata, into)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipe.transport import sharding
-from lightning_pipe.transport.session import SESSION
+from lightning_pipe.transport.parallel import fsdp
+from lightning_pipe.transport.wire.session import SESSION
 
 __all__: list[str] = []
 
@@ -77,7 +77,7 @@ class TiedCopies:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             # A stage sharded over its replicas: each owner's copy is sharded alike, shard r of each in replica r.
-            grad = sharding.local(p.grad).detach()
+            grad = fsdp.local(p.grad).detach()
             flat = grad.to("cpu", copy=grad.device.type != "cpu")
             group.allreduce([flat], dist.AllreduceOptions()).wait()
             if flat.data_ptr() != grad.data_ptr():

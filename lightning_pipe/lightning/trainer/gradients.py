@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.placeholders import is_placeholder
-from lightning_pipe.transport import sharding
+from lightning_pipe.transport.parallel import fsdp
 
 __all__ = ["grad_norm"]
 
@@ -49,7 +49,7 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
                 value = value.to(device)
         else:
             # (a shard of a stage sharded over the replicas: the norm of the whole gradient, from every shard)
-            value = sharding.full(p.grad.detach().norm(norm_type)) if p.grad is not None else None
+            value = fsdp.full(p.grad.detach().norm(norm_type)) if p.grad is not None else None
         if value is not None:
             norms[f"grad_{norm_type}_norm{group_separator}{name}"] = value
     if norms:

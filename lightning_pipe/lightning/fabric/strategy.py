@@ -35,7 +35,7 @@ from lightning_pipe.engine.deferred import deferred_init
 from lightning_pipe.lightning import checks, ddp, observe, settings
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build
-from lightning_pipe.lightning.fabric_checkpoints import fabric_load, fabric_save
+from lightning_pipe.lightning.fabric.checkpoints import fabric_load, fabric_save
 from lightning_pipe.lightning.launcher import Serving
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, raw

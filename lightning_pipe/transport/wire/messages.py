@@ -1,6 +1,6 @@
 """What crosses processes: the mailbox that receives tensors, how they are packed, and how failures travel.
 
-Tensors go straight from stage to stage: over the data plane (:mod:`~lightning_pipe.transport.dataplane`), or
+Tensors go straight from stage to stage: over the data plane (:mod:`~lightning_pipe.transport.wire.dataplane`), or
 by RPC, the sender calling ``_deliver`` on the receiver, which puts them into the receiver's :class:`Mailbox`
 under their :data:`Slot` (where the data plane also puts what arrives for a slot no one waits for yet); the
 action that consumes them takes them out, waiting at most the RPC timeout. An error in a remote call comes

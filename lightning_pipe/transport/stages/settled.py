@@ -10,7 +10,7 @@ import threading
 
 import torch.distributed.rpc as rpc
 
-from lightning_pipe.transport.runner import _release
+from lightning_pipe.transport.stages.runner import _release
 
 __all__: list[str] = []
 

@@ -27,7 +27,7 @@ import numpy
 import torch
 from torch import Tensor
 
-from lightning_pipe.transport.messages import Slot
+from lightning_pipe.transport.wire.messages import Slot
 
 __all__: list[str] = []
 

@@ -28,7 +28,8 @@ from lightning_pipe.lightning.checkpoints import (
 )
 from lightning_pipe.lightning.optimizers import StageOptimizers
 from lightning_pipe.lightning.streamed import save_streamed
-from lightning_pipe.transport import optim, sharding
+from lightning_pipe.transport.parallel import fsdp
+from lightning_pipe.transport.stages import optim
 
 __all__: list[str] = []
 
@@ -49,7 +50,7 @@ def _module_state(table: _Placeholders | None, body: PipelinedSequential, root: 
         if not name.startswith(prefix):
             continue
         key = name[len(prefix):]
-        own[key] = sharding.full(t) if isinstance(t, Tensor) else t
+        own[key] = fsdp.full(t) if isinstance(t, Tensor) else t
         if table is not None and isinstance(t, Tensor) and t.is_meta:
             table.add(t, body.stage_of(name), ("state", name), own, key)
     return own

@@ -1,9 +1,9 @@
 """One process's stages averaged over their replicas, step by step: which stages reduce in a step, when their last
 backward runs the reduction, what waits for the commit, and the averaging rebuilt when what trains changes.
 
-Each stage's averaging is a :class:`~lightning_pipe.transport.reduction.Reduction`: DDP's
-(:class:`~lightning_pipe.transport.dataparallel.ReplicatedStage`) or FSDP2's
-(:class:`~lightning_pipe.transport.sharding.ShardedStage`); :class:`Averages` holds them for the stages of one
+Each stage's averaging is a :class:`~lightning_pipe.transport.parallel.reduction.Reduction`: DDP's
+(:class:`~lightning_pipe.transport.parallel.ddp.ReplicatedStage`) or FSDP2's
+(:class:`~lightning_pipe.transport.parallel.fsdp.ShardedStage`); :class:`Averages` holds them for the stages of one
 process, :class:`StepAverages` drives them through one step's actions.
 """
 
@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_pipe.engine.backward_split import _nothing
 from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.stage import Stage
-from lightning_pipe.transport.dataparallel import ReplicatedStage, _LastBackward, stage_group
-from lightning_pipe.transport.reduction import Reduction
+from lightning_pipe.transport.parallel.ddp import ReplicatedStage, _LastBackward, stage_group
+from lightning_pipe.transport.parallel.reduction import Reduction
 
 __all__: list[str] = []
 
@@ -56,7 +56,7 @@ class Averages:
     def replicate(self, configure: Callable[..., DistributedDataParallel] | None, sharding: Any = None) -> None:
         """Average each stage holding trainable parameters through the ``DistributedDataParallel`` that
         ``configure(module, device_ids, process_group, stage)`` builds over its partition, or, given ``sharding``
-        (a :class:`~lightning_pipe.transport.sharding.Sharding`), shard every stage holding parameters over its
+        (a :class:`~lightning_pipe.transport.parallel.fsdp.Sharding`), shard every stage holding parameters over its
         replicas with FSDP2, frozen ones too: FSDP2 follows each parameter's ``requires_grad`` at every gather
         (None: stop averaging; a sharded stage stays sharded). Every replica's process of a stage calls this at
         once (DDP's constructor and FSDP's sharding are collectives of the stage's replicas)."""

@@ -1,6 +1,6 @@
 """A stage host's state for checkpoints: weights and optimizer states by the plain model's names, in or out.
 
-Mixed into :class:`~lightning_pipe.transport.host.StageHost`: what the driver asks of a remote stage to save a
+Mixed into :class:`~lightning_pipe.transport.stages.host.StageHost`: what the driver asks of a remote stage to save a
 checkpoint (entries to consolidate, or this process's entries of a sharded checkpoint), to load one (entries
 handed over, or read here by key from a sharded checkpoint), and to start from replica 0's weights.
 """
@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipe.transport import optim, sharding, shards
+from lightning_pipe.transport.parallel import fsdp, shards
+from lightning_pipe.transport.stages import optim
 
 __all__: list[str] = []
 
@@ -38,14 +39,14 @@ class StageState:
         shards)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
             for t in [*self.partition.parameters(), *self.partition.buffers()]:
-                if not sharding.is_dtensor(t):
+                if not fsdp.is_dtensor(t):
                     dist.broadcast(t.detach(), src=0)
 
     def is_sharded(self) -> bool:
         """Whether this process's stages are sharded over their replicas (FSDP2 units); if so, every unit is
         resharded now (a forward without backward leaves SHARD_GRAD_OP's parameters whole, and FSDP registers
         the whole ones on the module meanwhile), so that the module's parameters and state are the shards."""
-        if not any(sharding.is_sharded(m) for m in self.partition.modules()):
+        if not any(fsdp.is_sharded(m) for m in self.partition.modules()):
             return False
         self.runner.averages.before_update()
         return True
@@ -57,8 +58,8 @@ class StageState:
         self._whole = None
         if not self.is_sharded():
             return
-        state = {self.prefix + n: sharding.full(t.detach()).cpu() for n, t in self.partition.state_dict().items()}
-        optimizers = {k: {name: {key: sharding.full(v).cpu() if isinstance(v, Tensor) else v for key, v in per.items()}
+        state = {self.prefix + n: fsdp.full(t.detach()).cpu() for n, t in self.partition.state_dict().items()}
+        optimizers = {k: {name: {key: fsdp.full(v).cpu() if isinstance(v, Tensor) else v for key, v in per.items()}
                           for name, per in self._optimizer_state(k).items()} for k in sorted(self.optimizers)}
         if dist.get_rank() == 0:
             self._whole = (state, optimizers)
@@ -94,7 +95,7 @@ class StageState:
         if k in self.optimizers:
             optimizer, names = self.optimizers[k]
             params = dict(zip(names, (p for g in optimizer.param_groups for p in g["params"])))
-            states = {name: {key: sharding.like(params[name], v) if isinstance(v, Tensor) and name in params else v
+            states = {name: {key: fsdp.like(params[name], v) if isinstance(v, Tensor) and name in params else v
                              for key, v in state.items()} for name, state in states.items()}
             optim.load_state_by_name(optimizer, names, states)
 
@@ -123,7 +124,7 @@ class StageState:
         own = {n[len(self.prefix):]: t for n, t in state.items() if n.startswith(self.prefix)}
         if self.is_sharded():
             targets = self.partition.state_dict()
-            own = {n: sharding.like(targets[n], t) if n in targets else t for n, t in own.items()}
+            own = {n: fsdp.like(targets[n], t) if n in targets else t for n, t in own.items()}
         self.partition.load_state_dict(own, strict=strict)
 
     # ------------------------------------------------------------------ a consolidated checkpoint, streamed

@@ -8,7 +8,7 @@ connection, two processes sending to each other at once stall each other's sends
 in ``benchmarks/bench_handoff.py``); each keeps ``depth`` receives posted from each other process (a gloo send
 completes once its receive is posted, so a sender never waits for the receiver's threads). The stage thread that needs a
 message waits on that receive itself, with no thread in between; a message for another slot goes into the
-:data:`~lightning_pipe.transport.messages.MAILBOX`, where the RPC path delivers too, so schedules, timeouts and
+:data:`~lightning_pipe.transport.wire.messages.MAILBOX`, where the RPC path delivers too, so schedules, timeouts and
 failures do not know which plane carried a message. What the plane does not carry (large messages under
 ``"auto"``, GPU tensors, tensor subclasses) goes by RPC, and a ``BY_RPC`` message in its place tells the
 receiver to look in the mailbox. A failed run sends ``ABORT`` on every channel, which wakes a waiting stage.
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.engine.pipeline import _Skipped
-from lightning_pipe.transport.codec import (
+from lightning_pipe.transport.wire.codec import (
     ABORT,
     ALIVE,
     BY_RPC,
@@ -47,7 +47,7 @@ from lightning_pipe.transport.codec import (
     encode,
     header,
 )
-from lightning_pipe.transport.messages import MAILBOX, Slot, _alive, _located, no_input, where
+from lightning_pipe.transport.wire.messages import MAILBOX, Slot, _alive, _located, no_input, where
 
 __all__ = ["AUTO_MAX_BYTES", "DATA_PLANES", "DataPlane"]
 
@@ -61,7 +61,7 @@ AUTO_MAX_BYTES = 3 << 19  # 1.5 MiB
 _START = 64 << 10  # every channel's first capacity
 #: The kind (third field) of the slot of a message holding several ``(slot, payload)`` items (``send_many``).
 BUNDLE = "bundle"
-#: The kind of the slot of a process's answer to a step (:mod:`~lightning_pipe.transport.steps`): not a hand-off.
+#: The kind of the slot of a process's answer to a step (:mod:`~lightning_pipe.transport.stages.steps`): not a hand-off.
 ANSWER = "A"
 _SHARED = 0.005  # s: how often a wait for a channel another thread receives on looks in the mailbox again
 _IDLE = 365 * 86400.0  # s: how long the step listener waits for a step (a gloo wait that times out closes its pair)

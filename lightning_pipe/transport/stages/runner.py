@@ -3,7 +3,7 @@ through which its driver reaches it.
 
 Each stage executes its actions in schedule order on one worker thread, exactly like the local pipeline,
 with the same :class:`~lightning_pipe.engine.stage.Stage` doing the work; outputs go straight to the stage
-that needs them, over the data plane (:mod:`~lightning_pipe.transport.dataplane`, point-to-point) where it
+that needs them, over the data plane (:mod:`~lightning_pipe.transport.wire.dataplane`, point-to-point) where it
 carries them, else by RPC into the receiver's mailbox; inputs are taken from the channel or the mailbox::
 
     driver ──act F(i)──► stage 1 ──act F(i)──► ...        (one RPC per stage and step, its actions in order)
@@ -33,8 +33,8 @@ from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Finisher, Grads, Stage
 from lightning_pipe.engine.worker import Inline, Worker, autocast_context
-from lightning_pipe.transport.averages import Averages
-from lightning_pipe.transport.messages import (
+from lightning_pipe.transport.parallel.averages import Averages
+from lightning_pipe.transport.wire.messages import (
     MAILBOX,
     Slot,
     StepSpec,
@@ -126,7 +126,7 @@ class StageRunner:
         describe = lambda: f"{self.describe(slot[5] if isinstance(slot[5], int) else None)} could not send to " \
             f"stage {dst} ({where(peer)})"  # noqa: E731
         if self.plane is not None and (sent := self.plane.send(peer, slot, payload, describe)) is not None:
-            return sent  # point-to-point (:mod:`~lightning_pipe.transport.dataplane`)
+            return sent  # point-to-point (:mod:`~lightning_pipe.transport.wire.dataplane`)
         sent = Future()
         plane = self.plane
 

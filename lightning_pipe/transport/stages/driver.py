@@ -26,8 +26,20 @@ from lightning_pipe.engine.schedule import Plan, forward_only, gpipe
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Grads, Stage, _move
 from lightning_pipe.engine.worker import Inline
-from lightning_pipe.transport import steps
-from lightning_pipe.transport.messages import (
+from lightning_pipe.transport.stages import steps
+from lightning_pipe.transport.stages.rendezvous import connect, detach
+from lightning_pipe.transport.stages.runner import (
+    StageRunner,
+    _abort,
+    _act,
+    _commit,
+    _is_registered,
+    call_runner,
+    register,
+    unregister,
+)
+from lightning_pipe.transport.stages.settled import _RemoteStageRef, _Settled
+from lightning_pipe.transport.wire.messages import (
     _PROGRESS,
     _PROGRESS_LOCK,
     MAILBOX,
@@ -41,18 +53,6 @@ from lightning_pipe.transport.messages import (
     to_concurrent,
     where,
 )
-from lightning_pipe.transport.rendezvous import connect, detach
-from lightning_pipe.transport.runner import (
-    StageRunner,
-    _abort,
-    _act,
-    _commit,
-    _is_registered,
-    call_runner,
-    register,
-    unregister,
-)
-from lightning_pipe.transport.settled import _RemoteStageRef, _Settled
 
 __all__ = ["RemotePipeline", "pipeline_over_rpc"]
 
@@ -79,7 +79,7 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
     :func:`~lightning_pipe.engine.autograd.pipeline_loss` once every stage is ready; elsewhere it hosts this
     process's stages and returns None (RPC threads serve them until ``rpc.shutdown``). This is what
     ``PipeStrategy`` does for Lightning, without Lightning. ``data_plane``: how tensors go from process to
-    process (:data:`~lightning_pipe.transport.dataplane.DATA_PLANES`).
+    process (:data:`~lightning_pipe.transport.wire.dataplane.DATA_PLANES`).
     """
     me = rpc.get_worker_info().name
     if me not in names:

@@ -1,5 +1,5 @@
 """Where a pipeline's processes meet for their data plane: its gloo groups, the store they meet in, and each
-stage process's step listener (:mod:`~lightning_pipe.transport.steps`)."""
+stage process's step listener (:mod:`~lightning_pipe.transport.stages.steps`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from lightning_pipe.transport import steps
-from lightning_pipe.transport.dataplane import AUTO_MAX_BYTES, DATA_PLANES, DataPlane
-from lightning_pipe.transport.runner import _RUNNERS, StageRunner
-from lightning_pipe.transport.session import SESSION
+from lightning_pipe.transport.stages import steps
+from lightning_pipe.transport.stages.runner import _RUNNERS, StageRunner
+from lightning_pipe.transport.wire.dataplane import AUTO_MAX_BYTES, DATA_PLANES, DataPlane
+from lightning_pipe.transport.wire.session import SESSION
 
 __all__ = ["connect", "detach"]
 

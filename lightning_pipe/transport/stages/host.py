@@ -2,9 +2,9 @@
 
 A stage worker never runs the Lightning loop. Its driver configures it over RPC (the partition arrives
 with the driver's weights), then drives it: pipeline actions through the partition's
-:class:`~lightning_pipe.transport.runner.StageRunner`, and, once per step, the calls below (optimizer steps with the
-driver's hyper-parameters, zeroing, gradient norms for global clipping, averaging over replicas, state for
-checkpoints).
+:class:`~lightning_pipe.transport.stages.runner.StageRunner`, and, once per step, the calls below
+(optimizer steps with the driver's hyper-parameters, zeroing, gradient norms for global clipping, averaging over
+replicas, state for checkpoints).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from lightning_pipe.engine.deferred import Program, materialize, named_tensors
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
-from lightning_pipe.transport import optim, sharding
-from lightning_pipe.transport.messages import MAILBOX, settle_commits, to_concurrent, where
-from lightning_pipe.transport.runner import StageRunner, register, unregister
-from lightning_pipe.transport.session import SESSION
-from lightning_pipe.transport.stagestate import StageState
-from lightning_pipe.transport.tied import TiedCopies, TiedParameter
+from lightning_pipe.transport.parallel import fsdp
+from lightning_pipe.transport.stages import optim
+from lightning_pipe.transport.stages.runner import StageRunner, register, unregister
+from lightning_pipe.transport.stages.stagestate import StageState
+from lightning_pipe.transport.stages.tied import TiedCopies, TiedParameter
+from lightning_pipe.transport.wire.messages import MAILBOX, settle_commits, to_concurrent, where
+from lightning_pipe.transport.wire.session import SESSION
 
 __all__: list[str] = []
 
@@ -125,19 +126,19 @@ class StageHost(StageState):
         counted by its first owner only); of all their shards where the stage is sharded over its replicas."""
         if k not in self.optimizers:
             return 0.0
-        return sharding.total_norm(self._grads(k, counted_only=True), norm_type)
+        return fsdp.total_norm(self._grads(k, counted_only=True), norm_type)
 
     def grad_norms(self, norm_type: float) -> dict[str, Tensor]:
         """The ``norm_type`` norm of each parameter's gradient here, by name, on CPU (parameters without a
         gradient left out), computed as Lightning's ``grad_norm`` computes it (of the whole gradient where it is
         sharded over the stage's replicas)."""
-        return {n: sharding.full(p.grad.detach().norm(norm_type)).cpu() for n, p in self.params.items()
+        return {n: fsdp.full(p.grad.detach().norm(norm_type)).cpu() for n, p in self.params.items()
                 if p.grad is not None and self.tied.counted(n)}
 
     def scale_grads(self, k: int, coefficient: float) -> None:
         """Multiply optimizer ``k``'s gradients by ``coefficient`` (global-norm clipping)."""
         for g in self._grads(k):
-            sharding.local(g).detach().mul_(coefficient)
+            fsdp.local(g).detach().mul_(coefficient)
 
     def unscale_grads(self, k: int, inv_scale: float) -> bool:
         """Undo loss scaling on optimizer ``k``'s gradients; return whether any is not finite (fp16 AMP), on any
@@ -145,28 +146,28 @@ class StageHost(StageState):
         found = False
         grads = self._grads(k)
         for g in grads:
-            g = sharding.local(g).detach()
+            g = fsdp.local(g).detach()
             g.mul_(inv_scale)
             found = found or not bool(torch.isfinite(g).all())
-        return sharding.any_true(found, grads)
+        return fsdp.any_true(found, grads)
 
     def clamp_grads(self, k: int, value: float) -> None:
         """Clamp optimizer ``k``'s gradients to ``[-value, value]``."""
         for g in self._grads(k):
-            sharding.local(g).detach().clamp_(-value, value)
+            fsdp.local(g).detach().clamp_(-value, value)
 
     def replicate(self, configure: Any, sharding: Any = None) -> None:
         """Average this process's stages with the same stages of every other replica through the
         ``DistributedDataParallel`` that ``configure(module, device_ids, process_group, stage)`` builds over
-        each stage's partition (None: stop); see :mod:`lightning_pipe.transport.dataparallel`. Given
-        ``sharding`` (:class:`~lightning_pipe.transport.sharding.Sharding`), shard each stage over its replicas
-        instead (:mod:`lightning_pipe.transport.sharding`): its parameters become ``DTensor`` shards."""
+        each stage's partition (None: stop); see :mod:`lightning_pipe.transport.parallel.ddp`. Given
+        ``sharding`` (:class:`~lightning_pipe.transport.parallel.fsdp.Sharding`), shard each stage over its replicas
+        instead (:mod:`lightning_pipe.transport.parallel.fsdp`): its parameters become ``DTensor`` shards."""
         self.runner.averages.replicate(configure, sharding)
         self.params = {self.prefix + n: p for n, p in self.partition.named_parameters()}
 
     def refresh_replicas(self, configure: Any) -> list[int]:
         """Rebuild the DDP of this process's stages whose trainable set changed (see
-        :meth:`~lightning_pipe.transport.averages.Averages.refresh`); the stages rebuilt."""
+        :meth:`~lightning_pipe.transport.parallel.averages.Averages.refresh`); the stages rebuilt."""
         return self.runner.averages.refresh(configure)
 
     def barrier(self) -> None:
@@ -180,12 +181,12 @@ class StageHost(StageState):
     def stats(self) -> dict[str, Any]:
         """How many optimizer steps this stage took and barriers it passed, which tensors it materialised
         from the driver's recording of a deferred build (by the LightningModule's names), how much of its
-        stage it holds (``held``: see :func:`~lightning_pipe.transport.sharding.held`) and how many messages
+        stage it holds (``held``: see :func:`~lightning_pipe.transport.parallel.fsdp.held`) and how many messages
         its data plane sent and received (``plane``; None where every hand-off goes by RPC)."""
         optimizers = [optimizer for optimizer, _ in self.optimizers.values()]
         plane = self.runner.plane  # what its data plane carried (None: every hand-off by RPC)
         return {**self.counts, "materialized": self.materialized,
-                "held": sharding.held(self.partition.parameters(), optimizers),
+                "held": fsdp.held(self.partition.parameters(), optimizers),
                 "plane": None if plane is None else {"sent": plane.sent, "received": plane.received}}
 
     def memory(self) -> dict[str, int]:
@@ -274,7 +275,7 @@ def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, 
     called by the driver). Partitions built on the meta device arrive pickled with their programs, ``(parts,
     programs)`` (RPC carries no meta tensor), and are materialised here (:mod:`lightning_pipe.engine.deferred`).
     Every replica's stage then takes replica 0's weights (unless ``init_sync`` is False). ``tied``: the
-    parameters its layers share with other processes' layers (:mod:`lightning_pipe.transport.tied`)."""
+    parameters its layers share with other processes' layers (:mod:`lightning_pipe.transport.stages.tied`)."""
     programs: Mapping[int, Program] | None = None
     if isinstance(parts, bytes):
         parts, programs = pickle.loads(parts)

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_pipe.engine.stage import Stage
-from lightning_pipe.transport.reduction import Reduction
+from lightning_pipe.transport.parallel.reduction import Reduction
 
 __all__: list[str] = []
 

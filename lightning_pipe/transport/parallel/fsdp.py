@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe.engine.stage import Stage
-from lightning_pipe.transport.reduction import Reduction
+from lightning_pipe.transport.parallel.reduction import Reduction
 
 __all__: list[str] = []
 
@@ -171,7 +171,7 @@ def shard(partition: nn.Module, mesh: Any, sharding: Sharding) -> None:
 
 class ShardedStage(Reduction):
     """``stage`` sharded over its replicas (``group``) as ``sharding`` says (see the module's docstring): the
-    same interface as :class:`~lightning_pipe.transport.dataparallel.ReplicatedStage`."""
+    same interface as :class:`~lightning_pipe.transport.parallel.ddp.ReplicatedStage`."""
 
     always = True
 

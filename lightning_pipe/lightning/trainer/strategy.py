@@ -7,13 +7,13 @@ Follow one training batch on the driver (stage 0 of a replica), in Lightning's h
     backward      ─► pre_backward                   the pipeline's backward may start (Lightning's backward)
                   ─► loss.backward()                every stage's .grad filled by its local autograd; with
                                                     replicas, each stage's DDP averages its buckets during its
-                                                    last backward (replicas.py, transport/dataparallel.py)
+                                                    last backward (replicas.py, transport/parallel/ddp.py)
     optimizer_step ─► clip by the global norm       every stage's gradients (precision.py)
                    ─► the driver's optimizer.step   records the step and its hyper-parameters (optimizers.py)
                    ─► post_optimizer_step           every remote stage steps with them
 
 Lightning sees only the drivers: ``world_size`` is the number of replicas, ``global_rank`` the replica
-index, and the default process group of a driver holds exactly the drivers (transport/session.py).
+index, and the default process group of a driver holds exactly the drivers (transport/wire/session.py).
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ from lightning_pipe.engine.deferred import deferred_init
 from lightning_pipe.lightning import checkpoints, checks, ddp, observe, settings
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build, deferred_recording
-from lightning_pipe.lightning.checkpoints import PipelineCheckpoints
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, mix_in, raw
 from lightning_pipe.lightning.precision import PipePrecision, loss_gradient, sum_tied
-from lightning_pipe.lightning.replicas import Replicas, ReplicatedStages
-from lightning_pipe.transport.session import SESSION, abort_world
+from lightning_pipe.lightning.replicas import Replicas
+from lightning_pipe.lightning.trainer.checkpoints import PipelineCheckpoints
+from lightning_pipe.lightning.trainer.processes import ReplicatedStages
+from lightning_pipe.transport.wire.session import SESSION, abort_world
 
 __all__ = ["PipeStrategy"]
 

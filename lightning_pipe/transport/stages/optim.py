@@ -129,12 +129,12 @@ def as_held(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> 
     """``state_dict`` (whole tensors, indexed as ``optimizer``'s) with the state of each parameter that is a
     shard (a ``DTensor``: a stage sharded over its replicas) cut to this process's shard, as the optimizer's own
     state holds it."""
-    from lightning_pipe.transport import sharding
+    from lightning_pipe.transport.parallel import fsdp
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not any(sharding.is_dtensor(p) for p in params):
+    if not any(fsdp.is_dtensor(p) for p in params):
         return dict(state_dict)
-    state = {i: {key: sharding.like(params[int(i)], v) if isinstance(v, Tensor) else v for key, v in s.items()}
+    state = {i: {key: fsdp.like(params[int(i)], v) if isinstance(v, Tensor) else v for key, v in s.items()}
              for i, s in state_dict["state"].items()}
     return {**state_dict, "state": state}
 
@@ -142,9 +142,9 @@ def as_held(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> 
 def whole(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer's ``state_dict`` with every shard (``DTensor``) gathered whole: a collective of each shard's
     group, which every replica of the stage runs at once, in the same order."""
-    from lightning_pipe.transport import sharding
+    from lightning_pipe.transport.parallel import fsdp
 
-    state = {i: {key: sharding.full(v) if isinstance(v, Tensor) else v for key, v in s.items()}
+    state = {i: {key: fsdp.full(v) if isinstance(v, Tensor) else v for key, v in s.items()}
              for i, s in state_dict["state"].items()}
     return {**state_dict, "state": state}
 
@@ -195,7 +195,7 @@ def split(state_dict: Mapping[str, Any], names: Sequence[str], owner: Callable[[
 def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with its tensors on CPU (a shard of a stage sharded over its replicas, a ``DTensor``, stays as it
     is: whole or saved by DCP, it is read where it lives)."""
-    from lightning_pipe.transport import sharding
+    from lightning_pipe.transport.parallel import fsdp
 
-    return {k: v.detach() if sharding.is_dtensor(v) else v.detach().cpu() if isinstance(v, Tensor) else v
+    return {k: v.detach() if fsdp.is_dtensor(v) else v.detach().cpu() if isinstance(v, Tensor) else v
             for k, v in state.items()}

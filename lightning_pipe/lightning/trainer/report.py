@@ -81,7 +81,7 @@ class PipelineReport(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.losses, self.paths, self.bubble = [], {}, None
-        from lightning_pipe.lightning.strategy import PipeStrategy
+        from lightning_pipe.lightning.trainer.strategy import PipeStrategy
 
         if isinstance(trainer.strategy, PipeStrategy):
             trainer.strategy.record_timeline(True)
@@ -99,7 +99,7 @@ class PipelineReport(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_pipe.lightning.strategy import PipeStrategy
+        from lightning_pipe.lightning.trainer.strategy import PipeStrategy
 
         strategy = trainer.strategy
         if isinstance(strategy, PipeStrategy) and strategy._pipeline is not None:

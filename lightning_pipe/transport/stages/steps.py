@@ -35,9 +35,9 @@ import torch.distributed.rpc as rpc
 from lightning_pipe.engine.loss import MicroLoss
 from lightning_pipe.engine.pipeline import _Skipped
 from lightning_pipe.engine.schedule import Action
-from lightning_pipe.transport.dataplane import ANSWER
-from lightning_pipe.transport.messages import MAILBOX, Slot, StepSpec, _Failure, _located, _tensors, where
-from lightning_pipe.transport.runner import StageRunner, _abort
+from lightning_pipe.transport.stages.runner import StageRunner, _abort
+from lightning_pipe.transport.wire.dataplane import ANSWER
+from lightning_pipe.transport.wire.messages import MAILBOX, Slot, StepSpec, _Failure, _located, _tensors, where
 
 __all__: list[str] = []
 

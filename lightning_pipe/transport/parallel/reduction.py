@@ -1,6 +1,6 @@
 """What every way of averaging one stage over its replicas has: a reduction thread, waiting for it, and the
-hooks a step calls (DDP's :class:`~lightning_pipe.transport.dataparallel.ReplicatedStage`, FSDP2's
-:class:`~lightning_pipe.transport.sharding.ShardedStage`)."""
+hooks a step calls (DDP's :class:`~lightning_pipe.transport.parallel.ddp.ReplicatedStage`, FSDP2's
+:class:`~lightning_pipe.transport.parallel.fsdp.ShardedStage`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ __all__: list[str] = []
 class Reduction:
     """What every way of averaging one stage over its replicas has: a thread of its own for the reductions, and
     waiting for them. Its subclasses say what a step does (:class:`ReplicatedStage`, and
-    :class:`~lightning_pipe.transport.sharding.ShardedStage`)."""
+    :class:`~lightning_pipe.transport.parallel.fsdp.ShardedStage`)."""
 
     #: Reduced in every step that has a backward, also while the caller accumulates (its ``no_sync``).
     always = False
