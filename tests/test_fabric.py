@@ -42,6 +42,11 @@ JOBS: dict[str, dict[str, Any]] = {
         # balance, then one more epoch.
         "load-other-balance": {"clip": 0.05, "scheduler": "step", "balance": [1, 4],
                                "load": "sgd-clip-scheduler/final.pt"},
+        # The same as a sharded directory (each process writes its entries), loaded by a second program at another
+        # balance, which saves one file.
+        "sharded-save": {"clip": 0.05, "scheduler": "step", "state_dict_type": "sharded"},
+        "sharded-load-other-balance": {"clip": 0.05, "scheduler": "step", "balance": [1, 4],
+                                       "load": "sharded-save/final.pt"},
     }},
     "4 processes": {"devices": 4, "cases": {
         "2replicas-adamw-1f1b-accumulate-clip": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True,
@@ -58,6 +63,11 @@ JOBS: dict[str, dict[str, Any]] = {
         "2replicas-shard-grad-op-load": {"sharding": "SHARD_GRAD_OP", "clip": 0.05, "scheduler": "step",
                                          "batch_size": 4, "balance": [2, 3],
                                          "load": "../2-processes/sgd-clip-scheduler/final.pt"},
+        # The 2-process job's sharded directory read into shards (each process reads its shard's rows), and saved
+        # as one: every replica writes its shards at once.
+        "2replicas-full-shard-sharded": {"sharding": "FULL_SHARD", "clip": 0.05, "scheduler": "step",
+                                         "batch_size": 4, "state_dict_type": "sharded",
+                                         "load": "../2-processes/sharded-save/final.pt"},
     }},
     "2 processes, lightning_fabric": {"devices": 2, "package": "lightning_fabric", "cases": {
         "standalone-1f1b-adamw": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True, "clip": 0.1},
@@ -69,7 +79,9 @@ CASES = [(job, case) for job, spec in JOBS.items() for case in spec["cases"]]
 
 #: What a case's ``load`` file was written by: that program's config (2 processes, one replica).
 FIRST = {"sgd-clip-scheduler/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"],
-         "../2-processes/sgd-clip-scheduler/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"]}
+         "../2-processes/sgd-clip-scheduler/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"],
+         "sharded-save/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"],
+         "../2-processes/sharded-save/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"]}
 
 
 def job_directory(root: Path, job: str) -> Path:
@@ -103,6 +115,16 @@ def plain(config: dict[str, Any], replicas: int, out: Path) -> dict[str, Any]:
     return torch.load(out / "final.pt", weights_only=True)
 
 
+def saved_state(path: Path, tmp_path: Path) -> dict[str, Any]:
+    """What ``fabric.save`` wrote at ``path``: a file, or a sharded directory consolidated into the file it would
+    have written."""
+    if not path.is_dir():
+        return torch.load(path, weights_only=True)
+    assert (path / ".metadata").is_file() and len(list(path.glob("*.distcp"))) >= 2  # every process wrote its part
+    lightning_pipe.consolidate_checkpoint(str(path), str(tmp_path / "consolidated.pt"))
+    return torch.load(tmp_path / "consolidated.pt", weights_only=True)
+
+
 @pytest.fixture
 def fabric_jobs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """Where the Fabric jobs write, shared by pytest's workers."""
@@ -127,7 +149,7 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
         plain(FIRST[config["load"]], 1, tmp_path / "first")
         config["load"] = str(tmp_path / "first" / "final.pt")
     expected = plain(config, replicas, tmp_path / "plain")
-    saved = torch.load(out / "final.pt", weights_only=True)
+    saved = saved_state(out / "final.pt", tmp_path)
     assert saved["step"] == expected["step"] > 0
     assert_same_weights(saved["model"], expected["model"], rtol=1e-4, atol=2e-5)
     assert saved["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
@@ -153,14 +175,28 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
     plain_model.load_state_dict(saved["model"])  # the file loads into the plain model, no strategy at all
 
 
-@pytest.mark.parametrize(("arguments", "message"), [
-    ({"state_dict_type": "sharded"}, "does not write sharded checkpoints yet"),
-])
-def test_what_fabric_cannot_do_yet_is_refused_as_the_fabric_is_made(arguments, message):
-    """Given to a Fabric, before any process starts: settings the Fabric binding does not honour are refused,
-    saying what to use."""
-    with pytest.raises(ValueError, match=message):
-        L.Fabric(accelerator="cpu", devices=2, strategy=lightning_pipe.PipeStrategy(**arguments))
+def test_a_state_a_sharded_directory_cannot_hold_is_refused_saying_what_to_do():
+    """A sharded ``fabric.save`` writes the module set up and every optimizer by their stages: a state without the
+    module, missing an optimizer, or using a key the directory keeps for itself is refused before anything is
+    written."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lightning_pipe.lightning.fabric.checkpoints import _split
+
+    root = nn.Sequential(nn.Linear(2, 2))
+    body = SimpleNamespace(name="sequential_module")
+    first, second = (torch.optim.SGD(root.parameters(), lr=0.1) for _ in range(2))
+    first._lp_index, second._lp_index = 0, 1
+    key, prefix, optimizers, rest = _split({"m": root, "b": second, "a": first, "step": 3}, body, root, root, 2)
+    assert (key, prefix, list(optimizers), rest) == ("m", "", ["a", "b"], {"step": 3})
+    with pytest.raises(ValueError, match="needs the module fabric.setup returned"):
+        _split({"a": first, "b": second}, body, root, root, 2)
+    with pytest.raises(ValueError, match=r"every optimizer fabric.setup returned \(2\); the state holds 1 \('a'\)"):
+        _split({"m": root, "a": first}, body, root, root, 2)
+    with pytest.raises(ValueError, match="'state_dict', which a sharded checkpoint uses for itself"):
+        _split({"m": root, "a": first, "b": second, "state_dict": {}}, body, root, root, 2)
 
 
 def test_the_strategy_given_to_a_fabric_becomes_fabrics_and_pipe_is_registered():

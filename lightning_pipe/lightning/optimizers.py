@@ -127,6 +127,7 @@ class StageOptimizers:
         self.stage_of = stage_of
         self.processes = processes
         self.tied = tied  # the parameters tied across processes: every copy in its process's part
+        self.count = 0
         self.before_update: Callable[[], None] = lambda: None  # this process's stages, before their update
 
     def mirror(self, optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str],
@@ -134,6 +135,7 @@ class StageOptimizers:
         """Make each of ``optimizers`` (the driver's, over the whole module: ``names`` maps parameter ids to
         names) an optimizer of every stage: its part is built on each remote stage."""
         per_stage: list[list[optim.OptimizerSpec | None]] = [[] for _ in range(self.processes)]
+        self.count = len(optimizers)  # how many are mirrored (a sharded save holds them all)
         for k, optimizer in enumerate(optimizers):
             if amp_scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
                 # Such an optimizer unscales and skips inside its own step, where the other stages' gradients

@@ -42,6 +42,10 @@ __all__ = ["consolidate_checkpoint", "is_sharded"]
 #: The format marker in the checkpoint's ``lightning`` entry.
 FORMAT = {"format": "lightning_pipe.sharded", "version": 2}
 
+#: The entry where a Fabric loop's save records the keys of its state: the module's (``"module"``), the prefix its
+#: names carry beyond the saved module's (``"prefix"``) and the optimizers' in the order they were set up.
+FABRIC = "lightning_pipe_fabric"
+
 
 def is_sharded(path: Any) -> bool:
     """Whether ``path`` is a sharded checkpoint's directory (either format: the first one is refused on loading)."""
@@ -117,6 +121,54 @@ def save_shards(checkpoint: Mapping[str, Any], partial: str, hosts: Any,
             future.result()
 
 
+def save_directory(checkpoint: Mapping[str, Any], path: str, hosts: Any, optimizers: Sequence[torch.optim.Optimizer],
+                   together: bool, main: bool, broadcast: Any) -> None:
+    """A sharded save as either loop makes it, called by the main process and, where the stages are sharded
+    over the replicas (``together``), by every driver at once (``broadcast``: the loop's, from the main process):
+    each replica's processes then write their shards into the directory the main process prepared."""
+    if main:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = None
+    if together:
+        partial = broadcast(prepare(path) if main else None)
+        if not main:
+            save_shards(checkpoint, partial, hosts, optimizers)
+            return
+    save(checkpoint, path, hosts, optimizers, partial)
+
+
+def load_module(info: Mapping[str, Any], module: Any, held: Mapping[str, Any], body: Any, module_name: str,
+                strict: bool) -> None:
+    """Load ``module`` (whose ``state_dict`` is ``held``: this process's tensors, the remote stages' as
+    placeholders) from a sharded checkpoint: each process reads its own entries by key, whatever split saved
+    them (of a tensor it holds as a shard, the shard's bytes alone); ``body``: the pipelined body whose remote
+    stages read theirs at once (None: none)."""
+    names = list(held)
+    check_names(info, names, strict)
+    remote = {layer for layer, process in body.owner.items() if process} if body is not None else set()
+    prefixes = tuple(f"{module_name}.{layer}." for layer in remote)
+    futures = body.hosts.start("load_shards", info["path"], info["index"], strict, timeout=0) if body else []
+    try:
+        module.load_state_dict(local_tensors(info, [n for n in names if not n.startswith(prefixes)], held),
+                               strict=False)
+    finally:
+        for future in futures:
+            future.result()
+
+
+def load_optimizer(info: Mapping[str, Any], k: int, optimizer: torch.optim.Optimizer, group_state: Mapping[str, Any],
+                   body: Any) -> None:
+    """Load ``optimizer`` (mirrored across the stages) from optimizer ``k``'s states in a sharded checkpoint,
+    every stage's part reading its own (``body``: the pipelined body, or None where no stage is remote)."""
+    futures = body.hosts.start("load_optimizer_shards", info["path"], optimizer._lp_index,  # type: ignore[attr-defined]
+                               timeout=0) if body else []
+    try:
+        optimizer.load_state_dict(optim.as_held(optimizer, local_optimizer_state(info, k, group_state, optimizer)))
+    finally:
+        for future in futures:
+            future.result()
+
+
 def read_meta(path: str) -> dict[str, Any]:
     """A sharded checkpoint's Lightning entries: Lightning's checkpoint without the tensors of the model and
     optimizers; its ``lightning_pipe`` entry also records ``path`` and ``index``, the names of the state-dict
@@ -178,7 +230,9 @@ def local_optimizer_state(info: Mapping[str, Any], k: int, group_state: Mapping[
 def consolidate_checkpoint(path: str, output: str) -> None:
     """Write the sharded checkpoint at ``path`` as one file at ``output``, in Lightning's format, with the
     plain model's ``state_dict`` and optimizer states: what ``Model.load_from_checkpoint`` and a plain
-    ``Trainer(...).fit(ckpt_path=...)`` take. (It holds the whole model in memory, as the plain model does.)
+    ``Trainer(...).fit(ckpt_path=...)`` take; a Fabric loop's directory becomes the file its ``fabric.save`` writes
+    under ``state_dict_type="full"`` (its state's keys, the module's state by the plain module's names). (It holds
+    the whole model in memory, as the plain model does.)
     A ``path`` that is no sharded checkpoint (a one-file checkpoint, a folder of checkpoints, a sharded
     checkpoint of the first format) is refused with what it is and what to pass (``NotADirectoryError``,
     ``FileNotFoundError``, ``OSError``)."""
@@ -198,6 +252,11 @@ def consolidate_checkpoint(path: str, output: str) -> None:
         {"state": {i: states.get(str(k), {})[name] for i, name in enumerate(group["names"])
                    if name in states.get(str(k), {})},
          "param_groups": group["param_groups"]} for k, group in enumerate(meta.get("optimizer_states", []))]
+    fabric = meta.pop(FABRIC, None)
+    if fabric is not None:  # a Fabric loop's state: its keys again, the module's names as the saved module's
+        cut = len(fabric.get("prefix", ""))
+        meta[fabric["module"]] = {name[cut:]: t for name, t in meta.pop("state_dict").items()}
+        meta.update(zip(fabric["optimizers"], meta.pop("optimizer_states")))
     temporary = shards.staging(output, ".tmp")
     try:
         torch.save(meta, temporary)

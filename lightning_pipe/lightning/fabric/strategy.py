@@ -18,6 +18,7 @@ module is ``nn.Sequential`` itself, or holds one under ``module_name`` (``sequen
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -35,7 +36,7 @@ from lightning_pipe.engine.deferred import deferred_init
 from lightning_pipe.lightning import checks, ddp, observe, settings
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build
-from lightning_pipe.lightning.fabric.checkpoints import fabric_load, fabric_save
+from lightning_pipe.lightning.fabric import checkpoints
 from lightning_pipe.lightning.launcher import Serving
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, raw
@@ -91,8 +92,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
     """Pipeline parallelism for a Fabric loop: the module's ``nn.Sequential`` body (the module itself, or
     ``module.sequential_module``) runs one stage per process; with more processes than stages the pipeline is
     replicated and each stage averaged over its replicas. Takes the arguments of the Trainer's ``PipeStrategy``
-    (``lightning_pipe.PipeStrategy`` given to ``Fabric`` becomes this class); ``state_dict_type="sharded"`` is
-    refused (docs/fabric.md)."""
+    (``lightning_pipe.PipeStrategy`` given to ``Fabric`` becomes this class; docs/fabric.md)."""
 
     strategy_name = "pipe"
 
@@ -106,11 +106,6 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
                  checkpoint_io: Any = None, precision: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         given = {k: v for k, v in locals().items() if k in settings.DEFAULTS}
-        if state_dict_type != "full":
-            raise ValueError(
-                f"PipeStrategy under Fabric does not write sharded checkpoints yet (state_dict_type="
-                f"{state_dict_type!r}): fabric.save writes one file of the plain model's state (state_dict_type="
-                "'full', stages sharded over their replicas included); the Trainer writes sharded directories")
         values = settings.pipeline_settings(PipeStrategy, type(self), given, kwargs)
         self._ddp_comm_hook = kwargs.pop("ddp_comm_hook", None)
         self._ddp_comm_state = kwargs.pop("ddp_comm_state", None)
@@ -347,35 +342,22 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """One file, by the main process, of ``state`` with each module's state the plain module's and each
-        optimizer's the plain model's optimizer's, written stage by stage (the other replicas write nothing)."""
+        optimizer's the plain model's optimizer's, written stage by stage (the other replicas write nothing); under
+        ``state_dict_type="sharded"``, a directory each process writes its own entries into."""
         if self._body is None or self._stage_optimizers is None:
             return super().save_checkpoint(path, state, storage_options, filter)
-        body = self._body
-        together = body.sharded  # every replica holds shards of every stage: each takes part
-        if together:
-            body.pipeline.runner.averages.before_update()  # stage 0's parameters the shards again
-            for future in body.hosts.start("gather_whole", timeout=0):
-                future.result()
-        try:
-            if self.is_global_zero or together:
-                fabric_save(str(path), state, body, self._module, self.model, filter or {}, self.checkpoint_io,
-                            storage_options, write=self.is_global_zero)
-        finally:
-            if together:
-                body.hosts.call("release_whole")
+        checkpoints.save(self, str(path), state, storage_options, filter)
         return None
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load a file :meth:`save_checkpoint` wrote (or any of the plain model's) into ``state``: each module's
-        entries reach their stages, each optimizer's state its stages' parts."""
+        entries reach their stages, each optimizer's state its stages' parts; or a sharded directory (this strategy's
+        or the Trainer's), each process reading its own entries."""
         if self._body is None or self._stage_optimizers is None or not state:
             return super().load_checkpoint(path, state, strict, weights_only)
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        if self._body.sharded:  # whole copies of stage 0's shards (a forward's) dropped: the shards are loaded
-            self._body.pipeline.runner.averages.before_update()
-        return fabric_load(checkpoint, state, strict, self._stage_optimizers, self._module, self.model)
+        return checkpoints.load(self, os.fspath(path), state, strict, weights_only)
 
     # ------------------------------------------------------------------ the end
     @override

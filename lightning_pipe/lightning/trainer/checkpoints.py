@@ -103,15 +103,8 @@ class PipelineCheckpoints(PipelineProcesses):
         if not self.is_global_zero and not together:
             return
         if self.state_dict_type == "sharded":
-            if self.is_global_zero:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            partial = None
-            if together:  # every replica's processes write their shards into the main process's directory
-                partial = self.broadcast(sharded.prepare(path) if self.is_global_zero else None)
-                if not self.is_global_zero:
-                    sharded.save_shards(checkpoint, partial, body.hosts if body is not None else None, optimizers)
-                    return
-            sharded.save(checkpoint, path, body.hosts if body is not None else None, optimizers, partial)
+            sharded.save_directory(checkpoint, path, body.hosts if body is not None else None, optimizers, together,
+                                   self.is_global_zero, self.broadcast)
             return
         if together and body is not None:  # each sharded stage gathered whole by its replica 0's process
             for future in body.hosts.start("gather_whole", timeout=0):
@@ -160,19 +153,9 @@ class PipelineCheckpoints(PipelineProcesses):
             # The body's load_state_dict hands the remote layers' entries to their stages.
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
             return
-        # Sharded: each process reads its own entries by key, whatever split saved them (of a tensor it holds as a
-        # shard, the shard's bytes alone).
-        module, body = self.lightning_module, self._remote()
+        module = self.lightning_module
         held = module_state_dict(module, checks.body_of(module, self.module_name), False)
-        names = list(held)
-        sharded.check_names(info, names, strict)
-        remote = {layer for layer, process in body.owner.items() if process} if body is not None else set()
-        prefixes = tuple(f"{self.module_name}.{layer}." for layer in remote)
-        futures = body.hosts.start("load_shards", info["path"], info["index"], strict, timeout=0) if body else []
-        module.load_state_dict(sharded.local_tensors(info, [n for n in names if not n.startswith(prefixes)], held),
-                               strict=False)
-        for future in futures:
-            future.result()
+        sharded.load_module(info, module, held, self._remote(), self.module_name, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -183,13 +166,7 @@ class PipelineCheckpoints(PipelineProcesses):
             if info is None:
                 self._stage_optimizers.load(optimizer, state)
             else:
-                body = self._remote()
-                futures = body.hosts.start("load_optimizer_shards", info["path"], optimizer._lp_index,
-                                           timeout=0) if body else []
-                optimizer.load_state_dict(optim.as_held(optimizer, sharded.local_optimizer_state(info, k, state,
-                                                                                                 optimizer)))
-                for future in futures:
-                    future.result()
+                sharded.load_optimizer(info, k, optimizer, state, self._remote())
             _optimizers_to_device([optimizer], self.root_device)
 
     @contextlib.contextmanager
