@@ -10,7 +10,11 @@ vocabulary; any architecture ``to_sequential`` takes); it is built on the ``meta
 file's weights by the model's names. Without it, a Llama-style decoder (RMSNorm, rotary positions, grouped-query
 attention) is built from a config of the sizes given, over bytes (no pretrained decoder ships in a PyPI
 package). The text is ``--data.corpus`` (the opening of *Coriolanus* shipped here), in windows of ``context``
-tokens: bytes, or the checkpoint's tokens. The validation loss and a sample continuing ``--data.prompt`` are
+tokens: bytes, or the checkpoint's tokens. ``--data.documents true`` trains on the text's speeches instead, each
+a sequence of its own length (6 to 1,015 bytes, cut at ``context``), every batch padded to its own longest
+(``pad_batch``, dynamic padding) and, with ``--data.group_by_length true``, batches of similar lengths
+(``LengthGroupedSampler``): the pipeline carries any shape in each hand-off, so a batch of any length needs nothing
+more. The validation loss and a sample continuing ``--data.prompt`` are
 shown before and after; the fine-tuned model is written to ``<log dir>/hf_model`` in Hugging Face's format,
 which ``--model.pretrained`` (or ``AutoModelForCausalLM.from_pretrained``) reads back.
 """
@@ -27,6 +31,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import CORPUS, TextCorpus  # noqa: E402
@@ -35,8 +40,64 @@ import lightning_pipe  # noqa: E402 - registers strategy="pipe"
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy of the next token at every position (module-level: it runs on the last stage)."""
+    """The mean cross-entropy of the next token at every position but the padded ones (target -100, which
+    ``cross_entropy`` ignores; module-level: it runs on the last stage)."""
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def pad_batch(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic padding (a DataLoader's ``collate_fn``): the inputs and targets of ``samples`` padded to the
+    longest of this batch, not of the data (inputs with 0; targets with -100, which the loss ignores). With a
+    decoder's causal attention, padding on the right changes nothing before it."""
+    longest = max(len(x) for x, _ in samples)
+    inputs = torch.zeros(len(samples), longest, dtype=torch.long)
+    targets = torch.full((len(samples), longest), -100, dtype=torch.long)
+    for row, (x, y) in enumerate(samples):
+        inputs[row, :len(x)], targets[row, :len(y)] = x, y
+    return inputs, targets
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """The indices of samples of ``lengths`` shuffled, then sorted by length (longest first) within mega-batches of
+    ``mega * batch_size``, as Hugging Face's ``group_by_length`` does, the batches of a mega-batch then shuffled:
+    each batch holds samples of similar lengths, so dynamic padding pads little. A new order each pass, the same
+    in every process (seeded by ``seed`` and the pass)."""
+
+    def __init__(self, lengths: list[int], batch_size: int, mega: int = 50, seed: int = 0) -> None:
+        self.lengths, self.batch, self.size, self.seed, self.passes = lengths, batch_size, mega * batch_size, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):  # noqa: ANN204 - an iterator of ints
+        generator = torch.Generator().manual_seed(self.seed + self.passes)
+        self.passes += 1
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        for k in range(0, len(order), self.size):
+            mega = sorted(order[k:k + self.size], key=lambda i: -self.lengths[i])
+            batches = [mega[j:j + self.batch] for j in range(0, len(mega), self.batch)]
+            for b in torch.randperm(len(batches), generator=generator).tolist():  # not longest to shortest
+                yield from batches[b]
+
+
+class Documents(Dataset):
+    """``(input, next-token target)`` of each document of ``documents`` (lists of token ids) at its own length,
+    one that is longer than ``context`` tokens cut into pieces of at most ``context``."""
+
+    def __init__(self, documents: list[list[int]], context: int) -> None:
+        self.pieces = [torch.tensor(doc[k:k + context + 1], dtype=torch.long) for doc in documents
+                       for k in range(0, len(doc) - 1, context)]
+        self.pieces = [piece for piece in self.pieces if len(piece) > 1]
+
+    def lengths(self) -> list[int]:
+        """Each sample's tokens."""
+        return [len(piece) - 1 for piece in self.pieces]
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pieces[i][:-1], self.pieces[i][1:]
 
 
 class Tokens:
@@ -152,14 +213,34 @@ class CausalLM(LightningModule):
 
 
 class TokenCorpus(TextCorpus):
-    """A UTF-8 text as tokens (see :class:`Tokens`): the first 90% for training (a window at every token), the
-    rest for validation; ``samples`` copies of ``prompt`` to continue in ``predict``."""
+    """A UTF-8 text as tokens (see :class:`Tokens`): the first 90% for training (a window at every token, or with
+    ``documents`` each part between blank lines at its own length, batches padded to their longest and, with
+    ``group_by_length``, of similar lengths), the rest for validation (windows); ``samples`` copies of ``prompt``
+    to continue in ``predict``."""
 
     def __init__(self, corpus: str = str(CORPUS), pretrained: str | None = None, context: int = 64,
                  batch_size: int = 32, val_fraction: float = 0.1, prompt: str = "First Citizen:\n",
-                 samples: int = 4) -> None:
+                 samples: int = 4, documents: bool = False, group_by_length: bool = False) -> None:
         super().__init__(corpus, context, batch_size, val_fraction, prompt, samples)  # saves every argument
         self.tokens = Tokens(pretrained)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.hparams.documents:  # the text's parts between blank lines (a play's speeches), each at its length
+            text = Path(self.hparams.corpus).read_text(encoding="utf-8")
+            training = text[:int(len(text) * (1 - self.hparams.val_fraction))]
+            self.train_set = Documents([self.encode(part + "\n\n") for part in training.split("\n\n") if part.strip()],
+                                       self.hparams.context)
+
+    def train_dataloader(self) -> DataLoader:
+        if not self.hparams.documents:
+            return super().train_dataloader()
+        if self.hparams.group_by_length:
+            sampler = LengthGroupedSampler(self.train_set.lengths(), self.hparams.batch_size)
+            return DataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler,
+                              collate_fn=pad_batch, drop_last=True)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, collate_fn=pad_batch,
+                          drop_last=True)
 
     def read(self, path: Path) -> list[int]:
         """The corpus at ``path`` as tokens."""

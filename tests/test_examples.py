@@ -210,6 +210,42 @@ def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_
     assert score(transformers.AutoModelForCausalLM.from_pretrained(exported).eval()) == pytest.approx(after, abs=2e-3)
 
 
+@pytest.mark.timeout(60)
+def test_causal_lm_documents_pad_each_batch_to_its_longest_and_group_by_length():
+    """``--data.documents``: the text's speeches at their own lengths; ``pad_batch`` pads a batch to its longest
+    (targets -100), which leaves a decoder's loss over the real tokens as it is unpadded; the length-grouped
+    sampler gives every sample once per pass and pads less than shuffling."""
+    transformers = pytest.importorskip("transformers")
+    from finetune_causal_lm import LengthGroupedSampler, TokenCorpus, next_token_loss, pad_batch
+
+    data = TokenCorpus(documents=True, context=128, batch_size=8)
+    data.setup("fit")
+    lengths = data.train_set.lengths()
+    assert min(lengths) < 16 and max(lengths) == 128 and len(set(lengths)) > 50  # an order of magnitude apart
+    samples = [data.train_set[i] for i in (3, 0, 7)]
+    x, y = pad_batch(samples)
+    assert x.shape == (3, max(len(s[0]) for s in samples)) and (y == -100).sum() == y.numel() - sum(
+        len(s[1]) for s in samples)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        padded = next_token_loss(model(input_ids=x).logits, y)
+        alone = [next_token_loss(model(input_ids=s[0][None]).logits, s[1][None]) * len(s[1]) for s in samples]
+    assert padded.item() == pytest.approx(sum(alone).item() / sum(len(s[1]) for s in samples), rel=1e-5)
+
+    sampler = LengthGroupedSampler(lengths, batch_size=8, mega=4)
+    first, second = list(sampler), list(sampler)
+    assert sorted(first) == list(range(len(lengths))) and first != second  # each once, a new order each pass
+
+    def padding(order: list[int]) -> int:
+        return sum(8 * max(lengths[i] for i in order[k:k + 8]) for k in range(0, len(order), 8)) - sum(lengths)
+
+    shuffled = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
+    assert padding(first) < 0.5 * padding(shuffled)
+
+
 @pytest.mark.timeout(420)
 def test_lora_example_trains_adapters_alone_saves_them_in_peft_format_and_resumes_without_the_base(tmp_path):
     """PEFT's LoRA on a Hugging Face Llama checkpoint (trained briefly here), through 2 processes under 1F1B: the
