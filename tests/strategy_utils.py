@@ -89,6 +89,28 @@ def run_command(argv: list[str], *, timeout: float = 120, env: dict[str, str] | 
     return result
 
 
+def run_together(commands: list[tuple[list[str], dict[str, str]]], out: Path, timeout: float = 200) -> None:
+    """Start every ``(argv, environment)`` at once, as the nodes of a cluster would, each in a session of its
+    own with its output in ``out/launch<i>.log``; wait for all (a hang fails within ``timeout``), then end
+    every process started here, whatever happened."""
+    import time
+
+    procs = []
+    try:
+        for i, (argv, env) in enumerate(commands):
+            with open(out / f"launch{i}.log", "w") as log:  # files, not pipes: no process blocks on output
+                procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore", **env},
+                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for i, p in enumerate(procs):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))  # a hang fails here, and the finally ends it
+            log = (out / f"launch{i}.log").read_text()
+            assert p.returncode == 0, f"{commands[i][0][:3]} failed with status {p.returncode}:\n{log[-4000:]}"
+    finally:
+        for p in procs:  # only the processes started here, each worker by pid (torchrun's are in sessions of their own)
+            end(p)
+
+
 def train(config: dict[str, Any], out: Path, **kwargs: Any) -> dict[str, Any]:
     """Train ``config`` through PipeStrategy in its own processes; return the main process's result."""
     out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from scripts import train as script
-from strategy_utils import REPO, assert_same_weights, run_script
+from strategy_utils import REPO, assert_same_weights, run_script, run_together
 from test_strategy import plain_weights
 
 
@@ -142,32 +142,6 @@ def test_a_freed_model_frees_its_stages(tmp_path):
     run_script("two_models.py", str(tmp_path), timeout=150)
     stages = json.loads((tmp_path / "stages.json").read_text())
     assert stages == {"both": 2, "left": 1}
-
-
-def run_together(commands: list[tuple[list[str], dict[str, str]]], out, timeout: float = 200) -> None:
-    """Start every ``(argv, environment)`` at once, as the nodes of a cluster would, each in a session of its
-    own with its output in ``out/launch<i>.log``; wait for all (a hang fails within ``timeout``), then end
-    every process started here, whatever happened."""
-    import os
-    import subprocess
-    import time
-
-    from strategy_utils import REPO, end
-
-    procs = []
-    try:
-        for i, (argv, env) in enumerate(commands):
-            with open(out / f"launch{i}.log", "w") as log:  # files, not pipes: no process blocks on output
-                procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore", **env},
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        for i, p in enumerate(procs):
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))  # a hang fails here, and the finally ends it
-            log = (out / f"launch{i}.log").read_text()
-            assert p.returncode == 0, f"{commands[i][0][:3]} failed with status {p.returncode}:\n{log[-4000:]}"
-    finally:
-        for p in procs:  # only the processes started here, each worker by pid (torchrun's are in sessions of their own)
-            end(p)
 
 
 def assert_two_nodes_train_one_devices_weights(config: dict, out, plain_out) -> None:

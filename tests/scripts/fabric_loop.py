@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "optimizer": "sgd", "clip": None, "clip_value": None, "accumulate": 1, "scheduler": None, "model": "sequential",
     "precision": "32-true", "build": "eager", "samples": 64, "batch_size": 8, "epochs": 1, "seed": 7,
     "load": None, "launch_fn": False, "collectives": False, "package": "lightning", "init_scale": 2.0 ** 4,
-    "sharding": "NO_SHARD", "virtual_stages": 1, "state_dict_type": "full",
+    "sharding": "NO_SHARD", "virtual_stages": 1, "state_dict_type": "full", "nodes": 1,
 }
 
 
@@ -159,7 +159,8 @@ def main(config: dict[str, Any], out: str) -> None:
                                            sharding_strategy=config["sharding"],
                                            virtual_stages=config["virtual_stages"],
                                            state_dict_type=config["state_dict_type"])
-    fabric = L.Fabric(accelerator="cpu", devices=config["devices"], strategy=strategy, **precision(config))
+    fabric = L.Fabric(accelerator="cpu", devices=config["devices"], num_nodes=config["nodes"], strategy=strategy,
+                      **precision(config))
     os.makedirs(out, exist_ok=True)
 
     def loop(fabric: Any) -> dict[str, Any]:

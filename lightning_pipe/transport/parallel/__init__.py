@@ -1,2 +1,3 @@
-"""A stage over its replicas, one module per parallelism: ``ddp`` (torch's DDP), ``fsdp`` (FSDP2), and what they
-share (``reduction``, ``averages``) and FSDP's checkpoint shards (``shards``)."""
+"""A stage over its replicas or its tensor ranks, one module per parallelism: ``ddp`` (torch's DDP), ``fsdp``
+(FSDP2), ``tensor`` (a tensor-parallel plan checked and applied to a stage), and what they share (``reduction``,
+``averages``) and FSDP's checkpoint shards (``shards``)."""
