@@ -10,8 +10,9 @@ By room:
   Lightning), ``steps`` (a step's control messages), ``rendezvous`` (where the data plane meets), ``host`` (a
   process hosting one stage with its optimizers, gradients and state), ``optim``, ``stagestate``, ``tied``,
   ``settled``;
-- ``parallel/``, a stage over its replicas, one module per parallelism: ``ddp`` (torch's DDP), ``fsdp``
-  (FSDP2), what both share (``reduction``, ``averages``) and FSDP's checkpoint shards (``shards``);
+- ``parallel/``, a stage over its replicas or its tensor ranks, one module per parallelism: ``ddp`` (torch's DDP),
+  ``fsdp`` (FSDP2), ``tensor`` (a tensor-parallel plan checked and applied to a stage), what they share
+  (``reduction``, ``averages``) and FSDP's checkpoint shards (``shards``);
 - ``topology`` (which process does what) and ``placing`` (checkpoints put into place atomically).
 """
 
