@@ -24,20 +24,22 @@ In one job, step by step: for each batch, every setup under every schedule of ``
 the order of the setups reversed from one batch to the next, a barrier before and after each step, timed on
 process 0. Pass 0 goes over every batch once and checks that every setup gives the same loss per batch; then
 ``--rounds`` passes (epochs) are timed. Each setup runs at its fastest schedule (the median of its passes).
-Setting up is counted, once: in pass 0, a step at a length theirs has built no stage for yet (the PipelineStage
+Setting up is counted, once: the steps of pass 0 at a length theirs has built no stage for yet (the PipelineStage
 and schedule built, their shapes inferred; theirs padded builds its one stage in the warm-up, uncounted, as ours
-builds its pipeline) or at a length longer than any ours ran (its receives grow) is run again at once, and the
-first one's excess over the second is added to the setup's passes, spread over the rounds. Per round: our time for
+builds its pipeline) or at a length longer than any ours ran before (its receives grow) count what each took
+beyond the median of the same step in the timed passes (none where noise makes that negative), added to the
+setup's passes, spread over the rounds. Per round: our time for
 the same tokens over theirs. It prints tokens per second (real tokens, not padding),
 ``RESULT varlen_ours_over_theirs_padded=`` (ours, shuffled, over theirs padded to the maximum) and
 ``RESULT varlen_ours_over_theirs_bucketed=`` (ours over their bucketing, both in the order where their bucketing is
 fastest), medians over the rounds.
 
-Shape changes (ours alone): pairs of steps at one length of ``--shape-lengths``, the first after a step at
-another length (its shapes changed), the second after one at its own (fixed shapes), every length once per round
-in a new order, ``--shape-rounds`` rounds. ``RESULT varlen_changing_over_fixed=``: the median over rounds of the
-changing steps' time over the fixed ones', at our faster schedule. It prints the page faults per step of each kind
-(the allocator's work, which a plain model in one process shows too).
+Shape changes (ours alone): at each length of ``--shape-lengths``, a pair of steps: one on a pipeline whose every
+step changes length (its receives sized for the longest), then one on a pipeline of that length's own, which has
+only ever run it (fixed shapes); every length once per round in a new order, ``--shape-rounds`` rounds.
+``RESULT varlen_changing_over_fixed=``: the median over rounds of the changing steps' time over the fixed ones', at
+our faster schedule. It prints the page faults per step of each kind (the allocator's work) and the same pairs of
+the model unpipelined in process 0 alone: what a change of shapes costs without any engine.
 
     python benchmarks/bench_varlen.py [--batches 16 --batch 8 --chunks 4 --rounds 6] [--schedules gpipe,1f1b]
 """
@@ -54,7 +56,7 @@ import warnings
 from typing import Any
 
 import torch
-from bench_vs_pipelining import RPC_TIMEOUT, _start_ours, halves, ours_step, their_schedule
+from bench_vs_pipelining import RPC_TIMEOUT, _start_ours, build, halves, loss_fn, ours_step, their_schedule
 from processes import run_processes
 
 ORDERS = ("shuffled", "grouped")
@@ -174,10 +176,10 @@ def _varlen(rank: int, port: int, args: argparse.Namespace) -> Any:
     runs = [(s, o, name) for s, o in setups() for name in args.schedules]
     passes: dict[str, list[list[float]]] = {f"{s}|{o}|{n}": [] for s, o, n in runs}  # per pass, each batch's step
     losses: dict[str, list[float | None]] = {f"{s}|{o}|{n}": [] for s, o, n in runs}
-    # Setting up, counted once: in pass 0, a step at a length theirs has no stage for yet (the stage and schedule
-    # built, shapes inferred) or longer than any ours ran (its receives grow) is run again at once; the first
-    # one's excess over the second is what setting up cost.
-    setting_up = dict.fromkeys(passes, 0.0)
+    # Setting up, counted once: the steps of pass 0 at a length theirs has no stage for yet (the stage and schedule
+    # built, shapes inferred) or longer than any ours ran before (its receives grow); what each took beyond the
+    # median of the same step in the timed passes is what setting up cost.
+    setting_up: dict[str, list[int]] = {key: [] for key in passes}  # the batches of pass 0 that set up
     longest = lengths_of[("ours", "shuffled")][0]  # what ours ran in its warm-up
     for p in range(args.rounds + 1 if "varlen" in args.phases else 0):
         for key in passes:
@@ -191,39 +193,74 @@ def _varlen(rank: int, port: int, args: argparse.Namespace) -> Any:
                 if p == 0:
                     losses[key].append(loss)
                     if new:
-                        setting_up[key] += elapsed - timed(step, setup, order, k, name)[0]
+                        setting_up[key].append(k)
                     if setup == "ours":
                         longest = max(longest, length)
 
-    # Shape changes, ours alone: pairs of steps at one length, the first after a step at another length (a change),
-    # the second after one at its own (fixed), the pairs' lengths in a new order each round. Each step's time
-    # (process 0) and page faults (every process, from the barrier before it to the one after).
-    shapes = args.shape_lengths
+    # Shape changes, ours alone: at each length a pair of steps, the first on a pipeline whose every step changes
+    # length (the lengths in a new order each round), the second on a pipeline of its own that has only ever run
+    # this length (fixed shapes; its receives sized for it alone); then the same pair on the model unpipelined in
+    # process 0. Each step's time (process 0) and page faults (every process, from the barrier before it to the one
+    # after).
+    shapes = args.shape_lengths if "shapes" in args.phases else []
     shaped = [torch.randint(args.vocab, (args.batch, n), generator=torch.Generator().manual_seed(n)) for n in shapes]
+    pipes = {key: own_pipeline(f"bench-{key}", args) for key in ["changing", *shapes]}
+    whole = build(args) if rank == 0 else None  # the reference: the same model, unpipelined, in process 0 alone
 
-    def shape_step(j: int, name: str) -> tuple[float, int]:
+    def plain(x: torch.Tensor) -> None:
+        for xb in x.chunk(args.chunks):
+            loss_fn(whole(xb), xb).backward()
+
+    def shape_step(j: int, name: str, pipe: str) -> tuple[float, int]:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        elapsed, _ = timed(lambda: ours_step(ours, parts, shaped[j], shaped[j], args, name) if ours else None)
+        if name == "plain":
+            elapsed, _ = timed(lambda: plain(shaped[j]) if whole is not None else None)
+        else:
+            pipeline, stages = pipes[pipe]
+            elapsed, _ = timed(lambda: ours_step(pipeline, stages, shaped[j], shaped[j], args, name) if pipeline
+                               else None)
         return elapsed, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
-    changing: dict[str, list[tuple[float, int]]] = {name: [] for name in args.schedules}  # per pair
-    fixed: dict[str, list[tuple[float, int]]] = {name: [] for name in args.schedules}
+    kinds = [*args.schedules, "plain"]
+    changing: dict[str, list[tuple[float, int]]] = {name: [] for name in kinds}  # per pair
+    fixed: dict[str, list[tuple[float, int]]] = {name: [] for name in kinds}
+    for name in args.schedules:  # warm-up: each fixed pipeline at its length, the changing one at every length
+        for j, n in enumerate(shapes):
+            shape_step(j, name, n)
+            shape_step(j, name, "changing")
     g = torch.Generator().manual_seed(5)
-    previous = -1
-    for _ in range(args.shape_rounds if "shapes" in args.phases else 0):
+    previous = len(shapes) - 1
+    for _ in range(args.shape_rounds if shapes else 0):
         order = torch.randperm(len(shapes), generator=g).tolist()
-        if order[0] == previous:  # every pair starts with a change
+        if order[0] == previous:  # every step of the changing pipeline changes length
             order.reverse()
-        for name in args.schedules:
+        for name in kinds:
             for j in order:
-                changing[name].append(shape_step(j, name))
-                fixed[name].append(shape_step(j, name))
+                changing[name].append(shape_step(j, name, "changing"))
+                fixed[name].append(shape_step(j, name, shapes[j]))
         previous = order[-1]
+    for pipeline, _ in pipes.values():
+        if pipeline is not None:
+            pipeline.close()
     if ours is not None:
         ours.close()
     rpc.shutdown(timeout=args.timeout)
     dist.destroy_process_group()
     return {"passes": passes, "losses": losses, "setting_up": setting_up, "changing": changing, "fixed": fixed}
+
+
+def own_pipeline(key: str, args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    """Another pipeline of ours over the same processes (called in every process; RPC is up), with its own copy of
+    the weights: the pipeline (None but in process 0) and its stages."""
+    from torch import nn
+
+    from lightning_pipe.transport import pipeline_over_rpc
+
+    parts = halves(args)
+    pipeline = pipeline_over_rpc(key, nn.Sequential(*[m for part in parts for m in part]), [len(q) for q in parts],
+                                 [f"worker{r}" for r in range(args.processes)], timeout=RPC_TIMEOUT,
+                                 data_plane=args.data_plane)
+    return pipeline, parts
 
 
 def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
@@ -321,10 +358,17 @@ def report_varlen(every: dict[int, Any], args: argparse.Namespace, real: int) ->
     best = {(s, o): min(args.schedules, key=lambda n, s=s, o=o: statistics.median(totals[f"{s}|{o}|{n}"][1:]))
             for s, o in setups()}
 
+    def setting_up(key: str) -> float:
+        """What setting up cost: the steps of pass 0 that set up, each beyond its median in the timed passes (a
+        step cannot set up in less than no time: what noise makes negative counts as none)."""
+        steps = every[0]["passes"][key]
+        return sum(max(0.0, steps[0][k] - statistics.median(p[k] for p in steps[1:]))
+                   for k in every[0]["setting_up"][key])
+
     def rounds(setup: str, order: str) -> list[float]:
         """Per timed pass, the setup's time at its best schedule, what setting up cost spread over them."""
         key = f"{setup}|{order}|{best[(setup, order)]}"
-        return [v + every[0]["setting_up"][key] / args.rounds for v in totals[key][1:]]
+        return [v + setting_up(key) / args.rounds for v in totals[key][1:]]
 
     print(f"{'setup':<17}{'order':<10}{'schedule':<10}{'pass':>8}{'setting up':>12}{'real tokens/s':>15}"
           f"   per schedule (median pass)")
@@ -332,7 +376,7 @@ def report_varlen(every: dict[int, Any], args: argparse.Namespace, real: int) ->
         key = f"{setup}|{order}|{best[(setup, order)]}"
         each = ", ".join(f"{n} {statistics.median(totals[f'{setup}|{order}|{n}'][1:]):.2f} s" for n in args.schedules)
         print(f"{setup:<17}{order:<10}{best[(setup, order)]:<10}{statistics.median(totals[key][1:]):>7.2f}s"
-              f"{every[0]['setting_up'][key]:>11.3f}s{real / statistics.median(rounds(setup, order)):>15.0f}"
+              f"{setting_up(key):>11.3f}s{real / statistics.median(rounds(setup, order)):>15.0f}"
               f"   {each}")
 
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> tuple[float, float, float]:
@@ -350,6 +394,14 @@ def report_varlen(every: dict[int, Any], args: argparse.Namespace, real: int) ->
     for o in ORDERS:
         print(f"  ours / theirs bucketed, both {o}: {by_order[o][0]:.3f} ({by_order[o][1]:.3f}-{by_order[o][2]:.3f})"
               + ("   <- their fastest bucketing" if o == their_best else ""))
+    lengths_of = plan(args)
+    for o in ORDERS:  # per step, time per computed token, ours over theirs bucketed on the same batch and pass
+        mine, theirs = (every[0]["passes"][f"{s}|{o}|{best[(s, o)]}"][1:] for s in ("ours", "theirs bucketed"))
+        per_token = [(a[k] / lengths_of[("ours", o)][k]) / (b[k] / lengths_of[("theirs bucketed", o)][k])
+                     for a, b in zip(mine, theirs) for k in range(args.batches)]
+        tokens = sum(lengths_of[("ours", o)]) / sum(lengths_of[("theirs bucketed", o)])
+        print(f"  {o}: tokens computed, ours / theirs bucketed {tokens:.3f}; time per computed token, ours / theirs "
+              f"bucketed, median over steps {statistics.median(per_token):.3f}")
     sg = ratio(("ours", "grouped"), ("ours", "shuffled"))
     print(f"  ours grouped / ours shuffled (what the length-grouped sampler is worth): {sg[0]:.3f}")
     args.results = {"padded": padded_ratio[0], "bucketed": by_order[their_best][0]}
@@ -363,15 +415,17 @@ def report_shapes(every: dict[int, Any], args: argparse.Namespace) -> float:
           "shape, paired at each length):")
     change, speed = {}, {}
     k = len(args.shape_lengths)
-    for n in args.schedules:
+    for n in [*args.schedules, "plain"]:
         c, f = every[0]["changing"][n], every[0]["fixed"][n]
         per_round = [sum(t for t, _ in c[r * k:(r + 1) * k]) / sum(t for t, _ in f[r * k:(r + 1) * k])
                      for r in range(args.shape_rounds)]
         change[n], speed[n] = statistics.median(per_round), statistics.median(t for t, _ in f)
-        faults = [sum(statistics.mean(x for _, x in every[rank][kind][n]) for rank in every) for kind in
-                  ("changing", "fixed")]
+        ranks = list(every) if n != "plain" else [0]
+        faults = [sum(statistics.mean(x for _, x in every[r][kind][n]) for r in ranks)
+                  for kind in ("changing", "fixed")]
         pairs = sorted(a / b for (a, _), (b, _) in zip(c, f))
-        print(f"  {n}: changing {statistics.median(t for t, _ in c) * 1e3:.1f} ms, fixed {speed[n] * 1e3:.1f} ms "
+        label = n if n != "plain" else "the model unpipelined, in one process"
+        print(f"  {label}: changing {statistics.median(t for t, _ in c) * 1e3:.1f} ms, fixed {speed[n] * 1e3:.1f} ms "
               f"per step (medians); changing / fixed {change[n]:.3f} (rounds {min(per_round):.3f}-"
               f"{max(per_round):.3f}; pairs: median {statistics.median(pairs):.3f}); page faults per step, all "
               f"processes: changing {faults[0]:.0f}, fixed {faults[1]:.0f}")
