@@ -33,9 +33,9 @@ CONSOLIDATE = f"""\
 Make one checkpoint file of a sharded checkpoint: the directory PipeStrategy(state_dict_type="sharded") writes
 at each save (a torch.distributed.checkpoint directory: .metadata and a __N_0.distcp file per process). The file
 is the one a "full" save writes: Lightning's format, the plain model's state_dict and optimizer states, which
-Model.load_from_checkpoint and a Trainer without PipeStrategy (fit(ckpt_path=FILE)) take. It holds the whole
-model in memory. A one-file checkpoint needs no consolidating; resuming with PipeStrategy takes the directory
-itself.
+Model.load_from_checkpoint and a Trainer without PipeStrategy (fit(ckpt_path=FILE)) take; of a Fabric loop's
+directory, the file its fabric.save writes with state_dict_type="full". It holds the whole model in memory.
+A one-file checkpoint needs no consolidating; resuming with PipeStrategy takes the directory itself.
 
 example:
   {PROG} consolidate lightning_logs/version_0/checkpoints/epoch=3-step=400.ckpt model.ckpt

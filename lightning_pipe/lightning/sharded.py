@@ -254,8 +254,9 @@ def consolidate_checkpoint(path: str, output: str) -> None:
          "param_groups": group["param_groups"]} for k, group in enumerate(meta.get("optimizer_states", []))]
     fabric = meta.pop(FABRIC, None)
     if fabric is not None:  # a Fabric loop's state: its keys again, the module's names as the saved module's
-        cut = len(fabric.get("prefix", ""))
-        meta[fabric["module"]] = {name[cut:]: t for name, t in meta.pop("state_dict").items()}
+        prefix = fabric.get("prefix", "")  # the body alone saved: the entries outside it are not its
+        meta[fabric["module"]] = {name[len(prefix):]: t for name, t in meta.pop("state_dict").items()
+                                  if name.startswith(prefix)}
         meta.update(zip(fabric["optimizers"], meta.pop("optimizer_states")))
     temporary = shards.staging(output, ".tmp")
     try:

@@ -173,27 +173,31 @@ def fabric_load_sharded(path: str, state: dict[str, Any], strict: bool, body: Pi
     module_key = next((k for k, o in state.items() if _unwrapped(o) in (root, _unwrapped(model), body)), None)
     mine = {k: _unwrapped(o) for k, o in state.items()
             if isinstance(_unwrapped(o), torch.optim.Optimizer) and hasattr(_unwrapped(o), "_lp_index")}
-    if keys is None:  # the Trainer's directory: its model, and its optimizers in the order they were set up
-        keys = {"module": module_key, "optimizers": sorted(mine, key=lambda k: mine[k]._lp_index)}
-    saved = {keys["module"]: None, **{k: None for k in keys["optimizers"]}}
+    if keys is None:  # the Trainer's directory: its model, and its optimizers by the order they were set up in
+        by_index = {o._lp_index: k for k, o in mine.items()}  # type: ignore[attr-defined]
+        keys = {"module": module_key, "optimizers": [by_index.get(i) for i in range(len(saved_states))]}
+    saved = {keys["module"]: None, **{k: None for k in keys["optimizers"] if k is not None}}
     _validate_keys_for_strict_loading(state.keys(), {**meta, **saved}.keys(), strict=strict)
     remote = body if body.hosts is not None else None
     if module_key is not None and module_key == keys["module"]:
         held = module_state_dict(root, body, False)  # type: ignore[arg-type]
         sharded.load_module(info, root, held, remote, module_name, strict)
     for k, key in enumerate(keys["optimizers"]):
-        optimizer = mine.get(key)
+        optimizer = mine.get(key) if key is not None else None
         if optimizer is None:
             continue
         if optimizer._lp_index != k:  # type: ignore[attr-defined]
-            raise ValueError(f"the sharded checkpoint {path} holds {key!r} as the optimizer set up {k}th, and this "
-                             f"program set it up {optimizer._lp_index}th: set up the optimizers in the same order")
+            raise ValueError(f"the sharded checkpoint {path} holds {key!r} as optimizer {k} (in the order set up), "
+                             f"and this program set it up as optimizer {optimizer._lp_index}: set up the optimizers "
+                             "in the same order")
         sharded.load_optimizer(info, k, optimizer, saved_states[k], remote)
     for key, obj in list(state.items()):
         if key not in meta:
             continue
         target = _unwrapped(obj)
-        if hasattr(target, "load_state_dict") and callable(target.load_state_dict):
+        if isinstance(target, nn.Module):
+            target.load_state_dict(meta.pop(key), strict=strict)
+        elif hasattr(target, "load_state_dict") and callable(target.load_state_dict):
             target.load_state_dict(meta.pop(key))
         else:
             state[key] = meta.pop(key)
@@ -214,6 +218,7 @@ def save(strategy: Any, path: str, state: Mapping[str, Any], storage_options: An
         body.pipeline.runner.averages.before_update()  # stage 0's parameters the shards again
     main = strategy.is_global_zero
     if strategy.state_dict_type == "sharded":
+        _split(state, body, strategy._module, strategy.model, strategy._stage_optimizers.count)  # every process
         if main or together:
             fabric_save_sharded(path, state, body, strategy._module, strategy.model, strategy._stage_optimizers.count,
                                 together, main, strategy.broadcast)

@@ -355,8 +355,8 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         """Load a file :meth:`save_checkpoint` wrote (or any of the plain model's) into ``state``: each module's
         entries reach their stages, each optimizer's state its stages' parts; or a sharded directory (this strategy's
         or the Trainer's), each process reading its own entries."""
-        if self._body is None or self._stage_optimizers is None or not state:
-            return super().load_checkpoint(path, state, strict, weights_only)
+        if self._body is None or self._stage_optimizers is None or not isinstance(state, dict) or not state:
+            return super().load_checkpoint(path, state, strict, weights_only)  # (load_raw: a module or optimizer)
         return checkpoints.load(self, os.fspath(path), state, strict, weights_only)
 
     # ------------------------------------------------------------------ the end

@@ -135,7 +135,12 @@ class PipelineCheckpoints(PipelineProcesses):
         if isinstance(checkpoint_path, (str, os.PathLike)):  # a save that died replacing it: the one it replaced
             placing.recover(os.fspath(checkpoint_path))
         if sharded.is_sharded(checkpoint_path):
-            return sharded.read_meta(checkpoint_path)
+            meta = sharded.read_meta(checkpoint_path)
+            if sharded.FABRIC in meta:
+                raise ValueError(f"{checkpoint_path} was written by a Fabric loop (fabric.save), not by a Trainer: "
+                                 "load it with fabric.load, or take its weights with python -m lightning_pipe "
+                                 "consolidate")
+            return meta
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
