@@ -168,7 +168,7 @@ def _varlen(rank: int, port: int, args: argparse.Namespace) -> Any:
         dist.barrier()
         return elapsed, value
 
-    for _ in range(2):  # the engines' first steps (threads, connections), at the longest shape
+    for _ in range(2):  # the engines' first steps (threads, connections): theirs padded builds its one stage here
         for name in args.schedules:
             timed(step, "ours", "shuffled", 0, name)
             timed(step, "theirs padded", "shuffled", 0, name)
