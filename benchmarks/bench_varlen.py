@@ -28,8 +28,8 @@ Setting up is counted, once: the steps of pass 0 at a length theirs has built no
 and schedule built, their shapes inferred; theirs padded builds its one stage in the warm-up, uncounted, as ours
 builds its pipeline) or at a length longer than any ours ran before (its receives grow) count what each took
 beyond the median of the same step in the timed passes (none where noise makes that negative), added to the
-setup's passes, spread over the rounds. Per round: our time for
-the same tokens over theirs. It prints tokens per second (real tokens, not padding),
+setup's passes, spread over the rounds. Per round: our time for the same tokens over theirs. It prints tokens per
+second (real tokens, not padding), each engine's time per computed token on the same batches,
 ``RESULT varlen_ours_over_theirs_padded=`` (ours, shuffled, over theirs padded to the maximum) and
 ``RESULT varlen_ours_over_theirs_bucketed=`` (ours over their bucketing, both in the order where their bucketing is
 fastest), medians over the rounds.
