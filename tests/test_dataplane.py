@@ -1,5 +1,8 @@
 """The point-to-point data plane (``data_plane``): one message per hand-off, any payload and shape, the plain
-model's results through it in every process, what goes by RPC instead, and its failures."""
+model's results through it in every process, what goes by RPC instead, and its failures.
+
+The processes these tests start import this module (``spawn``): what only the tests through Lightning need is
+imported inside them, so that each process starts in the time torch takes rather than Lightning's."""
 
 from __future__ import annotations
 
@@ -12,13 +15,10 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 from dist_utils import run_processes
-from jobs import config as case_config
 from strategy_utils import assert_same_weights
 from test_remote import _mse, build
-from test_strategy import load, plain_weights
 from torch import nn
 
-from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import pipeline_loss, run_pipeline
 from lightning_pipe.transport import pipeline_over_rpc
 from lightning_pipe.transport.stages.rendezvous import connect
@@ -263,6 +263,8 @@ def test_what_a_message_cannot_carry_goes_by_rpc(tensor):
 
 
 def test_an_unknown_data_plane_is_refused_naming_the_choices():
+    from lightning_pipe import PipeStrategy
+
     with pytest.raises(ValueError, match=r"data_plane must be one of 'auto', 'p2p', 'rpc' \(got: 'nccl'\)"):
         PipeStrategy(balance=[1, 1], data_plane="nccl")
 
@@ -679,6 +681,9 @@ def test_every_process_of_every_replica_hands_off_over_its_plane_and_trains_the_
                                                                                                    tmp_path):
     """2 replicas x 2 stages: over the default plane ("auto") and "p2p" every process of both replicas sends
     and receives point-to-point; over "rpc" none has a data plane; the plain model's weights every way."""
+    from jobs import config as case_config
+    from test_strategy import load, plain_weights
+
     config = case_config(name)
     out = jobs.directory(name)
     assert_same_weights(load(out / "final.ckpt"), plain_weights(config, tmp_path / "plain"))

@@ -13,7 +13,20 @@
   by stage), ``sharded`` (DCP directories), ``requeue`` (SLURM's signal), ``observe`` (timelines, memory).
 """
 
-from lightning_pipe.lightning.sharded import consolidate_checkpoint
-from lightning_pipe.lightning.trainer import PipelineReport, PipeStrategy, grad_norm
+from typing import Any
 
 __all__ = ["PipeStrategy", "PipelineReport", "consolidate_checkpoint", "grad_norm"]
+
+
+def __getattr__(name: str) -> Any:
+    """The binding's names, on first use: ``consolidate_checkpoint`` (and the core's modules, such as ``sharded``)
+    load no Lightning, so that ``python -m lightning_pipe consolidate`` starts in the time torch takes."""
+    if name == "consolidate_checkpoint":
+        from lightning_pipe.lightning.sharded import consolidate_checkpoint
+
+        return consolidate_checkpoint
+    if name in ("PipeStrategy", "PipelineReport", "grad_norm"):
+        from lightning_pipe.lightning import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
