@@ -31,10 +31,8 @@ def test_a_hung_job_is_killed_with_a_worker_in_its_own_session(tmp_path):
     """Killing the job's session alone (os.killpg, as this machinery did) left the worker running for 10 minutes
     after the test: it is found by parentage and killed by pid."""
     pidfile = tmp_path / "worker.pid"
-    started = time.monotonic()
     with pytest.raises(AssertionError, match="did not finish within 5 s"):
         run_command([sys.executable, "-c", HIDING, str(pidfile)], timeout=5, name="hiding")
-    assert time.monotonic() - started < 45  # nothing waited on the surviving worker's pipe
     worker = int(pidfile.read_text())
     deadline = time.monotonic() + 10
     while alive(worker) and time.monotonic() < deadline:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 from concurrent.futures import Future
 
@@ -95,9 +94,7 @@ def test_a_balance_that_misses_layers_names_the_body_and_what_to_change(balance,
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
     """Every model and setting refused before any process starts, one after another in one process."""
-    started = time.monotonic()
-    result = run_script("fail.py", "refusals", str(tmp_path_factory.mktemp("refusals")), timeout=150)
-    return result.stdout, time.monotonic() - started
+    return run_script("fail.py", "refusals", str(tmp_path_factory.mktemp("refusals")), timeout=150).stdout
 
 
 @pytest.mark.timeout(200)
@@ -113,12 +110,11 @@ def refusals(tmp_path_factory):
     ("backbone", "the BackboneFinetuning callback is not supported by PipeStrategy"),
 ])
 def test_bad_model_fails_before_processes_start(what, error, refusals):
-    stdout, seconds = refusals
+    stdout = refusals
     line = next((ln for ln in stdout.splitlines() if ln.startswith(f"[refused {what}]")), None)
     assert line is not None and error in line, stdout[-4000:]
     assert stdout.count(error) == 1, stdout[-4000:]  # one message, not one per process
     assert "[rank: 1]" not in stdout  # no other process was ever started (fail.py also checks the launcher's)
-    assert seconds < 90
 
 
 @pytest.mark.timeout(120)
@@ -127,28 +123,24 @@ def test_bad_model_fails_before_processes_start(what, error, refusals):
     ("backward", "FloatingPointError: non-finite gradient in layer 3"),
 ])
 def test_failing_stage_ends_every_process(where, error, tmp_path):
-    started = time.monotonic()
     result = run_script("fail.py", where, str(tmp_path), timeout=90, expect_ok=False)
     assert result.returncode != 0
     assert error in result.stdout, result.stdout[-4000:]
     assert "stage 1 of pipeline" in result.stdout and "(rank 1, process 'worker1')" in result.stdout
     if where == "forward":
         assert "layer 3 ('3': Breaks)" in result.stdout
-    # Every process ended by itself, promptly: the output pipe, which all of them hold, closed well before
-    # the timeout (at which run_script would kill them).
-    assert time.monotonic() - started < 60
+    # Every process ended by itself: the output pipe, which all of them hold, closed before the timeout (at which
+    # run_script would kill them and fail).
 
 
 @pytest.mark.timeout(120)
 def test_bare_backward_with_replicas_is_refused_and_every_process_ends(tmp_path):
     """Manual optimization calling loss.backward() itself, with 2 replicas: nothing would average their
     gradients, so the first step fails saying what to call instead, and all 4 processes end."""
-    started = time.monotonic()
     result = run_script("fail.py", "bare_backward", str(tmp_path), timeout=90, expect_ok=False)
     assert result.returncode != 0
     assert ("RuntimeError: the pipeline's backward ran outside Lightning's backward (loss.backward() instead of "
             "self.manual_backward(loss)?): with 2 replicas" in result.stdout), result.stdout[-4000:]
-    assert time.monotonic() - started < 60
 
 
 @pytest.mark.timeout(120)
@@ -156,11 +148,9 @@ def test_a_comm_hook_that_raises_fails_the_first_step_and_every_process_ends(tmp
     """DDP's arguments are not accepted and ignored: with 2 replicas x 2 stages, a ddp_comm_hook that raises
     (beside find_unused_parameters, bucket_cap_mb, broadcast_buffers) is called in the first step, its error
     reaches the driver, and all 4 processes end."""
-    started = time.monotonic()
     result = run_script("fail.py", "comm_hook", str(tmp_path), timeout=90, expect_ok=False)
     assert result.returncode != 0
     assert "RuntimeError: the comm hook was called (bucket 0 of a stage's DDP)" in result.stdout, result.stdout[-4000:]
-    assert time.monotonic() - started < 60
 
 
 @pytest.mark.timeout(120)
@@ -168,7 +158,6 @@ def test_a_loss_function_that_cannot_reach_the_last_stage_is_refused_at_loss_on_
     """A lambda passed to ``loss_on_last_stage`` with the last stage in another process: refused at that call, before
     the step is sent (once pickle's "Can't pickle local object" from inside RPC's send), saying what to pass; every
     process ends."""
-    started = time.monotonic()
     result = run_script("fail.py", "lambda_loss", str(tmp_path), timeout=90, expect_ok=False)
     assert result.returncode != 0
     assert ("TypeError: loss_on_last_stage cannot send its loss_fn to the last stage, which runs in another process "
@@ -176,19 +165,16 @@ def test_a_loss_function_that_cannot_reach_the_last_stage_is_refused_at_loss_on_
             "LambdaLoss._loss.<locals>.<lambda> at 0x") in result.stdout, result.stdout[-4000:]
     assert "Pass a function defined at the top level of a module" in result.stdout
     assert "rpc_async" not in result.stdout  # refused before anything was sent
-    assert time.monotonic() - started < 60
 
 
 @pytest.mark.timeout(120)
 def test_fused_optimizer_under_a_gradient_scaler_is_refused(tmp_path):
     """A fused optimizer skips an overflowing step inside its own kernel, which the other stages would not
     see (they would step with infinite gradients): refused at setup, and every process ends."""
-    started = time.monotonic()
     result = run_script("fail.py", "fused_scaler", str(tmp_path), timeout=90, expect_ok=False)
     assert result.returncode != 0
     assert "Adam(fused=True) cannot be used with a gradient scaler (precision='16-mixed')" in result.stdout, \
         result.stdout[-4000:]
-    assert time.monotonic() - started < 60
 
 
 def test_batch_smaller_than_microbatches_warns_with_the_values():
