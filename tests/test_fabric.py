@@ -71,6 +71,12 @@ JOBS: dict[str, dict[str, Any]] = {
     }},
     "2 processes, lightning_fabric": {"devices": 2, "package": "lightning_fabric", "cases": {
         "standalone-1f1b-adamw": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True, "clip": 0.1},
+        "standalone-head-outside-launch-fn-bf16-init-module": {"model": "module", "launch_fn": True, "balance": [2, 3],
+                                                               "precision": "bf16-mixed", "microbatches": 1,
+                                                               "build": "init_module", "optimizer": "adamw"},
+        "standalone-sharded-save": {"clip": 0.05, "scheduler": "step", "state_dict_type": "sharded"},
+        "standalone-sharded-load-other-balance": {"clip": 0.05, "scheduler": "step", "balance": [1, 4],
+                                                  "load": "standalone-sharded-save/final.pt"},
     }},
 }
 NEEDS = {"4 processes": "2 processes"}
@@ -81,7 +87,8 @@ CASES = [(job, case) for job, spec in JOBS.items() for case in spec["cases"]]
 FIRST = {"sgd-clip-scheduler/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"],
          "../2-processes/sgd-clip-scheduler/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"],
          "sharded-save/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"],
-         "../2-processes/sharded-save/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"]}
+         "../2-processes/sharded-save/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"],
+         "standalone-sharded-save/final.pt": JOBS["2 processes"]["cases"]["sgd-clip-scheduler"]}
 
 
 def job_directory(root: Path, job: str) -> Path:
