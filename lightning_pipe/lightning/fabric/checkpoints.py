@@ -95,19 +95,27 @@ def fabric_save(path: str, state: Mapping[str, Any], body: PipelinedSequential, 
         save_atomically(lambda p: checkpoint_io.save_checkpoint(converted, p, storage_options), path)
 
 
-def fabric_load(checkpoint: dict[str, Any], state: dict[str, Any], strict: bool, optimizers: StageOptimizers,
-                root: nn.Module, model: nn.Module) -> dict[str, Any]:
+def fabric_load(checkpoint: dict[str, Any], state: dict[str, Any], strict: bool, optimizers: StageOptimizers
+                ) -> dict[str, Any]:
     """Restore ``state``'s objects from ``checkpoint`` (a file :func:`fabric_save` wrote, or the plain model's):
     modules through their stages, mirrored optimizers through :meth:`StageOptimizers.load`. Returns what was not
     restored, as Fabric's ``load_checkpoint``."""
     _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
+    return _restore(state, checkpoint, strict, optimizers)
+
+
+def _restore(state: dict[str, Any], checkpoint: dict[str, Any], strict: bool,
+             optimizers: StageOptimizers | None = None) -> dict[str, Any]:
+    """Each object of ``state`` whose key ``checkpoint`` holds, restored from it (taken out of ``checkpoint``):
+    modules by ``load_state_dict(strict=strict)``, mirrored optimizers through ``optimizers`` (None: they were
+    restored already), anything else with a ``load_state_dict`` by it, plain values replaced. Returns the rest."""
     for key, obj in list(state.items()):
         if key not in checkpoint:
             continue
         target = _unwrapped(obj)
         if isinstance(target, nn.Module):
             target.load_state_dict(checkpoint.pop(key), strict=strict)
-        elif isinstance(target, torch.optim.Optimizer) and hasattr(target, "_lp_index"):
+        elif optimizers is not None and isinstance(target, torch.optim.Optimizer) and hasattr(target, "_lp_index"):
             optimizers.load(target, checkpoint.pop(key))
         elif hasattr(target, "load_state_dict") and callable(target.load_state_dict):
             target.load_state_dict(checkpoint.pop(key))
@@ -191,17 +199,7 @@ def fabric_load_sharded(path: str, state: dict[str, Any], strict: bool, body: Pi
                              f"and this program set it up as optimizer {optimizer._lp_index}: set up the optimizers "
                              "in the same order")
         sharded.load_optimizer(info, k, optimizer, saved_states[k], remote)
-    for key, obj in list(state.items()):
-        if key not in meta:
-            continue
-        target = _unwrapped(obj)
-        if isinstance(target, nn.Module):
-            target.load_state_dict(meta.pop(key), strict=strict)
-        elif hasattr(target, "load_state_dict") and callable(target.load_state_dict):
-            target.load_state_dict(meta.pop(key))
-        else:
-            state[key] = meta.pop(key)
-    return meta
+    return _restore(state, meta, strict)
 
 
 def save(strategy: Any, path: str, state: Mapping[str, Any], storage_options: Any,
@@ -244,4 +242,4 @@ def load(strategy: Any, path: str, state: dict[str, Any], strict: bool, weights_
     if sharded.is_sharded(path):
         return fabric_load_sharded(path, state, strict, body, strategy._module, strategy.model, strategy.module_name)
     checkpoint = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-    return fabric_load(checkpoint, state, strict, strategy._stage_optimizers, strategy._module, strategy.model)
+    return fabric_load(checkpoint, state, strict, strategy._stage_optimizers)
