@@ -26,7 +26,8 @@ TRANSPARENCY = ["2stages-sgd", "3stages-chunks8-always", "chunks1-never-adamw-gr
 
 def plain_weights(config: dict, out: Path) -> dict[str, torch.Tensor]:
     config = copy.deepcopy(config)
-    replicas = config.get("devices", 2) * config.get("virtual_stages", 1) // len(config.get("balance", [2, 2]))
+    replicas = config.get("devices", 2) * config.get("virtual_stages", 1) // (
+        len(config.get("balance", [2, 2])) * config.get("tensor_parallel_size", 1))
     config["batch_size"] = config.get("batch_size", 8) * replicas  # one device sees the global batch
     out.mkdir(parents=True, exist_ok=True)
     model = script.main(config, str(out), plain=True)
@@ -57,7 +58,8 @@ def test_same_weights_as_one_device(name, jobs, tmp_path):
         saved = torch.load(out / "final.ckpt", weights_only=False)["state_dict"]
         assert saved["sequential_module.3.0.weight"].dtype == torch.float64
         assert_same_weights(saved, expected)
-    replicas = config.get("devices", 2) * config.get("virtual_stages", 1) // len(config.get("balance", [2, 2]))
+    replicas = config.get("devices", 2) * config.get("virtual_stages", 1) // (
+        len(config.get("balance", [2, 2])) * config.get("tensor_parallel_size", 1))
     assert result["world_size"] == replicas  # Lightning sees the replicas, not the processes
     if config.get("log_grad_norm"):
         plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]

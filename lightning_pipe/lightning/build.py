@@ -30,7 +30,7 @@ from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
 from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
-from lightning_pipe.transport.parallel import fsdp
+from lightning_pipe.transport.parallel import dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import host
 from lightning_pipe.transport.stages.driver import RemotePipeline
 from lightning_pipe.transport.stages.rendezvous import connect
@@ -99,9 +99,9 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     balance = strategy.balance if strategy.balance is not None else _infer_balance(strategy, module, body)
     check_balance(body, balance)
     topology, rank = strategy.topology, strategy.rank
-    replica = topology.replica_of(rank)
-    key = f"r{replica}p{next(_pipeline_ids)}"
-    ranks = topology.pipeline(replica)
+    index = topology.pipeline_of(rank)
+    key = f"r{index}p{next(_pipeline_ids)}"
+    ranks = topology.pipeline(index)
     p = strategy.pipeline_processes  # stage s in process ranks[s % p]
     parts = split_module(body, balance)
     n = len(parts)
@@ -117,13 +117,14 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
             f"{type(module).__name__}.{strategy.module_name} has parameters shared by layers of different stages "
             f"({', '.join(tied[0].names)}), which an interleaved schedule (virtual_stages={n // p}) cannot split: "
             "use one stage per process (virtual_stages=1), or keep the layers that share them in one stage")
+    split = tensor_split(strategy, module, body, parts, tied)
     programs = {s: recording.program(named_tensors(parts[s])) for s in range(n) if s % p} if recording else {}
     setup_timeout = timeout + (strategy.setup_timeout() if strategy.world_size > 1 or recording else 0)
     futures = [host.configure_async(worker_name(ranks[r]), key, {s: (parts[s], offsets[s]) for s in range(r, n, p)},
                                     str(devices[ranks[r] % strategy.num_processes] if devices else "cpu"),
                                     peers, layout, timeout, prefix, strategy.timeline is not None,
                                     {s: programs[s] for s in range(r, n, p) if s in programs}, setup_timeout, tied,
-                                    getattr(strategy, "init_sync", True))
+                                    getattr(strategy, "init_sync", True), split)
                for r in range(1, p)]
     # This process's copies of the tied parameters join their owners' group while the others set up theirs.
     local_tied = TiedCopies(key, tied, rank) if tied else None
@@ -134,6 +135,13 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
         _materialize_local(module, strategy.module_name, remote, recording)
         retie()
     _broadcast_state(strategy, module, strategy.module_name, remote)  # every replica starts from replica 0's
+    if split is not None:  # this process's stages split over their tensor ranks, as the remote ones split theirs
+        mesh = dtensors.make_mesh(split[0], strategy.root_device.type)
+        cut_own = getattr(strategy, "init_sync", True)
+        for s in range(0, n, p):
+            tensor.parallelize_stage(parts[s].to(strategy.root_device), split[1], mesh["tensor"],
+                                     src_data_rank=None if cut_own else 0)
+        retie()
     local_params = {prefix + name: param for s in range(0, n, p) for name, param in parts[s].named_parameters()}
     for r, future in enumerate(futures, start=1):
         try:
@@ -157,11 +165,38 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     pipelined.tied = tied
     pipelined.tied_sync = TiedSync(hosts, local_tied, local_params, tied) if local_tied is not None else None
     pipelined.retie = retie
+    pipelined.sharded = split is not None  # DTensors: every pipeline of a replica takes part in each save
     setattr(module, strategy.module_name, pipelined)
     # When the model is freed (a script training one model after another), so is what its stages hold.
     weakref.finalize(pipelined, _release, pipeline, hosts).atexit = False
     log.info("[rank %d] pipeline %s: balance %s on ranks %s", rank, key, balance, ranks)
     return pipelined
+
+
+def tensor_split(strategy: PipeStrategy, module: pl.LightningModule, body: nn.Sequential, parts: list[nn.Sequential],
+                 tied: list[Any]) -> tuple[int, Any] | None:
+    """``(t, plan)`` with which every stage is split over its ``t = tensor_parallel_size`` processes (None: not
+    split): ``tensor_parallel_plan``, or the body's own (``tensor_parallel_plan`` of a ``to_sequential`` body),
+    checked against the body cut into ``parts`` (:func:`~lightning_pipe.transport.parallel.tensor.check_stage_boundaries`)."""
+    t = getattr(strategy, "tensor_parallel_size", 1)
+    if t == 1:
+        return None
+    plan = getattr(strategy, "tensor_parallel_plan", None)
+    if plan is None:
+        plan = getattr(body, "tensor_parallel_plan", None)
+    if plan is None:
+        raise ValueError(
+            f"tensor_parallel_size={t} needs a plan saying how to split each layer of {type(module).__name__}."
+            f"{strategy.module_name}: pass tensor_parallel_plan={{'<layer name or pattern>': 'colwise' | 'rowwise' | "
+            "..., ...}} or a function (stage_module, tp_mesh) -> None (a Hugging Face model's body made by "
+            "lightning_pipe.models.to_sequential carries the model's own plan)")
+    if tied:
+        raise ValueError(
+            f"{type(module).__name__}.{strategy.module_name} has parameters shared by layers of different stages "
+            f"({', '.join(tied[0].names)}), which tensor parallel (tensor_parallel_size={t}) does not split: keep the "
+            "layers that share them in one stage, or use tensor_parallel_size=1")
+    tensor.check_stage_boundaries(parts, plan, t)
+    return t, plan
 
 
 def _adopt(strategy: PipeStrategy, module: pl.LightningModule, body: PipelinedSequential) -> PipelinedSequential:

@@ -6,6 +6,7 @@ settings and model before any process starts (Lightning's launcher), or on every
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytorch_lightning as pl
@@ -88,6 +89,28 @@ def check_sharding(setting: Any, shard_size: Any, ddp_given: list[str]) -> str:
                          f"DistributedDataParallel, so {', '.join(ignored)} would do nothing: leave them out, or "
                          "use sharding_strategy='NO_SHARD' (DDP per stage)")
     return name
+
+
+def check_tensor_parallel(size: Any, plan: Any, sharding: str, ddp_given: list[str]) -> None:
+    """Reject a ``tensor_parallel_size`` that is not a positive integer, a ``tensor_parallel_plan`` that is neither a
+    mapping nor a function, ``HYBRID_SHARD`` with it, and DDP arguments that would do nothing (stages split by tensor
+    parallel are averaged over their replicas without DDP). The plan itself is checked against the body at setup."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size is how many processes split each stage, a positive integer (got: "
+                         f"{size!r})")
+    if plan is not None and not isinstance(plan, Mapping) and not callable(plan):
+        raise TypeError(f"tensor_parallel_plan must be a dict from the body's module names to styles, or a function "
+                        f"(stage_module, tp_mesh) -> None (got: {type(plan).__name__})")
+    if size == 1:
+        return
+    if sharding == "HYBRID_SHARD":
+        raise ValueError(f"sharding_strategy='HYBRID_SHARD' with tensor_parallel_size={size} is not supported: use "
+                         "'FULL_SHARD' or 'SHARD_GRAD_OP' (each stage sharded over every replica), or 'NO_SHARD'")
+    ignored = [k for k in ddp_given if k not in SHARDED_DDP_ARGUMENTS]
+    if ignored:
+        raise ValueError(f"tensor_parallel_size={size} averages each split stage over its replicas without "
+                         f"DistributedDataParallel (which takes no DTensor), so {', '.join(ignored)} would do nothing: "
+                         "leave them out, or use tensor_parallel_size=1")
 
 
 def check_replicas(setting: str, shard_size: int | None, topology: Topology) -> None:

@@ -2,8 +2,9 @@
 
 Processes are laid out as replicas x stages (:class:`~lightning_pipe.transport.topology.Topology`); Lightning's
 cluster environment keeps the view of all of them (its launchers, torchrun and SLURM use it), while the
-strategy shows Lightning the drivers alone: ``world_size`` is the number of replicas, ``global_rank`` the
-replica index. Each process joins its stage group and RPC once (:mod:`lightning_pipe.transport.wire.session`).
+strategy shows Lightning the drivers alone: ``world_size`` is the number of pipelines (replicas, times
+``tensor_parallel_size``), ``global_rank`` the pipeline's index; its distributed sampler splits the data by
+replica. Each process joins its stage group and RPC once (:mod:`lightning_pipe.transport.wire.session`).
 SLURM's requeue signal is handled between training batches on the drivers and ignored by the stage workers
 (:mod:`lightning_pipe.lightning.requeue`).
 """
@@ -72,6 +73,7 @@ class PipelineLayout:
     rpc_timeout_sec: float
     sharding_strategy: str
     hybrid_shard_size: int | None
+    tensor_parallel_size: int = 1
     _topology: Topology | None = None
     _checked_topology: Topology | None = None  # the layout the sharding settings were last checked against
     _rank = -1
@@ -108,11 +110,17 @@ class PipelineLayout:
     @property
     @override
     def global_rank(self) -> int:
-        return super().global_rank if self._topology is None else self._topology.replica_of(self._rank)
+        return super().global_rank if self._topology is None else self._topology.pipeline_of(self._rank)
 
     @property
     @override
     def world_size(self) -> int:
+        return super().world_size if self._topology is None else self._topology.pipelines
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas train on different batches (Lightning's world, divided by
+        ``tensor_parallel_size``: the pipelines of one replica see the same batches)."""
         return super().world_size if self._topology is None else self._topology.replicas
 
     @property
@@ -133,8 +141,9 @@ class PipelineLayout:
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         self._rank = self.cluster_environment.global_rank()
-        self._topology = topology = Topology(self.cluster_environment.world_size(), self.pipeline_processes)
-        rank_zero_only.rank = topology.replica_of(self._rank) if topology.is_driver(self._rank) else self._rank
+        self._topology = topology = Topology(self.cluster_environment.world_size(), self.pipeline_processes,
+                                             self.tensor_parallel_size)
+        rank_zero_only.rank = topology.pipeline_of(self._rank) if topology.is_driver(self._rank) else self._rank
         if topology != self._checked_topology:  # once per layout (again in each process, by the same strategy)
             # Known as the loop is made, before any process starts: the sharding settings against the replicas.
             checks.check_replicas(self.sharding_strategy, self.hybrid_shard_size, topology)
@@ -160,7 +169,7 @@ class PipelineLayout:
         """Set this process up as the strategies' ``setup_distributed`` does: re-seeded where the plain run would
         be, then its session joined (once per process)."""
         self.set_world_ranks()
-        if self.topology.replicas > 1 or not self.is_driver:
+        if self.topology.pipelines > 1 or not self.is_driver:
             # As under DDP, every process restarts from seed_everything's seed (a stage process takes the seeds
             # of its random operations from it). The driver of a single pipeline keeps the generator as the
             # program left it, as one device does: a shuffling loader then gives one device's batches.

@@ -48,8 +48,12 @@ DEFAULTS: dict[str, Any] = {
     "last_stage_loss": False, "predict": False, "build": "eager", "guard": False, "save_initial": False,
     "init": None, "state_dict_type": "full", "ddp": {}, "hook": None, "rare_gate": False,
     "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None, "count_collectives": False,
-    "data_plane": "auto", "init_scale": 2.0**20, "replica_batches": False,
+    "data_plane": "auto", "init_scale": 2.0**20, "replica_batches": False, "body": "blocks",
+    "tensor_parallel_size": 1, "tensor_parallel_plan": None,
 }
+
+#: ``"body": "scenario"``: the body of the tensor-parallel scenarios (input width 8), and a plan splitting it.
+SCENARIO_PLAN = {"0": "colwise", "2": "rowwise", "4": "colwise_rep"}
 
 
 _COUNTED: dict[str, Any] = {"control": None}  # the file naming where the current case records (see below)
@@ -188,6 +192,8 @@ def bf16_hook(process_group: Any, bucket):  # type: ignore[no-untyped-def] # noq
 
 
 def make_body(config: dict[str, Any]) -> nn.Sequential:
+    if config["body"] == "scenario":
+        return nn.Sequential(nn.Linear(config["width"], 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     layers: list[nn.Module] = []
     width = config["width"]
     for i in range(config["layers"]):
@@ -219,11 +225,12 @@ class Model(pl.LightningModule):
         torch.manual_seed(self.config["seed"])
         if not self.lazy:
             self.sequential_module = make_body(self.config)
+        out = 4 if self.config["body"] == "scenario" else self.config["width"]
         if self.config["last_stage_loss"]:  # the head ends the body: the loss is computed on the last stage
-            self.sequential_module.append(nn.Linear(self.config["width"], 1))
+            self.sequential_module.append(nn.Linear(out, 1))
             self.head = nn.Identity()
         else:
-            self.head = nn.Linear(self.config["width"], 1)  # outside the body: stays on the driver
+            self.head = nn.Linear(out, 1)  # outside the body: stays on the driver
         self.automatic_optimization = not self.config["manual"]
         self.metric = torchmetrics.MeanSquaredError()
         # ModelSummary runs it as it is (Lightning converts batches, not this) under the precision's dtype.
@@ -527,7 +534,10 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
                        rpc_timeout_sec=60, timeline=config["timeline"], schedule=config["schedule"],
                        virtual_stages=config["virtual_stages"], state_dict_type=config["state_dict_type"],
                        sharding_strategy=config["sharding"], hybrid_shard_size=config["hybrid_shard_size"],
-                       data_plane=config["data_plane"], **shared, **ddp_arguments(config, out))
+                       data_plane=config["data_plane"], **shared, **ddp_arguments(config, out),
+                       **({"tensor_parallel_size": config["tensor_parallel_size"],
+                           "tensor_parallel_plan": config["tensor_parallel_plan"]}
+                          if config["tensor_parallel_size"] > 1 else {}))
     elif strategy == "ddp":  # Lightning's DDPStrategy over the plain model: the reference for replicas
         from pytorch_lightning.strategies import DDPStrategy
 
@@ -605,7 +615,7 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
         trainer.callbacks.append(SaveInitial(os.path.join(out, "initial.pt")))
     dataset = data(config)
     processes = len(config["balance"]) // config["virtual_stages"] if config["balance"] else config["devices"]
-    replicas = config["devices"] * config["nodes"] // processes
+    replicas = config["devices"] * config["nodes"] // (processes * config["tensor_parallel_size"])
     if plain and replicas > 1 and config["replica_batches"]:
         # Each replica's batch in turn (batch_size: a replica's), for one device accumulating over them: the
         # replicas' step computed batch by batch as they compute it, which mixed precision rounds alike.

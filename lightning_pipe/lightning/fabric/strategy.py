@@ -101,7 +101,8 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
                  deferred_batch_norm: bool = False, timeline: str | None = None, schedule: str = "gpipe",
                  virtual_stages: int = 1, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
-                 hybrid_shard_size: int | None = None, data_plane: str = "auto", accelerator: Any = None,
+                 hybrid_shard_size: int | None = None, data_plane: str = "auto", tensor_parallel_size: int = 1,
+                 tensor_parallel_plan: dict[str, Any] | Callable[..., None] | None = None, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -269,7 +270,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         # gradient scaler (16-mixed) where there is one (the loop's own division is committed with it).
         body.loss_scale = lambda: float(self.precision.scaler.get_scale()) if getattr(  # type: ignore[attr-defined]
             self.precision, "scaler", None) is not None and self.precision.scaler.is_enabled() else 1.0
-        self._replicas.hosts, self._replicas.count = body.hosts, self.world_size
+        self._replicas.hosts, self._replicas.count = body.hosts, self.replicas
         self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes, body.tied_sync)
         self._stage_optimizers.before_update = body.pipeline.runner.averages.before_update
         observe.record_timeline(body, self.timeline is not None)

@@ -101,6 +101,15 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
             for CPU stages, each hand-off one message into a receive posted ahead; by RPC above 1.5 MiB and
             between GPUs, where RPC sends from GPU to GPU), ``'p2p'`` (point-to-point whatever the size; CPU
             stages) or ``'rpc'`` (every hand-off by RPC); see ``docs/design.md``, "The data plane".
+        tensor_parallel_size: how many processes split each stage by tensor parallel (``t``; devices x nodes =
+            stages x t x replicas, the t processes of a stage consecutive: one node). Each stage's layers are split
+            by torch's tensor parallel (DTensor) over them; activations go between the matching tensor ranks of
+            neighbouring stages; see ``docs/large_models.md``.
+        tensor_parallel_plan: how each layer is split (with ``tensor_parallel_size > 1``): a dict from the body's
+            module names (``*`` for one name part, as Hugging Face's plans) to torch ``ParallelStyle`` s or Hugging
+            Face's style names (``'colwise'``, ``'rowwise'``, ``'colwise_rep'``, ``'sequence_parallel'``, ...), or
+            a function ``(stage_module, tp_mesh) -> None``; None: the body's own (a ``to_sequential`` body of a
+            Hugging Face model carries the model's plan).
         **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``cluster_environment``, ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``) and
             on to the ``DistributedDataParallel`` of every stage (``find_unused_parameters``, ``bucket_cap_mb``,
@@ -116,7 +125,8 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
                  deferred_batch_norm: bool = False, timeline: str | None = None, schedule: str = "gpipe",
                  virtual_stages: int = 1, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
-                 hybrid_shard_size: int | None = None, data_plane: str = "auto", accelerator: Any = None,
+                 hybrid_shard_size: int | None = None, data_plane: str = "auto", tensor_parallel_size: int = 1,
+                 tensor_parallel_plan: dict[str, Any] | Callable[..., None] | None = None, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -170,7 +180,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         assert self.accelerator is not None and self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._fitting = fitting
-        if self.world_size == 1:
+        if self.replicas == 1:
             # One pipeline sees every batch as the loader gives it, as one device does: no distributed sampler
             # (which would shuffle even a loader built with shuffle=False). With replicas, DDP's sampling stays.
             trainer._accelerator_connector.use_distributed_sampler = False
@@ -222,7 +232,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         body.before_forward = before_forward
         body.on_backward = on_backward
         body.loss_scale = lambda: loss_gradient(self.lightning_module, self.precision_plugin)
-        self._replicas.hosts, self._replicas.count = body.hosts, self.world_size
+        self._replicas.hosts, self._replicas.count = body.hosts, self.replicas
         self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes, body.tied_sync)
         self._stage_optimizers.before_update = body.pipeline.runner.averages.before_update
         self.record_timeline(self.timeline is not None)

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_pipe.engine.backward_split import _nothing
 from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.stage import Stage
+from lightning_pipe.transport.parallel import dtensors
 from lightning_pipe.transport.parallel.ddp import ReplicatedStage, _LastBackward, stage_group
 from lightning_pipe.transport.parallel.reduction import Reduction
 
@@ -76,7 +77,10 @@ class Averages:
         """Stage ``s``'s DDP over its trainable parameters now (none if it has none)."""
         stage = self.stages[s]
         self._built[s] = trainable(stage)
-        if any(self._built[s]):
+        if any(self._built[s]) and any(dtensors.is_split(p) for p in stage.partition.parameters()):
+            # Split by tensor parallel: DTensor parameters, which torch's DDP does not take.
+            self.replicas[s] = dtensors.SplitReplicas(stage, stage_group(s))
+        elif any(self._built[s]):
             device_ids = [stage.device.index or 0] if stage.device.type == "cuda" else None
             self.replicas[s] = ReplicatedStage(stage, configure(stage.partition, device_ids, stage_group(s), s))
 

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_pipe.engine.stage import Stage
+from lightning_pipe.transport.parallel import dtensors
 from lightning_pipe.transport.parallel.reduction import Reduction
 
 __all__: list[str] = []
@@ -52,7 +53,9 @@ def stage_group(stage: int) -> dist.ProcessGroup:
     group, not the default one: the reductions run on a thread of their own, concurrently with what else uses
     the default group (Lightning's collectives on the drivers, barriers)."""
     if stage not in _GROUPS:
-        _GROUPS[stage] = dist.new_group(list(range(dist.get_world_size())))
+        # Split by tensor parallel, the default group holds every tensor rank: the replicas are its data dimension.
+        _GROUPS[stage] = dtensors.data_group() if dtensors.tensor_size() > 1 else \
+            dist.new_group(list(range(dist.get_world_size())))
     return _GROUPS[stage]
 
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe.engine.stage import Stage
+from lightning_pipe.transport.parallel import dtensors
 from lightning_pipe.transport.parallel.reduction import Reduction
 
 __all__: list[str] = []
@@ -90,6 +91,11 @@ def mesh_for(group: dist.ProcessGroup, stage: Stage, sharding: Sharding) -> Any:
     ``("replicate", "shard")``: rows of ``shard_size`` replicas (by default those on one node)."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    if dtensors.tensor_size() > 1:  # split by tensor parallel first: sharded over its mesh's data dimension
+        if sharding.setting == "HYBRID_SHARD":
+            raise ValueError("sharding_strategy='HYBRID_SHARD' with tensor_parallel_size > 1 is not supported: use "
+                             "'FULL_SHARD' or 'SHARD_GRAD_OP' (sharded over every replica), or 'NO_SHARD'")
+        return dtensors.mesh()["data"]
     if sharding.setting != "HYBRID_SHARD":
         return DeviceMesh.from_group(group, _device_type(stage))
     size = dist.get_world_size(group)
@@ -258,45 +264,58 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def _sharded_groups(t: Tensor) -> list[dist.ProcessGroup]:
-    """The process groups over which ``t`` (a ``DTensor``) is sharded (none for a plain tensor)."""
+def _sharded_dims(t: Tensor) -> tuple[tuple[str, int], ...]:
+    """The mesh dimensions over which ``t`` (a ``DTensor``) is sharded, by name (none for a plain tensor, or one
+    kept whole on every process: a norm counts it once)."""
     if not is_dtensor(t):
-        return []
+        return ()
     mesh = t.device_mesh
-    return [mesh.get_group(d) for d, placement in enumerate(t.placements) if placement.is_shard()]
+    names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
+    return tuple((names[d], d) for d, placement in enumerate(t.placements) if placement.is_shard())
+
+
+def _by_sharding(tensors: Iterable[Tensor]) -> dict[tuple[tuple[str, int], ...], list[Tensor]]:
+    """``tensors`` grouped by the mesh dimensions they are sharded over, in an order every process shares."""
+    groups: dict[tuple[tuple[str, int], ...], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(_sharded_dims(t), []).append(t)
+    return dict(sorted(groups.items()))
 
 
 def total_norm(grads: Sequence[Tensor], norm_type: float) -> float:
     """The ``norm_type`` norm of ``grads`` taken as one vector, sharded ones (``DTensor``) over all their shards:
-    a collective of the shards' groups (every replica of the stage calls it at once)."""
+    a collective of the shards' groups (every process holding a shard of the stage calls it at once). A ``DTensor``
+    kept whole on some mesh dimension (a tensor-parallel bias) is counted once there."""
     import math
 
     inf = math.isinf(norm_type)
-    plain = [g for g in grads if not is_dtensor(g)]
-    sharded = [g for g in grads if is_dtensor(g)]
-    parts = [torch.linalg.vector_norm(g.detach(), norm_type).float().cpu() for g in plain]
-    value = torch.stack(parts).max() if inf and parts else (
-        torch.stack([p ** norm_type for p in parts]).sum() if parts else torch.zeros(()))
-    if sharded:
-        shards = torch.stack([torch.linalg.vector_norm(local(g).detach(), norm_type).float()
-                              for g in sharded]).to(sharded[0].device_mesh.device_type)
-        combined = shards.max() if inf else (shards ** norm_type).sum()
-        combined = combined.reshape(1)
-        for group in _sharded_groups(sharded[0]):
-            dist.all_reduce(combined, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    value = torch.zeros(())
+    for dims, group in _by_sharding(grads).items():
+        parts = torch.stack([torch.linalg.vector_norm(local(g).detach(), norm_type).float() for g in group])
+        combined = (parts.max() if inf else (parts ** norm_type).sum()).reshape(1)
+        if dims:
+            mesh = group[0].device_mesh
+            combined = combined.to(mesh.device_type)
+            for _, d in dims:
+                dist.all_reduce(combined, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(d))
         combined = combined.cpu()[0]
         value = torch.maximum(value, combined) if inf else value + combined
     return float(value if inf else value ** (1.0 / norm_type))
 
 
 def any_true(flag: bool, tensors: Iterable[Tensor]) -> bool:
-    """``flag`` or'ed over the shards of ``tensors`` (a collective where any is sharded)."""
-    sharded = next((t for t in tensors if is_dtensor(t)), None)
-    if sharded is None:
+    """``flag`` or'ed over every process holding a shard of ``tensors`` (a collective where any is a ``DTensor``)."""
+    meshes = {}
+    for t in tensors:
+        if is_dtensor(t):
+            meshes.setdefault(tuple(t.device_mesh.mesh_dim_names or ()), t.device_mesh)
+    if not meshes:
         return flag
-    value = torch.tensor([float(flag)], device=sharded.device_mesh.device_type)
-    for group in _sharded_groups(sharded):
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    value = torch.tensor([float(flag)])
+    for _, mesh in sorted(meshes.items()):
+        value = value.to(mesh.device_type)
+        for d in range(mesh.ndim):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
     return bool(value.item())
 
 

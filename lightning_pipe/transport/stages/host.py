@@ -25,7 +25,7 @@ from lightning_pipe.engine.deferred import Program, materialize, named_tensors
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
-from lightning_pipe.transport.parallel import fsdp
+from lightning_pipe.transport.parallel import dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import optim
 from lightning_pipe.transport.stages.runner import StageRunner, register, unregister
 from lightning_pipe.transport.stages.stagestate import StageState
@@ -165,6 +165,16 @@ class StageHost(StageState):
         self.runner.averages.replicate(configure, sharding)
         self.params = {self.prefix + n: p for n, p in self.partition.named_parameters()}
 
+    def split(self, size: int, plan: Any, cut_own: bool = True) -> None:
+        """Split this process's stages over the ``size`` processes of each (tensor parallel; a collective of the
+        stage group) by ``plan`` (:func:`~lightning_pipe.transport.parallel.tensor.parallelize_stage`): their split
+        parameters become ``DTensor`` s. ``cut_own``: every process holds the same weights already (each cuts its
+        own shards); else tensor rank 0's are sent to the others."""
+        mesh = dtensors.make_mesh(size, self.stage.device.type)
+        for stage in self.stages:
+            tensor.parallelize_stage(stage.partition, plan, mesh["tensor"], src_data_rank=None if cut_own else 0)
+        self.params = {self.prefix + n: p for n, p in self.partition.named_parameters()}
+
     def refresh_replicas(self, configure: Any) -> list[int]:
         """Rebuild the DDP of this process's stages whose trainable set changed (see
         :meth:`~lightning_pipe.transport.parallel.averages.Averages.refresh`); the stages rebuilt."""
@@ -270,12 +280,14 @@ def process_memory(runner: StageRunner) -> dict[str, int]:
 
 def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, device: str, peers: Sequence[str],
               layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
-              tied: Sequence[TiedParameter] = (), init_sync: bool = True) -> None:
+              tied: Sequence[TiedParameter] = (), init_sync: bool = True, split: tuple[int, Any] | None = None) -> None:
     """Host stages ``parts`` (stage -> (partition, offset)) of pipeline ``key`` here (an RPC entry point,
     called by the driver). Partitions built on the meta device arrive pickled with their programs, ``(parts,
     programs)`` (RPC carries no meta tensor), and are materialised here (:mod:`lightning_pipe.engine.deferred`).
     Every replica's stage then takes replica 0's weights (unless ``init_sync`` is False). ``tied``: the
-    parameters its layers share with other processes' layers (:mod:`lightning_pipe.transport.stages.tied`)."""
+    parameters its layers share with other processes' layers (:mod:`lightning_pipe.transport.stages.tied`).
+    ``split``: ``(t, plan)``, the stages split over the ``t`` processes of each (tensor parallel) by ``plan``, once
+    they hold their weights."""
     programs: Mapping[int, Program] | None = None
     if isinstance(parts, bytes):
         parts, programs = pickle.loads(parts)
@@ -290,19 +302,21 @@ def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, 
     _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, programs, tied)
     if init_sync:
         _HOSTS[key].broadcast_state()
+    if split is not None:
+        _HOSTS[key].split(*split, cut_own=init_sync)
 
 
 def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str,
                     peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str,
                     record: bool = False, programs: Mapping[int, Program] | None = None,
-                    setup_timeout: float | None = None, tied: Sequence[TiedParameter] = (), init_sync: bool = True
-                    ) -> torch.futures.Future:
+                    setup_timeout: float | None = None, tied: Sequence[TiedParameter] = (), init_sync: bool = True,
+                    split: tuple[int, Any] | None = None) -> torch.futures.Future:
     """Have process ``peer`` host stages ``parts`` of pipeline ``key`` (see :func:`configure`); ``programs``:
     how to materialise partitions built on the meta device. ``setup_timeout``: how long the call may take
     (default ``timeout``), for materialising the stage and meeting the other replicas."""
     sent: Any = pickle.dumps((dict(parts), dict(programs))) if programs else parts
     return rpc.rpc_async(peer, configure, timeout=setup_timeout or timeout,
-                         args=(key, sent, device, peers, layout, timeout, prefix, record, tied, init_sync))
+                         args=(key, sent, device, peers, layout, timeout, prefix, record, tied, init_sync, split))
 
 
 def drop(key: str) -> None:

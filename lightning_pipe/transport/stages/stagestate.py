@@ -47,7 +47,7 @@ class StageState:
         resharded now (a forward without backward leaves SHARD_GRAD_OP's parameters whole, and FSDP registers
         the whole ones on the module meanwhile), so that the module's parameters and state are the shards."""
         if not any(fsdp.is_sharded(m) for m in self.partition.modules()):
-            return False
+            return any(fsdp.is_dtensor(p) for p in self.partition.parameters())  # split by tensor parallel
         self.runner.averages.before_update()
         return True
 

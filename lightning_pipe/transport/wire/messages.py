@@ -55,10 +55,10 @@ class StepSpec:
 def _on_cpu(value: Any) -> Any:
     """``value`` with its tensors on the CPU (what goes back in an RPC answer)."""
     if isinstance(value, Tensor):
-        return value.cpu()
+        return settled(value).cpu()
     if isinstance(value, MicroLoss):
-        return MicroLoss(value.value.cpu(), None if value.extras is None else
-                         {k: v.cpu() for k, v in value.extras.items()})
+        return MicroLoss(settled(value.value).cpu(), None if value.extras is None else
+                         {k: settled(v).cpu() for k, v in value.extras.items()})
     return value
 
 
@@ -164,17 +164,26 @@ def _pack(batch_tensors: Sequence[Tensor | None], direct: torch.device | None = 
     return list(_wire(batch_tensors, direct)), [t is not None and t.requires_grad for t in batch_tensors]
 
 
+def settled(t: Tensor) -> Tensor:
+    """``t`` with its values: the result of an asynchronous collective (torch's ``AsyncCollectiveTensor``, what a
+    tensor-parallel layer's all-reduce or all-gather leaves) waited for, since its memory is written only when the
+    collective completes; any other tensor as it is."""
+    wait = getattr(t, "trigger_wait", None)
+    return wait() if wait is not None else t
+
+
 def _wire(tensors: Sequence[Tensor | None], direct: torch.device | None = None) -> tuple[Tensor | None, ...]:
-    """``tensors`` as they go to another process: detached; on CPU, except those on ``direct``, a GPU from
-    which RPC sends them to the receiver's GPU as they are (a TensorPipe device map)."""
-    return tuple(None if t is None else t.detach() if t.device == direct else t.detach().cpu() for t in tensors)
+    """``tensors`` as they go to another process: settled (:func:`settled`), detached; on CPU, except those on
+    ``direct``, a GPU from which RPC sends them to the receiver's GPU as they are (a TensorPipe device map)."""
+    return tuple(None if t is None else settled(t).detach() if t.device == direct else settled(t).detach().cpu()
+                 for t in tensors)
 
 
 def _wire_any(value: Any) -> Any:
     """``value`` (a tensor, or tuples, lists and mappings of them, or anything else) as it goes to another
     process: its tensors detached, on the CPU."""
     if isinstance(value, Tensor):
-        return value.detach().cpu()
+        return settled(value).detach().cpu()
     if isinstance(value, (tuple, list)):
         return type(value)(_wire_any(v) for v in value)
     if isinstance(value, dict):

@@ -2,7 +2,8 @@
 
 Every process of a pipeline job joins, once for its whole life:
 
-- a default process group that is its *stage data-parallel group* (stage ``i`` of every replica),
+- a default process group that is its *stage group* (stage ``i`` of every pipeline: of every replica, at every
+  tensor rank),
   rendezvoused through one world store with a per-stage prefix: the drivers' default group is exactly
   the drivers (Lightning's world), a stage worker's is exactly the group whose gradients it averages;
 - ``torch.distributed.rpc`` over all processes.
@@ -95,7 +96,7 @@ def start_session(topology: Topology, rank: int, main_address: str, main_port: i
     if attempt is not None:
         store = dist.PrefixStore(attempt, store)
     dist.init_process_group(backend, store=dist.PrefixStore(f"lightning_pipe/stage{stage}", store),
-                            rank=topology.replica_of(rank), world_size=topology.replicas, timeout=pg_timeout)
+                            rank=topology.pipeline_of(rank), world_size=topology.pipelines, timeout=pg_timeout)
     # RPC rendezvouses on its own (init_rpc changes the timeout of the store it is given), under this attempt's
     # prefix where there is one. The "uv" (TCP) transport: TensorPipe's shared-memory transport busy-polls,
     # costing each idle process about a quarter of a core, which stages computing on CPU cannot spare.

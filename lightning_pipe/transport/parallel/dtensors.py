@@ -1,0 +1,139 @@
+"""Stages split by tensor parallel in a process: their ("data", "tensor") mesh, and their replicas' averaging.
+
+Each process of a job with ``tensor_parallel_size = t > 1`` makes, once, a ``DeviceMesh`` over its stage group
+(stage ``j`` of every pipeline, numbered by pipeline: replica ``r``'s tensor rank ``k`` is ``r t + k``, see
+:class:`~lightning_pipe.transport.topology.Topology`)::
+
+    mesh of stage j:  [[pipeline 0, 1, ..., t-1],        dimension "tensor": the processes of one stage of a
+                       [t, ..., 2t-1], ...]               replica, which split its layers
+                                                          dimension "data": the same tensor rank of every replica
+
+The stage's layers are split over ``mesh["tensor"]`` (:func:`~lightning_pipe.transport.parallel.tensor.parallelize_stage`);
+replicas average over ``mesh["data"]``: by :class:`SplitReplicas` (an all-reduce of each gradient's local part after
+the stage's last backward: torch's DDP does not take ``DTensor`` parameters), or, sharded (``sharding_strategy``),
+by FSDP2 over ``mesh["data"]`` applied after tensor parallel, as torchtitan composes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_pipe.engine.stage import Stage
+from lightning_pipe.transport.parallel.reduction import Reduction
+
+__all__: list[str] = []
+
+_MESH: dict[str, Any] = {}
+
+
+def make_mesh(tensor: int, device_type: str) -> Any:
+    """This process's ``("data", "tensor")`` mesh over its stage group (the default process group), made once per
+    process (a collective of the stage group: every process of the stage, of every replica, calls it at once)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if "mesh" in _MESH:
+        made = _MESH["mesh"]
+        if made.size(1) != tensor:
+            raise RuntimeError(f"this process's stages are split over {made.size(1)} tensor ranks already; a later "
+                               f"strategy asked for tensor_parallel_size={tensor}: use one size in a script")
+        return made
+    world = dist.get_world_size()
+    if world % tensor:
+        raise ValueError(f"tensor_parallel_size={tensor} does not divide this stage's {world} processes")
+    mesh = torch.arange(world).view(world // tensor, tensor)
+    _MESH["mesh"] = DeviceMesh(device_type, mesh, mesh_dim_names=("data", "tensor"))
+    return _MESH["mesh"]
+
+
+def mesh() -> Any:
+    """This process's ``("data", "tensor")`` mesh (None without tensor parallel)."""
+    return _MESH.get("mesh")
+
+
+def tensor_size() -> int:
+    """How many processes split each stage (1 without tensor parallel)."""
+    made = _MESH.get("mesh")
+    return 1 if made is None else made.size(1)
+
+
+def data_group() -> dist.ProcessGroup:
+    """The group of this process's stage at its tensor rank in every replica: what replicas average over."""
+    return _MESH["mesh"].get_group("data")
+
+
+def is_split(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor`` on the tensor dimension (a parameter split, or kept whole, by tensor parallel)."""
+    return hasattr(t, "device_mesh") and "tensor" in (t.device_mesh.mesh_dim_names or ())
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class SplitReplicas(Reduction):
+    """``stage`` (split by tensor parallel: ``DTensor`` parameters) averaged with the same stage, at the same tensor
+    rank, of every other replica (``group``): once the step's backwards are over, each gradient's local part is
+    all-reduced and divided by the replicas (one flat buffer per dtype), as DDP averages; its buffers follow
+    replica 0's at each step's first forward (as DDP's ``broadcast_buffers``). A parameter without a gradient
+    joins with zeros, and keeps none where the average is zero (no replica used it)."""
+
+    def __init__(self, stage: Stage, group: dist.ProcessGroup, broadcast_buffers: bool = True) -> None:
+        super().__init__(stage)
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.broadcast_buffers = broadcast_buffers
+
+    def sync_buffers(self, grad: bool, reduce: bool) -> None:
+        """The stage's first forward of a step: its buffers take replica 0's."""
+        if self.broadcast_buffers and self.size > 1:
+            source = dist.get_global_rank(self.group, 0)
+            for b in self.stage.partition.buffers():
+                dist.broadcast(_local(b), src=source, group=self.group)
+
+    def reduce_now(self, extra: Mapping[Tensor, Tensor] | None = None, run: int = -1) -> None:
+        """Average the gradients the stage holds now (after adding ``extra[p]`` into each ``p.grad``), on the
+        reduction thread."""
+        params = [p for p in self.stage.partition.parameters() if p.requires_grad]
+        extra = dict(extra or {})
+
+        def job() -> None:
+            with torch.no_grad():
+                locals_: list[Tensor] = []
+                for p in params:
+                    if p in extra:
+                        p.grad = extra[p] if p.grad is None else p.grad + extra[p]
+                    locals_.append(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)))
+                by_dtype: dict[torch.dtype, list[int]] = {}
+                for i, g in enumerate(locals_):
+                    by_dtype.setdefault(g.dtype, []).append(i)
+                for dtype in sorted(by_dtype, key=str):  # the same order in every replica
+                    index = by_dtype[dtype]
+                    flat = torch.cat([locals_[i].reshape(-1) for i in index])
+                    dist.all_reduce(flat, group=self.group)
+                    flat.div_(self.size)
+                    offset = 0
+                    for i in index:
+                        g, p = locals_[i], params[i]
+                        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                        offset += g.numel()
+                        if p.grad is None and bool(g.any()):
+                            p.grad = _like(p, g)
+            self.local = False
+
+        self.settle()
+        self.pending = self.worker.submit(job)
+
+
+def _like(param: Tensor, local: Tensor) -> Tensor:
+    """A gradient for ``param`` whose local part is ``local`` (a ``DTensor`` laid out as ``param``, if it is one)."""
+    if not hasattr(param, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
