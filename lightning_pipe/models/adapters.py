@@ -116,4 +116,45 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
                              f"with weights that are not the model's (children: {foreign}): an adapter reuses the "
                              "model's own modules")
         layer.hf_names = {child: names[id(m)] for child, m in children if id(m) in names}
-    return nn.Sequential(*layers)
+    body = nn.Sequential(*layers)
+    body.tensor_parallel_plan = body_tp_plan(model, body)  # what PipeStrategy(tensor_parallel_size=t) splits by
+    return body
+
+
+def _model_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own tensor-parallel plan by its module names (``model.layers.*.self_attn.q_proj``): Hugging
+    Face's ``tp_plan`` of the whole model, else its config's ``base_model_tp_plan`` under the base model's name."""
+    plan = getattr(model, "_tp_plan", None) or getattr(model, "tp_plan", None)
+    if plan:
+        return dict(plan)
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    under = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    return {under + key: style for key, style in base.items()}
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether module ``name`` matches a plan's ``pattern``, ``*`` standing for one dotted part (as Hugging Face's)."""
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names))
+
+
+def body_tp_plan(model: nn.Module, body: nn.Sequential) -> dict[str, str] | None:
+    """The model's tensor-parallel plan (Hugging Face's, see :func:`_model_tp_plan`) by the names of ``body`` (made by
+    :func:`to_sequential` from ``model``): one entry per module it splits (``"1.layer.self_attn.q_proj":
+    "colwise"``), or None where the model has no plan."""
+    plan = _model_tp_plan(model)
+    if not plan:
+        return None
+    named: dict[str, str] = {}
+    for k, layer in enumerate(body):
+        hf = getattr(layer, "hf_names", {})
+        for name, _ in layer.named_modules():
+            child, _, rest = name.partition(".")
+            if not name or child not in hf:
+                continue
+            model_name = hf[child] + (f".{rest}" if rest else "")
+            style = next((style for pattern, style in plan.items() if _matches(pattern, model_name)), None)
+            if style is not None:
+                named[f"{k}.{name}"] = style
+    return named

@@ -25,7 +25,7 @@ DEFAULTS: dict[str, Any] = {"arch": "gpt2", "tied": False, "attn": "sdpa", "devi
                             "samples": 32, "batch_size": 8, "epochs": 2, "seed": 7, "checkpoint": "except_last",
                             "clip": None, "pretrained": False, "lora": None, "frozen": [], "unfreeze_at": None,
                             "freeze_at": None, "state_dict_type": "full", "accumulate": 1, "resume": None,
-                            "unfreeze_on_replica": None}
+                            "unfreeze_on_replica": None, "tensor_parallel_size": 1}
 
 
 def tiny(arch: str, tied: bool = False, attn: str = "sdpa", seed: int = 0) -> nn.Module:
@@ -154,7 +154,7 @@ def train_plain(config: dict[str, Any]) -> nn.Module:
     body = to_sequential_of(model)
     opt = optimizer(config, parameters(c, model))
     data = batches(config["arch"], config["samples"])
-    replicas = config["devices"] // len(config["balance"])
+    replicas = config["devices"] // (len(config["balance"]) * config["tensor_parallel_size"])
     # With replicas, each draws its share of a permutation seeded as Lightning seeds its DistributedSampler: one
     # device sees their union, in batches as large as all of theirs together.
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=config["seed"]) \
@@ -235,7 +235,7 @@ def main(config: dict[str, Any], out: str) -> None:
     model = HFBody(c, pretrained)
     strategy = PipeStrategy(balance=c["balance"], microbatches=c["microbatches"], checkpoint=c["checkpoint"],
                             schedule=c["schedule"], rpc_timeout_sec=60, sharding_strategy=c.get("sharding", "NO_SHARD"),
-                            state_dict_type=c["state_dict_type"])
+                            state_dict_type=c["state_dict_type"], tensor_parallel_size=c["tensor_parallel_size"])
     trainer = pl.Trainer(accelerator="cpu", devices=c["devices"], strategy=strategy, max_epochs=c["epochs"],
                          logger=False, enable_progress_bar=False, enable_checkpointing=False,
                          enable_model_summary=False, default_root_dir=out, gradient_clip_val=c["clip"],

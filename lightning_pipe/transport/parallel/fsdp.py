@@ -271,7 +271,9 @@ def _sharded_dims(t: Tensor) -> tuple[tuple[str, int], ...]:
         return ()
     mesh = t.device_mesh
     names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
-    return tuple((names[d], d) for d, placement in enumerate(t.placements) if placement.is_shard())
+    # (FSDP2 over a tensor-parallel parameter shards it ``_StridedShard``, which is_shard() does not count)
+    return tuple((names[d], d) for d, placement in enumerate(t.placements)
+                 if not placement.is_replicate() and not placement.is_partial())
 
 
 def _by_sharding(tensors: Iterable[Tensor]) -> dict[tuple[tuple[str, int], ...], list[Tensor]]:
