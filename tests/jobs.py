@@ -394,3 +394,20 @@ GROUPS["8 processes hybrid"] = {
     "hybrid-2x2-fp16-steps": {**_HYBRID, "microbatches": 1, "balance": [1, 3], "precision": "16-mixed-scaler",
                               "init_scale": 16.0, "optimizer": "sgd"},
 }
+# Tensor parallel inside stages (tests/test_tensor_parallel.py): the scenarios' body split over 2 tensor ranks per stage
+# at [3, 2] with its plan (2 stages x 2 tensor ranks), with AdamW and clipping by the global norm, and under 1F1B with
+# the loss on the last stage; a tiny Llama from to_sequential with the model's own plan; and, 8 processes, 2 replicas
+# of it averaged by all-reduce, then sharded by FSDP2 over the replicas (FULL_SHARD, after tensor parallel).
+_TP = {"body": "scenario", "width": 8, "balance": [3, 2], "tensor_parallel_size": 2, "epochs": 1,
+       "tensor_parallel_plan": {"0": "colwise", "2": "rowwise", "4": "colwise_rep"}}
+GROUPS["4 processes tensor parallel"] = {
+    "tp-adamw-clip": {**_TP, "devices": 4, "optimizer": "adamw", "clip": 0.05},
+    "tp-1f1b-last-stage-loss": {**_TP, "devices": 4, "schedule": "1f1b", "last_stage_loss": True, "balance": [3, 3]},
+    "tp-llama-own-plan": {"script": "hf", "arch": "llama", "devices": 4, "balance": [3, 3], "tensor_parallel_size": 2,
+                          "epochs": 1, "optimizer": "adamw", "clip": 0.5},
+}
+GROUPS["8 processes tensor parallel"] = {
+    "tp-2replicas-clip": {**_TP, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw", "clip": 0.05},
+    "tp-2replicas-full-shard-clip": {**_TP, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw",
+                                     "clip": 0.05, "sharding": "FULL_SHARD"},
+}

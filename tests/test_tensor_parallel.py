@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_processes
+from jobs import GROUPS
+from jobs import config as case_config
+from strategy_utils import assert_same_weights
+from test_strategy import load, plain_weights
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -255,3 +261,151 @@ def test_a_body_split_over_2_tensor_ranks_gives_the_plain_models_outputs_and_wei
         assert cases["[3, 2]"][4] == {"0.weight": (8, 8), "0.bias": (8,), "2.weight": (16, 8), "2.bias": (16,),
                                       "4.weight": (2, 16), "4.bias": (2,)}  # each rank holds half of each
         assert cases["heads"][4]["0.weight"] == (8, 8) and "1.weight" not in cases["heads"][4]
+
+
+# ---------------------------------------------------------------------------------- through PipeStrategy
+TRAINED = [name for name in GROUPS["4 processes tensor parallel"] if not name.startswith("tp-llama")] + \
+    list(GROUPS["8 processes tensor parallel"])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", TRAINED)
+def test_stages_split_over_tensor_ranks_train_the_plain_models_weights(name, jobs, tmp_path):
+    """2 stages x 2 tensor ranks (AdamW clipped by the global norm; 1F1B with the loss on the last stage), and 2
+    replicas of them averaged, or sharded by FULL_SHARD after tensor parallel (8 processes): one device's weights on
+    the global batch, within rtol 1e-4 / atol 2e-5. Every process holds its half of each split layer (at most 0.6 of
+    its stage: the rowwise bias stays whole), and, under FULL_SHARD, half of that again; AdamW's state is two tensors
+    the size of what it holds."""
+    config = case_config(name)
+    out = jobs.directory(name)
+    assert_same_weights(load(out / "final.ckpt"), plain_weights(config, tmp_path / "plain"), rtol=1e-4, atol=2e-5)
+    pipelines = config["devices"] // len(config["balance"])
+    held = [json.loads((out / f"held_replica{k}.json").read_text()) for k in range(pipelines)]
+    limit = 0.6 / (2 if config.get("sharding") == "FULL_SHARD" else 1)
+    for process in range(len(config["balance"])):
+        parts = [pipeline[process] for pipeline in held]
+        assert all(0 < part["parameters"] <= limit * part["whole"] for part in parts), parts
+        if config.get("optimizer") == "adamw":
+            assert all(part["optimizer"] == 2 * part["parameters"] for part in parts), parts
+    result = jobs.result(name)
+    assert result["world_size"] == pipelines  # Lightning's world: every pipeline's driver
+
+
+@pytest.mark.timeout(900)
+def test_a_tiny_llama_split_by_its_own_plan_trains_the_plain_models_weights(jobs):
+    """A Llama made a body by to_sequential carries the model's Hugging Face plan (q, k, v, gate, up colwise; o and
+    down rowwise; the embedding by rows of the vocabulary, the head gathered), by the body's names; at [3, 3] over 2
+    tensor ranks with AdamW clipped, it trains the model's weights on one device."""
+    from scripts.hf_train import DEFAULTS, to_sequential_of, train_plain
+
+    name = "tp-llama-own-plan"
+    config = case_config(name)
+    got = torch.load(jobs.directory(name) / "final.ckpt", weights_only=True)["state_dict"]
+    plain = to_sequential_of(train_plain({**DEFAULTS, **config}))
+    expected = {f"sequential_module.{k}": v for k, v in plain.state_dict().items()}
+    assert_same_weights(got, expected, rtol=1e-4, atol=2e-5)
+    assert plain.tensor_parallel_plan["1.layer.self_attn.o_proj"] == "rowwise"
+    assert plain.tensor_parallel_plan["0.embed_tokens"] == "embedding_rowwise"
+
+
+def test_the_plan_of_a_to_sequential_body_names_the_bodys_modules():
+    """Hugging Face's plan (``model.layers.*.mlp.down_proj``) by the body's names, every entry a module of the body,
+    checked at [3, 3] over 2 tensor ranks; a model without a plan gives a body without one."""
+    from scripts.hf_train import tiny
+
+    from lightning_pipe.models import to_sequential
+
+    body = to_sequential(tiny("llama"))
+    plan = body.tensor_parallel_plan
+    named = dict(body.named_modules())
+    assert all(name in named for name in plan)
+    assert {k for k, v in plan.items() if v == "rowwise"} == {f"{j}.layer.{m}" for j in range(1, 5)
+                                                               for m in ("self_attn.o_proj", "mlp.down_proj")}
+    assert plan["5.lm_head"] == "colwise_gather_output"
+    check_stage_boundaries(split_module(body, [3, 3]), plan, 2)
+    assert to_sequential(tiny("bert")).tensor_parallel_plan in (None, {}) or all(
+        name in dict(to_sequential(tiny("bert")).named_modules()) for name in to_sequential(tiny("bert")).tensor_parallel_plan)
+
+
+def test_tensor_parallel_arguments_that_cannot_work_are_refused():
+    """A size that is not a positive integer, a plan that is neither a dict nor a function, HYBRID_SHARD with it, DDP
+    arguments that would do nothing, a configure_ddp of a subclass: each refused as the strategy is made, saying
+    what to do; t = 2 with a plan is accepted by both loops' strategies."""
+    from lightning_pipe import PipeStrategy
+    from lightning_pipe.lightning.fabric.strategy import PipeStrategy as FabricPipeStrategy
+
+    for size in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=rf"tensor_parallel_size is how many processes split each stage, a "
+                                             rf"positive integer \(got: {re.escape(repr(size))}\)"):
+            PipeStrategy(tensor_parallel_size=size)
+    with pytest.raises(TypeError, match=r"tensor_parallel_plan must be a dict .* \(got: list\)"):
+        PipeStrategy(tensor_parallel_size=2, tensor_parallel_plan=["0"])
+    with pytest.raises(ValueError, match=r"'HYBRID_SHARD' with tensor_parallel_size=2 is not supported: use "
+                                         r"'FULL_SHARD'"):
+        PipeStrategy(tensor_parallel_size=2, sharding_strategy="HYBRID_SHARD")
+    with pytest.raises(ValueError, match=r"without DistributedDataParallel .* so static_graph, "
+                                         r"bucket_cap_mb would do nothing"):
+        PipeStrategy(tensor_parallel_size=2, static_graph=True, bucket_cap_mb=5)
+
+    class Custom(PipeStrategy):
+        def configure_ddp(self, *args, **kwargs):  # pragma: no cover - refused before it could run
+            return super().configure_ddp(*args, **kwargs)
+
+    with pytest.raises(ValueError, match=r"Custom overrides configure_ddp, which stages split by tensor parallel "
+                                         r"never call"):
+        Custom(tensor_parallel_size=2, tensor_parallel_plan=PLAN)
+    for cls in (PipeStrategy, FabricPipeStrategy):
+        strategy = cls(balance=[3, 2], tensor_parallel_size=2, tensor_parallel_plan=PLAN)
+        assert (strategy.tensor_parallel_size, strategy.tensor_parallel_plan) == (2, PLAN)
+
+
+class _Strategy:
+    """What building a pipeline reads of the strategy for tensor parallel."""
+
+    module_name = "sequential_module"
+
+    def __init__(self, size: int, plan: Any = None) -> None:
+        self.tensor_parallel_size, self.tensor_parallel_plan = size, plan
+
+
+def test_a_split_without_a_plan_tied_layers_and_a_plan_that_does_not_meet_are_refused_at_setup():
+    """Checked on every driver before any stage is split, against the body cut by the balance."""
+    from lightning_pipe.lightning.build import tensor_split
+
+    module, plain = nn.Module(), body()
+    parts = split_module(plain, [3, 2])
+    assert tensor_split(_Strategy(1), module, plain, parts, []) is None
+    assert tensor_split(_Strategy(2, PLAN), module, plain, parts, []) == (2, PLAN)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs a plan saying how to split each layer of "
+                                         r"Module.sequential_module: pass tensor_parallel_plan="):
+        tensor_split(_Strategy(2), module, plain, parts, [])
+
+    class Tied:
+        names = ["sequential_module.0.weight", "sequential_module.4.weight"]
+
+    with pytest.raises(ValueError, match=r"shared by layers of different stages \(sequential_module.0.weight, "
+                                         r"sequential_module.4.weight\), which tensor parallel"):
+        tensor_split(_Strategy(2, PLAN), module, plain, parts, [Tied()])
+    with pytest.raises(ValueError, match=r"leaves stage 0's output sharded on dim -1"):
+        tensor_split(_Strategy(2, {"0": "colwise"}), module, plain, split_module(plain, [1, 4]), [])
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan\['7'\]|no module|matches no"):
+        tensor_split(_Strategy(2, {"7": "colwise"}), module, plain, parts, [])
+
+
+def test_the_topology_puts_the_tensor_ranks_of_a_stage_next_to_each_other():
+    """8 processes, 2 stages, t = 2: stage 0 of replica 0 in ranks 0, 1; pipelines link matching tensor ranks;
+    Lightning's world is the 4 drivers, the data split by the 2 replicas; a world that does not divide is refused."""
+    from lightning_pipe.transport.topology import Topology
+
+    topology = Topology(8, 2, tensor=2)
+    assert (topology.replicas, topology.pipelines) == (2, 4)
+    assert [topology.stage_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [topology.tensor_of(r) for r in range(8)] == [0, 1] * 4
+    assert [topology.replica_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [topology.pipeline(k) for k in range(4)] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topology.drivers() == [0, 1, 4, 5] and topology.stage_group(1) == [2, 3, 6, 7]
+    assert all(topology.pipeline_of(r) == k for k in range(4) for r in topology.pipeline(k))
+    assert Topology(4, 2) == Topology(4, 2, tensor=1) and Topology(4, 2).pipeline(1) == [2, 3]
+    with pytest.raises(ValueError, match=r"multiple of stages x tensor_parallel_size \(devices x nodes: 6, stages: 2, "
+                                         r"tensor_parallel_size: 2\)"):
+        Topology(6, 2, tensor=2)

@@ -37,11 +37,6 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
                                                kwargs)
     checks.check_choice("state_dict_type", values["state_dict_type"], ("full", "sharded"))
     checks.check_choice("data_plane", values["data_plane"], DATA_PLANES)
-    if values["tensor_parallel_size"] > 1 and getattr(cls, "configure_ddp", None) is not base.configure_ddp:
-        raise ValueError(f"{cls.__name__} overrides configure_ddp, which stages split by tensor parallel never call "
-                         f"(tensor_parallel_size={values['tensor_parallel_size']}: their replicas average their "
-                         "DTensor gradients by all-reduce, no DDP): leave configure_ddp alone, or use "
-                         "tensor_parallel_size=1")
     ddp.check_arguments(kwargs, [n for n in inspect.signature(base).parameters if n != "kwargs"])
     explicit = [k for k, v in kwargs.items() if (k in ddp.LIGHTNING[:4] and v is not None)
                 or (k not in ddp.LIGHTNING and not ddp.is_default(k, v))]
@@ -49,6 +44,11 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
                                                         explicit)
     checks.check_tensor_parallel(values["tensor_parallel_size"], values["tensor_parallel_plan"],
                                  values["sharding_strategy"], explicit)
+    if values["tensor_parallel_size"] > 1 and getattr(cls, "configure_ddp", None) is not base.configure_ddp:
+        raise ValueError(f"{cls.__name__} overrides configure_ddp, which stages split by tensor parallel never call "
+                         f"(tensor_parallel_size={values['tensor_parallel_size']}: their replicas average their "
+                         "DTensor gradients by all-reduce, no DDP): leave configure_ddp alone, or use "
+                         "tensor_parallel_size=1")
     if values["sharding_strategy"] != "NO_SHARD" and getattr(cls, "configure_ddp", None) is not base.configure_ddp:
         raise ValueError(f"{cls.__name__} overrides configure_ddp, which sharded stages never call "
                          f"(sharding_strategy={values['sharding_strategy']!r} shards each stage with FSDP2, no DDP): "

@@ -651,7 +651,8 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
                        "route": route, "stages": stats, "trainer": type(trainer).__module__,
                        "strategy": type(trainer.strategy).__module__,
                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
-    if config["sharding"] != "NO_SHARD" and not plain:  # how much of its stage every process holds, per replica
+    if (config["sharding"] != "NO_SHARD" or config["tensor_parallel_size"] > 1) and not plain:
+        # How much of its stage every process holds, per pipeline (a replica's, with tensor parallel).
         from lightning_pipe.transport.parallel.fsdp import held
 
         real = [p for p in model.sequential_module.parameters() if not p.is_meta]
