@@ -78,6 +78,11 @@ JOBS: dict[str, dict[str, Any]] = {
         "standalone-sharded-load-other-balance": {"clip": 0.05, "scheduler": "step", "balance": [1, 4],
                                                   "load": "standalone-sharded-save/final.pt"},
     }},
+    # Each stage split over 2 tensor ranks (2 stages x 2 tensor ranks) by the scenarios' plan, in Fabric's loop.
+    "4 processes, tensor parallel": {"devices": 4, "cases": {
+        "tensor-parallel-1f1b-adamw-clip": {"tensor_parallel_size": 2, "optimizer": "adamw", "schedule": "1f1b",
+                                            "last_stage_loss": True, "clip": 0.1},
+    }},
 }
 NEEDS = {"4 processes": "2 processes"}
 CASES = [(job, case) for job, spec in JOBS.items() for case in spec["cases"]]
@@ -151,7 +156,8 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
     out = job_directory(fabric_jobs, job) / case
     config = {**JOBS[job]["cases"][case]}
     stages = len(config.get("balance", fabric_loop.DEFAULTS["balance"])) // config.get("virtual_stages", 1)
-    replicas = JOBS[job]["devices"] // stages  # (processes per pipeline: stages over virtual stages)
+    tensor = config.get("tensor_parallel_size", 1)  # a replica's pipelines: one per tensor rank
+    replicas = JOBS[job]["devices"] // (stages * tensor)  # (processes per pipeline: stages over virtual stages)
     if config.get("load"):  # the reference runs the first program and the second in turn
         plain(FIRST[config["load"]], 1, tmp_path / "first")
         config["load"] = str(tmp_path / "first" / "final.pt")
@@ -174,7 +180,7 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
     package = JOBS[job].get("package", "lightning")
     tree = "lightning_pipe.lightning" if package == "lightning_fabric" else "lightning_pipe.lightning_pytorch"
     assert result["strategy"] == f"{tree}.fabric.strategy.PipeStrategy"
-    assert result["world_size"] == replicas and result["global_rank"] == 0  # Fabric sees the drivers alone
+    assert result["world_size"] == replicas * tensor and result["global_rank"] == 0  # Fabric sees the drivers alone
     if config.get("collectives"):  # among the drivers: one value per replica
         assert result["all_reduce"] == sum(range(1, replicas + 1))
         assert result["broadcast"] == "from 0"

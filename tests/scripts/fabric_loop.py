@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "optimizer": "sgd", "clip": None, "clip_value": None, "accumulate": 1, "scheduler": None, "model": "sequential",
     "precision": "32-true", "build": "eager", "samples": 64, "batch_size": 8, "epochs": 1, "seed": 7,
     "load": None, "launch_fn": False, "collectives": False, "package": "lightning", "init_scale": 2.0 ** 4,
-    "sharding": "NO_SHARD", "virtual_stages": 1, "state_dict_type": "full", "nodes": 1,
+    "sharding": "NO_SHARD", "virtual_stages": 1, "state_dict_type": "full", "nodes": 1, "tensor_parallel_size": 1,
 }
 
 
@@ -158,7 +158,10 @@ def main(config: dict[str, Any], out: str) -> None:
                                            schedule=config["schedule"], rpc_timeout_sec=60,
                                            sharding_strategy=config["sharding"],
                                            virtual_stages=config["virtual_stages"],
-                                           state_dict_type=config["state_dict_type"])
+                                           state_dict_type=config["state_dict_type"],
+                                           tensor_parallel_size=config["tensor_parallel_size"],
+                                           tensor_parallel_plan={"0": "colwise", "2": "rowwise", "4": "colwise_rep"}
+                                           if config["tensor_parallel_size"] > 1 else None)
     fabric = L.Fabric(accelerator="cpu", devices=config["devices"], num_nodes=config["nodes"], strategy=strategy,
                       **precision(config))
     os.makedirs(out, exist_ok=True)
