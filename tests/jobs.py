@@ -403,6 +403,13 @@ _TP = {"body": "scenario", "width": 8, "balance": [3, 2], "tensor_parallel_size"
 GROUPS["4 processes tensor parallel"] = {
     "tp-adamw-clip": {**_TP, "devices": 4, "optimizer": "adamw", "clip": 0.05},
     "tp-1f1b-last-stage-loss": {**_TP, "devices": 4, "schedule": "1f1b", "last_stage_loss": True, "balance": [3, 3]},
+    # Built on the meta device (each process materialising its own stage, then splitting it); a run saving the one
+    # file each epoch, and another resuming from its first epoch's (loaded into the split stages).
+    "tp-init-module": {**_TP, "devices": 4, "build": "init_module", "optimizer": "adamw"},
+    "tp-resume-full": {**_TP, "devices": 4, "optimizer": "adamw", "scheduler": "step", "epochs": 2,
+                       "save_every": "epoch"},
+    "tp-resume-from-epoch-0": {**_TP, "devices": 4, "optimizer": "adamw", "scheduler": "step", "epochs": 2,
+                               "resume": "tp-resume-full/ckpts/epoch=0.ckpt"},
     "tp-llama-own-plan": {"script": "hf", "arch": "llama", "devices": 4, "balance": [3, 3], "tensor_parallel_size": 2,
                           "epochs": 1, "optimizer": "adamw", "clip": 0.5},
 }

@@ -264,8 +264,8 @@ def test_a_body_split_over_2_tensor_ranks_gives_the_plain_models_outputs_and_wei
 
 
 # ---------------------------------------------------------------------------------- through PipeStrategy
-TRAINED = [name for name in GROUPS["4 processes tensor parallel"] if not name.startswith("tp-llama")] + \
-    list(GROUPS["8 processes tensor parallel"])
+TRAINED = [name for name in GROUPS["4 processes tensor parallel"]
+           if not name.startswith(("tp-llama", "tp-resume-from"))] + list(GROUPS["8 processes tensor parallel"])
 
 
 @pytest.mark.timeout(900)
@@ -289,6 +289,15 @@ def test_stages_split_over_tensor_ranks_train_the_plain_models_weights(name, job
             assert all(part["optimizer"] == 2 * part["parameters"] for part in parts), parts
     result = jobs.result(name)
     assert result["world_size"] == pipelines  # Lightning's world: every pipeline's driver
+
+
+@pytest.mark.timeout(900)
+def test_a_run_resumed_from_the_one_file_with_split_stages_continues_exactly(jobs):
+    """The one file saved after the first epoch (each split layer gathered whole, stage by stage) loads into the
+    split stages of a new run, each process taking its shards, with AdamW's state and the scheduler's: its second
+    epoch ends where the uninterrupted run ended (itself one device's, in the grid above)."""
+    full = load(jobs.directory("tp-resume-full") / "final.ckpt")
+    assert_same_weights(load(jobs.directory("tp-resume-from-epoch-0") / "final.ckpt"), full, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.timeout(900)
