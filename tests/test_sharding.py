@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from hybrid_mesh import two_by_two_mesh
 from jobs import GROUPS
 from jobs import config as case_config
 from scripts import train as script
+from shard_reads import resume_a_shard, saved_weight
 from strategy_utils import assert_same_weights
 from test_strategy import load, plain_weights
 
@@ -150,60 +150,6 @@ def test_a_sharded_stages_checkpoint_resumes_at_one_replica_unsharded(jobs, tmp_
     assert_same_weights(mine, plain_weights(config, tmp_path / "plain"), rtol=1e-4, atol=2e-5)
 
 
-def _bytes_read() -> int:
-    """What this process has read so far by read(2) and its kin (the kernel's count: /proc/self/io's rchar)."""
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("rchar")).split()[1])
-
-
-def _resume_a_shard(rank: int, world: int, directory: str, port: int) -> dict[str, Any]:
-    """This replica's shard of a checkpoint saved whole, read as a stage host reads its weights, and as the main
-    process reads its weights and optimizer state; the bytes each read took, and whether each got its rows."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from lightning_pipe.lightning import sharded
-    from lightning_pipe.transport.parallel import fsdp, shards
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        whole = _saved_weight()
-        param = torch.nn.Parameter(distribute_tensor(torch.zeros_like(whole), mesh, [Shard(0)], src_data_rank=None))
-        info = sharded.read_meta(directory)["lightning_pipe"]
-        sharded.local_tensors(info, ["bias"])  # DCP's modules imported, a first read: not counted below
-        rows = whole.chunk(world)[rank]
-        found: dict[str, Any] = {}
-
-        before = _bytes_read()
-        target = distribute_tensor(torch.empty_like(whole), mesh, [Shard(0)], src_data_rank=None)
-        shards.read_into(directory, {"weight": target})  # a stage host's weights
-        found["stage host's weights"] = (_bytes_read() - before, torch.equal(target.to_local(), rows))
-
-        before = _bytes_read()
-        read = sharded.local_tensors(info, ["weight"], {"weight": param.detach()})  # the main process's
-        found["main process's weights"] = (_bytes_read() - before, torch.equal(read["weight"].to_local(), rows))
-
-        optimizer = torch.optim.AdamW([param])
-        optimizer._lp_names = ["weight"]  # type: ignore[attr-defined]
-        before = _bytes_read()
-        state = sharded.local_optimizer_state(info, 0, {"param_groups": optimizer.state_dict()["param_groups"]},
-                                              optimizer)["state"][0]
-        found["main process's AdamW state"] = (_bytes_read() - before, fsdp.is_dtensor(state["exp_avg"])
-                                               and torch.equal(state["exp_avg"].to_local(), 2 * rows)
-                                               and torch.equal(state["exp_avg_sq"].to_local(), 3 * rows)
-                                               and float(state["step"]) == 5.0)
-        return found
-    finally:
-        dist.destroy_process_group()
-
-
-def _saved_weight() -> torch.Tensor:
-    """A 16 MiB weight, each element its own value."""
-    return torch.arange(2048 * 2048, dtype=torch.float32).reshape(2048, 2048)
-
-
 @pytest.mark.timeout(180)
 def test_a_process_holding_a_shard_reads_only_the_shards_bytes_of_a_checkpoint_saved_whole(tmp_path):
     """Resuming a stage sharded over 2 replicas from a checkpoint that holds its tensors whole (saved by an
@@ -215,12 +161,12 @@ def test_a_process_holding_a_shard_reads_only_the_shards_bytes_of_a_checkpoint_s
     from lightning_pipe.lightning import sharded
     from lightning_pipe.transport.parallel import shards
 
-    whole = _saved_weight()
+    whole = saved_weight()
     states = {0: {"weight": {"exp_avg": 2 * whole, "exp_avg_sq": 3 * whole, "step": torch.tensor(5.0)}}}
     rest = {"lightning_pipe": {**sharded.FORMAT, "names": ["weight", "bias"]}, "state_dict": {}}
     shards.write_shard(str(tmp_path), 0, shards.entries({"weight": whole, "bias": torch.ones(3)}, states, rest),
                        others=lambda: [])
-    found = run_processes(_resume_a_shard, 2, str(tmp_path), free_port(), timeout=150)
+    found = run_processes(resume_a_shard, 2, str(tmp_path), free_port(), timeout=150)
     size = whole.numel() * whole.element_size()
     for rank, reads in found.items():
         for what, (read, right) in reads.items():
