@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ import torch
 import torch.distributed.tensor.parallel  # noqa: F401 - imported before the base is taken, as transformers is
 import transformers  # noqa: F401
 from bench_large_model_memory import GiB, peak
+from bench_sharded_memory import _job  # one job in its own session, its drivers' files read
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -156,7 +156,7 @@ def main() -> None:
         command = [sys.executable, os.path.abspath(__file__), *_passed(args), "--job", str(size), out]
         start = time.perf_counter()
         try:
-            results = _job(command, size, out, args.timeout, env, f"t={size}")
+            results = _job(command, size, out, "pipeline", args.timeout, env, f"t={size}")
         finally:
             shutil.rmtree(out, ignore_errors=True)
         # By stage, then tensor rank: pipeline k holds tensor rank k of every stage.
@@ -184,27 +184,6 @@ def _passed(args: argparse.Namespace) -> list[str]:
     """The job's arguments, as given to this run."""
     names = ("width", "mlp", "blocks", "vocab", "batch", "length", "microbatches", "steps")
     return [item for name in names for item in (f"--{name}", str(getattr(args, name)))]
-
-
-def _job(command: list[str], size: int, out: str, timeout: float, env: dict[str, str],
-         what: str) -> list[dict[str, object]]:
-    """Run one job in its own session (on a timeout every process of it is ended, by the job's group id); what
-    each pipeline's driver wrote to ``out``/pipeline<k>.json."""
-    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        raise SystemExit(f"{what}: no result within {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        raise SystemExit(f"{what} failed:\n{err[-3000:]}")
-    results = []
-    for k in range(size):
-        with open(os.path.join(out, f"pipeline{k}.json")) as f:
-            results.append(json.load(f))
-    return results
 
 
 if __name__ == "__main__":
