@@ -412,9 +412,35 @@ GROUPS["4 processes tensor parallel"] = {
                                "resume": "tp-resume-full/ckpts/epoch=0.ckpt"},
     "tp-llama-own-plan": {"script": "hf", "arch": "llama", "devices": 4, "balance": [3, 3], "tensor_parallel_size": 2,
                           "epochs": 1, "optimizer": "adamw", "clip": 0.5},
+    # Every schedule: zero-bubble (weight gradients apart from input gradients, over DTensors) and interleaved 1F1B
+    # (2 stages per process, each gathering its output whole).
+    "tp-zero-bubble": {**_TP, "devices": 4, "schedule": "zero-bubble", "last_stage_loss": True, "balance": [3, 3],
+                       "optimizer": "adamw"},
+    "tp-interleaved": {**_TP, "devices": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2,
+                       "last_stage_loss": True, "balance": [1, 2, 2, 1],
+                       "tensor_parallel_plan": {"0": "colwise_rep", "2": "rowwise_rep", "4": "colwise_rep"}},
+    # Autocast in split stages (one micro-batch, as the other bf16 cases).
+    "tp-bf16-mixed": {**_TP, "devices": 4, "precision": "bf16-mixed", "microbatches": 1},
+    # A Hugging Face checkpoint read stage by stage (the body built on meta), each stage then split.
+    "tp-llama-pretrained": {"script": "hf", "arch": "llama", "devices": 4, "balance": [3, 3],
+                            "tensor_parallel_size": 2, "epochs": 1, "pretrained": True},
+    # A DCP checkpoint of split stages, resumed at 2 replicas sharded by FULL_SHARD (next group) and at t = 1, one
+    # replica, another balance ("2 processes after sharded").
+    "tp-save-dcp": {**_TP, "devices": 4, "optimizer": "adamw", "scheduler": "step", "epochs": 2,
+                    "save_every": "epoch", "state_dict_type": "sharded"},
 }
 GROUPS["8 processes tensor parallel"] = {
     "tp-2replicas-clip": {**_TP, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw", "clip": 0.05},
     "tp-2replicas-full-shard-clip": {**_TP, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw",
                                      "clip": 0.05, "sharding": "FULL_SHARD"},
+    "tp-2replicas-full-shard-from-dcp": {**_TP, "devices": 8, "batch_size": 4, "optimizer": "adamw",
+                                         "scheduler": "step", "epochs": 2, "sharding": "FULL_SHARD",
+                                         "state_dict_type": "sharded",
+                                         "resume": "../4-processes-tensor-parallel/tp-save-dcp/ckpts/epoch=0.ckpt"},
 }
+GROUPS["2 processes after sharded"]["one-replica-from-tp-dcp"] = {
+    **_TP, "devices": 2, "tensor_parallel_size": 1, "tensor_parallel_plan": None, "balance": [2, 3],
+    "optimizer": "adamw", "scheduler": "step", "epochs": 2,
+    "resume": "../4-processes-tensor-parallel/tp-save-dcp/ckpts/epoch=0.ckpt"}
+NEEDS["2 processes after sharded"].append("4 processes tensor parallel")
+NEEDS["8 processes tensor parallel"] = ["4 processes tensor parallel"]

@@ -177,7 +177,8 @@ def tensor_split(strategy: PipeStrategy, module: pl.LightningModule, body: nn.Se
                  tied: list[Any]) -> tuple[int, Any] | None:
     """``(t, plan)`` with which every stage is split over its ``t = tensor_parallel_size`` processes (None: not
     split): ``tensor_parallel_plan``, or the body's own (``tensor_parallel_plan`` of a ``to_sequential`` body),
-    checked against the body cut into ``parts`` (:func:`~lightning_pipe.transport.parallel.tensor.check_stage_boundaries`)."""
+    checked against the body cut into ``parts``
+    (:func:`~lightning_pipe.transport.parallel.tensor.check_stage_boundaries`)."""
     t = getattr(strategy, "tensor_parallel_size", 1)
     if t == 1:
         return None

@@ -1,9 +1,9 @@
 """Which process does what: ranks → (replica, stage, tensor rank), pipelines, drivers and stage groups.
 
-World = replicas × stages × tensor ranks (``tensor``, 1 unless stages are split by tensor parallel). A pipeline is a run of consecutive global ranks (so its stages share a node
-when a node has at least as many devices as there are stages); its first rank is the **driver**, which
-runs the Lightning loop and holds stage 0. Rank ``r`` holds stage ``r % stages`` of replica
-``r // stages``::
+World = replicas × stages × tensor ranks (``tensor``: 1 unless stages are split by tensor parallel, below). A
+pipeline is a run of consecutive global ranks (so its stages share a node when a node has at least as many devices
+as there are stages); its first rank is the **driver**, which runs the Lightning loop and holds stage 0. Rank ``r``
+holds stage ``r % stages`` of replica ``r // stages``::
 
     4 processes, 2 stages:   rank 0 (driver, replica 0) ─ rank 1 (stage 1)
                              rank 2 (driver, replica 1) ─ rank 3 (stage 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from typing import Any
 
 import pytorch_lightning as pl
@@ -228,10 +229,17 @@ def main(config: dict[str, Any], out: str) -> None:
         pretrained = os.path.join(out, "pretrained")
         written = f"{pretrained}.tmp{os.getpid()}"  # every process runs this: the first complete copy stays
         tiny(c["arch"], c["tied"], c["attn"], c["seed"] + 100).save_pretrained(written)
-        try:
-            os.rename(written, pretrained)
-        except OSError:
-            shutil.rmtree(written)
+        if os.path.exists(os.path.join(written, "config.json")):
+            try:
+                os.rename(written, pretrained)
+            except OSError:
+                shutil.rmtree(written)
+        else:  # once a process group exists, transformers writes on its rank 0 alone (an earlier case made one)
+            shutil.rmtree(written, ignore_errors=True)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(pretrained, "config.json")):
+                assert time.monotonic() < deadline, f"no process wrote {pretrained}"
+                time.sleep(0.1)
     model = HFBody(c, pretrained)
     strategy = PipeStrategy(balance=c["balance"], microbatches=c["microbatches"], checkpoint=c["checkpoint"],
                             schedule=c["schedule"], rpc_timeout_sec=60, sharding_strategy=c.get("sharding", "NO_SHARD"),

@@ -8,10 +8,11 @@ Each process of a job with ``tensor_parallel_size = t > 1`` makes, once, a ``Dev
                        [t, ..., 2t-1], ...]               replica, which split its layers
                                                           dimension "data": the same tensor rank of every replica
 
-The stage's layers are split over ``mesh["tensor"]`` (:func:`~lightning_pipe.transport.parallel.tensor.parallelize_stage`);
-replicas average over ``mesh["data"]``: by :class:`SplitReplicas` (an all-reduce of each gradient's local part after
-the stage's last backward: torch's DDP does not take ``DTensor`` parameters), or, sharded (``sharding_strategy``),
-by FSDP2 over ``mesh["data"]`` applied after tensor parallel, as torchtitan composes them.
+The stage's layers are split over ``mesh["tensor"]``
+(:func:`~lightning_pipe.transport.parallel.tensor.parallelize_stage`); replicas average over ``mesh["data"]``: by
+:class:`SplitReplicas` (an all-reduce of each gradient's local part after the stage's last backward: torch's DDP
+does not take ``DTensor`` parameters), or, sharded (``sharding_strategy``), by FSDP2 over ``mesh["data"]`` applied
+after tensor parallel, as torchtitan composes them.
 """
 
 from __future__ import annotations
