@@ -1,7 +1,22 @@
 """Shared test setup: every test starts from the same seed, and tests the CPU paths unless it is a CUDA test."""
 
+import compileall
+from pathlib import Path
+
 import pytest
 import torch
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Bytecode for the package, the tests' scripts and the examples, written once before any test starts: the
+    suite starts a few hundred Python processes, and where ``PYTHONDONTWRITEBYTECODE`` is set (CI) each of them
+    would otherwise compile every module it imports again (about a second each). Python reads the files whatever
+    that variable says."""
+    if hasattr(session.config, "workerinput"):  # a test worker (pytest -n): the controller wrote them
+        return
+    root = Path(__file__).resolve().parent.parent
+    for part in ("lightning_pipe", "tests", "examples", "benchmarks"):
+        compileall.compile_dir(root / part, quiet=1, workers=1)
 
 
 @pytest.fixture(autouse=True)
