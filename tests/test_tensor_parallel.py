@@ -14,7 +14,7 @@ from dist_utils import run_processes
 from jobs import GROUPS
 from jobs import config as case_config
 from strategy_utils import assert_same_weights
-from test_strategy import load, plain_weights
+from test_strategy import load, plain_weights, script
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -266,7 +266,7 @@ def test_a_body_split_over_2_tensor_ranks_gives_the_plain_models_outputs_and_wei
 # ---------------------------------------------------------------------------------- through PipeStrategy
 #: Compared with one device on the global batch (the others: with a run they resume, or in their own tests).
 TRAINED = [name for group in ("4 processes tensor parallel", "8 processes tensor parallel") for name in GROUPS[group]
-           if not name.startswith(("tp-llama", "tp-resume-from", "tp-bf16")) and "from-dcp" not in name]
+           if not name.startswith(("tp-llama", "tp-resume-from", "tp-bf16", "tp-fp16")) and "from-dcp" not in name]
 
 
 @pytest.mark.timeout(900)
@@ -335,6 +335,29 @@ def test_bf16_mixed_split_stages_train_the_plain_models_bf16_weights_to_bf16_rou
     config = case_config("tp-bf16-mixed")
     got = load(jobs.directory("tp-bf16-mixed") / "final.ckpt")
     assert_same_weights(got, plain_weights(config, tmp_path / "bf16"), rtol=0, atol=1e-3)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["tp-fp16-steps", "tp-fp16-overflows"])
+def test_a_gradient_scaler_over_split_stages_unscales_and_skips_as_one_device(name, jobs, tmp_path):
+    """16-mixed with a gradient scaler (SGD, one micro-batch): from a scale no step overflows at, every step
+    unscales each process's slices of the gradients (left scaled by 16, the weights would move 16 times as far);
+    from 2**20, the steps whose gradients overflow in some tensor rank's slice are skipped by every process, and the
+    scale backs off as on one device. The scaler's state is one device's, and the weights are within float16's
+    rounding of a rowwise layer's partial sums (5e-5 here, of updates of about 0.05)."""
+    config = case_config(name)
+    piped = torch.load(jobs.directory(name) / "final.ckpt", weights_only=False)
+    out = tmp_path / "plain"
+    out.mkdir()
+    script.main(config, str(out), plain=True)
+    plain = torch.load(out / "final.ckpt", weights_only=False)
+    assert_same_weights(piped["state_dict"], plain["state_dict"], rtol=0, atol=1e-4)
+    assert piped["MixedPrecision"] == plain["MixedPrecision"]
+    initial = script.Model(config).state_dict()
+    assert all(not torch.equal(piped["state_dict"][k], initial[k]) for k in initial)  # every weight moved
+    if "init_scale" not in config:  # 2**20: steps overflowed, were skipped, and the scale backed off
+        assert plain["MixedPrecision"]["scale"] < 2.0**20
+    assert piped["global_step"] == 8
 
 
 @pytest.mark.timeout(900)
