@@ -66,7 +66,6 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
         # One micro-batch: bf16 and fp16 round smaller matrix products differently, which would blur the checks.
         "bf16-mixed": {"precision": "bf16-mixed", "microbatches": 1, "balance": [1, 3], "epochs": 1},
         "fp16-scaler": {"precision": "16-mixed-scaler", "balance": [1, 3], "optimizer": "adamw", "microbatches": 1},
-        "torchrun-reference": {"balance": [2, 2], "epochs": 1},
         # Sharded checkpoints: each process writes its own file; resumed at the same balance and at another one
         # (each stage reads its entries from whichever files hold them). Its twin saves one file, for the
         # consolidated checkpoint to be compared with.
