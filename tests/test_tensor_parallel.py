@@ -243,29 +243,14 @@ def _tensor_parallel(rank: int, world: int, path: str) -> dict[str, object]:
             weights = {n: _plain(p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
             local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)}
             results[case] = (_plain(out), expected, weights, {n: _plain(p) for n, p in plain.named_parameters()}, local)
-        # Through the engine's Pipe, every micro-batch recomputed in backward: the plain model's outputs, and no
-        # collective left unwaited (torch keeps each registered, its tensor alive, until the process ends).
-        from lightning_pipe import Pipe
-
-        plain = body()
-        model = copy.deepcopy(plain)
-        for stage in split_module(model, [3, 2]):
-            parallelize_stage(stage, PLAN, mesh)
-        pipe = Pipe(model, [3, 2], devices=["cpu", "cpu"], chunks=3, checkpoint="always")
-        out = _step(pipe, x, y)
-        unwaited = torch._C._distributed_c10d._get_work_registry_size()
-        results["pipe"] = (_plain(out), _plain(_step(plain, x, y)), unwaited)
         return results
     finally:
         dist.destroy_process_group()
 
 
 def test_a_body_split_over_2_tensor_ranks_gives_the_plain_models_outputs_and_weights(tmp_path):
-    results = run_processes(_tensor_parallel, 2, str(tmp_path / "store"), timeout=180)
+    results = run_processes(_tensor_parallel, 2, str(tmp_path / "store"), timeout=120)
     for rank, cases in results.items():
-        out, expected, unwaited = cases.pop("pipe")
-        torch.testing.assert_close(torch.from_numpy(out), torch.from_numpy(expected), rtol=1e-5, atol=1e-6)
-        assert unwaited == 0, f"rank {rank}: {unwaited} collectives never waited for"
         for case, (out, expected, weights, plain, _) in cases.items():
             out, expected = torch.from_numpy(out), torch.from_numpy(expected)
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {case}: outputs")
@@ -292,13 +277,15 @@ def test_stages_split_over_tensor_ranks_train_the_plain_models_weights(name, job
     sharded by FULL_SHARD after tensor parallel (8 processes): one device's weights on the global batch, within
     rtol 1e-4 / atol 2e-5. Every process holds its half of each split layer (at most 0.6 of its stage: the rowwise
     bias stays whole), and, under FULL_SHARD, half of that again; AdamW's state is two tensors the size of what it
-    holds."""
+    holds. No collective is left unwaited in any driver."""
     config = case_config(name)
     out = jobs.directory(name)
     assert_same_weights(load(out / "final.ckpt"), plain_weights(config, tmp_path / "plain"), rtol=1e-4, atol=2e-5)
     processes = len(config["balance"]) // config.get("virtual_stages", 1)
     pipelines = config["devices"] // processes
     held = [json.loads((out / f"held_replica{k}.json").read_text()) for k in range(pipelines)]
+    # No collective left unwaited in any driver (a recomputed micro-batch's split output was, one per micro-batch).
+    assert [json.loads((out / f"unwaited_replica{k}.json").read_text()) for k in range(pipelines)] == [0] * pipelines
     limit = 0.6 / (2 if config.get("sharding") == "FULL_SHARD" else 1)
     for process in range(processes):
         parts = [pipeline[process] for pipeline in held]

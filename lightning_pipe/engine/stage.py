@@ -92,6 +92,16 @@ def _has_inplace(partition: nn.Module) -> bool:
     return any(getattr(m, "inplace", False) is True for m in partition.modules())
 
 
+def _collected(t: Tensor | None) -> None:
+    """Waits, in place, for the collective whose result ``t`` is, if one is still in flight (torch's
+    ``AsyncCollectiveTensor``: a tensor-parallel layer's output). A recomputed output is only a graph to run
+    backward through, its values never read: unwaited, torch keeps every such collective registered (and its
+    tensor alive) until the process ends, one per recomputed micro-batch."""
+    wait = getattr(t, "trigger_wait", None)
+    if wait is not None:
+        wait()
+
+
 def _handoff(t: Tensor) -> Tensor:
     """What a stage hands on: detached, carrying only whether it requires grad."""
     return t.detach().requires_grad_(t.requires_grad)
@@ -222,6 +232,8 @@ class Stage:
             outputs, exports = self._run(Batch(given, saved.atomic).value, imports, saved.seed, microbatch)
             if saved.loss is not None:
                 return (compute(saved.loss, outputs.value, saved.target)[0],), {}
+        for t in (*outputs.tensors, *exports.values()):
+            _collected(t)
         return outputs.tensors, exports
 
     def backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]],

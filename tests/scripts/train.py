@@ -660,6 +660,9 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
             json.dump([held(real, [o.optimizer for o in trainer.optimizers]
                             if hasattr(trainer.optimizers[0], "optimizer") else trainer.optimizers),
                        *[s["held"] for s in trainer.strategy._body.hosts.call("stats")]], f)
+        # Collectives left unwaited in this process so far (torch keeps each registered, its tensor alive).
+        with open(os.path.join(out, f"unwaited_replica{trainer.global_rank}.json"), "w") as f:
+            json.dump(torch._C._distributed_c10d._get_work_registry_size(), f)
     if isinstance(trainer.strategy, lightning_pipe.PipeStrategy):  # what each process's data plane carried
         plane = trainer.strategy._pipeline.runner.plane
         with open(os.path.join(out, f"plane_replica{trainer.global_rank}.json"), "w") as f:
