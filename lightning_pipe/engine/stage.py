@@ -92,14 +92,13 @@ def _has_inplace(partition: nn.Module) -> bool:
     return any(getattr(m, "inplace", False) is True for m in partition.modules())
 
 
-def _collected(t: Tensor | None) -> None:
-    """Waits, in place, for the collective whose result ``t`` is, if one is still in flight (torch's
-    ``AsyncCollectiveTensor``: a tensor-parallel layer's output). A recomputed output is only a graph to run
-    backward through, its values never read: unwaited, torch keeps every such collective registered (and its
-    tensor alive) until the process ends, one per recomputed micro-batch."""
+def settled(t: Tensor) -> Tensor:
+    """``t`` with its values: the result of an asynchronous collective (torch's ``AsyncCollectiveTensor``, what a
+    tensor-parallel layer's all-reduce or all-gather leaves) waited for, since its memory is written only when the
+    collective completes; any other tensor as it is. Unwaited, torch also keeps the collective registered (and its
+    tensor alive) until the process ends."""
     wait = getattr(t, "trigger_wait", None)
-    if wait is not None:
-        wait()
+    return wait() if wait is not None else t
 
 
 def _handoff(t: Tensor) -> Tensor:
@@ -232,8 +231,8 @@ class Stage:
             outputs, exports = self._run(Batch(given, saved.atomic).value, imports, saved.seed, microbatch)
             if saved.loss is not None:
                 return (compute(saved.loss, outputs.value, saved.target)[0],), {}
-        for t in (*outputs.tensors, *exports.values()):
-            _collected(t)
+        for t in (*outputs.tensors, *exports.values()):  # only a graph to run backward through: never read
+            settled(t)
         return outputs.tensors, exports
 
     def backward(self, run: Hashable, items: Sequence[tuple[int, Grads, Mapping[SkipKey, Tensor | None]]],

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lightning_pipe.engine.loss import LossFn, MicroLoss
 from lightning_pipe.engine.pipeline import _Skipped
+from lightning_pipe.engine.stage import settled
 
 __all__: list[str] = []
 
@@ -162,14 +163,6 @@ def _pack(batch_tensors: Sequence[Tensor | None], direct: torch.device | None = 
     # Tensors cross processes detached, on CPU unless they are on the GPU ``direct`` that RPC maps to the
     # receiver's; the flags say which ones need a gradient back. A skip stashed as None crosses as None.
     return list(_wire(batch_tensors, direct)), [t is not None and t.requires_grad for t in batch_tensors]
-
-
-def settled(t: Tensor) -> Tensor:
-    """``t`` with its values: the result of an asynchronous collective (torch's ``AsyncCollectiveTensor``, what a
-    tensor-parallel layer's all-reduce or all-gather leaves) waited for, since its memory is written only when the
-    collective completes; any other tensor as it is."""
-    wait = getattr(t, "trigger_wait", None)
-    return wait() if wait is not None else t
 
 
 def _wire(tensors: Sequence[Tensor | None], direct: torch.device | None = None) -> tuple[Tensor | None, ...]:
