@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import socket
@@ -10,6 +9,8 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import warm
 
 
 def free_port() -> int:
@@ -19,10 +20,11 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple[Any, ...],
-           rpc_timeout: float) -> None:
+           rpc_timeout: float, env: dict[str, str]) -> None:
     import torch.distributed.rpc as rpc
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.clear()  # the caller's environment, not the fork server's
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
                      rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
@@ -40,15 +42,17 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: An
 
 def run_processes(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
                   rpc_timeout: float = 30.0) -> dict[int, Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by RPC; return results by rank.
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by RPC; return results by rank. They
+    start from the fork server of :mod:`warm` (torch imported once), with this process's environment.
 
     Raises the first child's traceback as an AssertionError; every process is ended (by its pid) when
     this returns, whatever happened.
     """
-    ctx = mp.get_context("spawn")
+    ctx = warm.context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, rpc_timeout), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, rpc_timeout, env), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -7,10 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+import warm
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
@@ -66,12 +68,16 @@ def end(proc: subprocess.Popen[Any]) -> None:
 
 def run_command(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None,
                 expect_ok: bool = True, name: str = "job", cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in ``cwd`` in a new session; on timeout, and after it ends in any case, every process it
-    started (and only those) is killed. Fails with the output when the job fails and ``expect_ok``."""
+    """Run ``argv`` in ``cwd`` in a new session (a Python script warm, :mod:`warm`); on timeout, and after it ends
+    in any case, every process it started (and only those) is killed. Fails with the output when the job fails
+    and ``expect_ok``."""
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    if warm.runs_warm(argv, env):
+        return _run_warm(argv, timeout=timeout, env=environment, expect_ok=expect_ok, name=name, cwd=cwd)
     script = name
     proc = subprocess.Popen(argv, cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+                            env=environment)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -89,17 +95,62 @@ def run_command(argv: list[str], *, timeout: float = 120, env: dict[str, str] | 
     return result
 
 
+class _Warm:
+    """A script's process started by :mod:`warm`, as :func:`end` handles a ``subprocess.Popen``."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc, self.pid = proc, proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+        return self.proc.exitcode
+
+
+def _run_warm(argv: list[str], *, timeout: float, env: dict[str, str], expect_ok: bool, name: str,
+              cwd: Path) -> subprocess.CompletedProcess[str]:
+    """:func:`run_command` for a Python script run warm: the same bounds, the same result."""
+    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
+        log = Path(tmp) / "output.log"
+        proc = _Warm(warm.start(argv, cwd, env, log))
+        try:
+            proc.proc.join(timeout)
+            timed_out = proc.poll() is None
+        finally:
+            end(proc)  # type: ignore[arg-type]  # whatever the outcome, nothing of this job outlives the test
+        out = log.read_text(errors="replace") if log.exists() else ""
+    if timed_out:
+        raise AssertionError(f"{name} did not finish within {timeout:.0f} s:\n{out[-6000:]}")
+    code = proc.poll()
+    result = subprocess.CompletedProcess(argv, code if code is not None else -9, out, "")
+    if expect_ok and code != 0:
+        raise AssertionError(f"{name} failed with status {code}:\n{out[-6000:]}")
+    return result
+
+
 def run_together(commands: list[tuple[list[str], dict[str, str]]], out: Path, timeout: float = 200) -> None:
     """Start every ``(argv, environment)`` at once, as the nodes of a cluster would, each in a session of its
     own with its output in ``out/launch<i>.log``; wait for all (a hang fails within ``timeout``), then end
     every process started here, whatever happened."""
     import time
 
-    procs = []
+    procs: list[Any] = []
     try:
         for i, (argv, env) in enumerate(commands):
+            environment = {**os.environ, "PYTHONWARNINGS": "ignore", **env}
+            if warm.runs_warm(argv, env):  # (a Python script: warm, its output in the same file)
+                procs.append(_Warm(warm.start(argv, REPO, environment, out / f"launch{i}.log")))
+                continue
             with open(out / f"launch{i}.log", "w") as log:  # files, not pipes: no process blocks on output
-                procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore", **env},
+                procs.append(subprocess.Popen(argv, cwd=REPO, env=environment,
                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout
         for i, p in enumerate(procs):

@@ -48,7 +48,8 @@ JOBS: dict[str, dict[str, Any]] = {
         "sharded-load-other-balance": {"clip": 0.05, "scheduler": "step", "balance": [1, 4],
                                        "load": "sharded-save/final.pt"},
     }},
-    "4 processes": {"devices": 4, "cases": {
+    # Forked where the script reaches fabric.launch() (start_method='fork'): no second import, the same training.
+    "4 processes": {"devices": 4, "start_method": "fork", "cases": {
         "2replicas-adamw-1f1b-accumulate-clip": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True,
                                                  "accumulate": 2, "clip": 0.1, "batch_size": 4, "collectives": True},
         "2replicas-sgd-head-outside": {"model": "module", "balance": [2, 3], "batch_size": 4, "clip": 0.05},
@@ -79,7 +80,7 @@ JOBS: dict[str, dict[str, Any]] = {
                                                   "load": "standalone-sharded-save/final.pt"},
     }},
     # Each stage split over 2 tensor ranks (2 stages x 2 tensor ranks) by the scenarios' plan, in Fabric's loop.
-    "4 processes, tensor parallel": {"devices": 4, "cases": {
+    "4 processes, tensor parallel": {"devices": 4, "start_method": "fork", "cases": {
         "tensor-parallel-1f1b-adamw-clip": {"tensor_parallel_size": 2, "optimizer": "adamw", "schedule": "1f1b",
                                             "last_stage_loss": True, "clip": 0.1},
     }},
@@ -106,7 +107,8 @@ def job_directory(root: Path, job: str) -> Path:
         if not done.exists() and not failed.exists():
             spec = JOBS[job]
             cases = {name: {**case, **({"load": str(out / case["load"])} if case.get("load") else {}),
-                            "package": spec.get("package", "lightning")} for name, case in spec["cases"].items()}
+                            "package": spec.get("package", "lightning"),
+                            "start_method": spec.get("start_method", "popen")} for name, case in spec["cases"].items()}
             try:
                 job_spec = {"devices": spec["devices"], "package": spec.get("package", "lightning"), "cases": cases}
                 run_script("fabric_loop.py", json.dumps(job_spec), str(out), timeout=600)

@@ -137,6 +137,30 @@ def test_torchrun_launch_trains_the_same_weights_as_lightnings_launcher(tmp_path
     assert_same_weights(a.state_dict(), b.state_dict(), rtol=0, atol=0)
 
 
+@pytest.mark.timeout(300)
+def test_forked_processes_train_the_weights_of_processes_started_as_scripts(tmp_path, jobs):
+    """start_method='fork': the script runs once up to fit (one process leaves its mark, where the processes
+    started as scripts leave one each), the other process is forked there and computes on one CPU thread, and
+    the weights are those of the same job started as scripts, to the bit."""
+    import json
+
+    from jobs import config as case_config
+    from strategy_utils import assert_same_weights, run_script
+
+    name = "2stages-sgd"  # started as scripts in the shared job
+    config = {**case_config(name), "start_method": "fork"}
+    out = tmp_path / "fork"
+    run_script("train.py", json.dumps(config), str(out), timeout=240)
+    started = jobs.directory(name) / "started"
+    assert len(list(started.iterdir())) == 2, "the processes started as scripts each run the script"
+    assert len(list((out / "started").iterdir())) == 1, "a forked process ran the script before fit again"
+    stages = json.loads((out / "result.json").read_text())["stages"]["fit"]
+    assert [s["threads"] for s in stages] == [1]
+    a = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu")
+    b = script.Model.load_from_checkpoint(jobs.directory(name) / "final.ckpt", map_location="cpu")
+    assert_same_weights(a.state_dict(), b.state_dict(), rtol=0, atol=0)
+
+
 @pytest.mark.timeout(180)
 def test_a_freed_model_frees_its_stages(tmp_path):
     """A script that trains one model after another (a sweep) must not keep every old model's stages (their

@@ -28,6 +28,21 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
         PipeStrategy(**kwargs)
 
 
+def test_fork_is_refused_where_a_forked_process_could_not_work(monkeypatch):
+    """start_method='fork' is refused before any fork: with CUDA initialised in the launching process, and with
+    OMP_NUM_THREADS asking for more than the one thread a forked process computes with."""
+    from lightning_pipe.lightning.launcher import check_fork
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    with pytest.raises(ValueError, match=r"one CPU thread .*OMP_NUM_THREADS=4 cannot be honoured.*popen"):
+        check_fork()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    check_fork()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match=r"has initialised CUDA.*start_method='popen'"):
+        check_fork()
+
+
 def test_devices_not_a_multiple_of_stages_fails_before_processes_start():
     with pytest.raises(ValueError, match=r"devices x nodes: 3, stages: 2"):
         pl.Trainer(accelerator="cpu", devices=3, strategy=PipeStrategy(balance=[1, 1]), logger=False)

@@ -59,9 +59,9 @@ def check_arguments(balance: Any, microbatches: Any, checkpoint: Any, balance_mo
             raise ValueError(f"balance must have processes x virtual_stages entries (balance: {len(balance)} "
                              f"entries, virtual_stages: {virtual_stages}); it cannot be spread evenly over processes")
         schedule_plan(schedule, microbatches, len(balance) // virtual_stages, virtual_stages)
-    if kwargs.get("start_method", "popen") != "popen":
-        raise ValueError(f"PipeStrategy starts processes as scripts (start_method='popen'); got "
-                         f"start_method={kwargs['start_method']!r}")
+    if kwargs.get("start_method", "popen") not in ("popen", "fork"):
+        raise ValueError(f"PipeStrategy starts processes as scripts (start_method='popen') or forks them from the "
+                         f"launching process (start_method='fork'); got start_method={kwargs['start_method']!r}")
     return balance
 
 

@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "precision": "32-true", "build": "eager", "samples": 64, "batch_size": 8, "epochs": 1, "seed": 7,
     "load": None, "launch_fn": False, "collectives": False, "package": "lightning", "init_scale": 2.0 ** 4,
     "sharding": "NO_SHARD", "virtual_stages": 1, "state_dict_type": "full", "nodes": 1, "tensor_parallel_size": 1,
+    "start_method": "popen",
 }
 
 
@@ -160,6 +161,7 @@ def main(config: dict[str, Any], out: str) -> None:
                                            virtual_stages=config["virtual_stages"],
                                            state_dict_type=config["state_dict_type"],
                                            tensor_parallel_size=config["tensor_parallel_size"],
+                                           start_method=config["start_method"],
                                            tensor_parallel_plan={"0": "colwise", "2": "rowwise", "4": "colwise_rep"}
                                            if config["tensor_parallel_size"] > 1 else None)
     fabric = L.Fabric(accelerator="cpu", devices=config["devices"], num_nodes=config["nodes"], strategy=strategy,

@@ -243,7 +243,8 @@ def main(config: dict[str, Any], out: str) -> None:
     model = HFBody(c, pretrained)
     strategy = PipeStrategy(balance=c["balance"], microbatches=c["microbatches"], checkpoint=c["checkpoint"],
                             schedule=c["schedule"], rpc_timeout_sec=60, sharding_strategy=c.get("sharding", "NO_SHARD"),
-                            state_dict_type=c["state_dict_type"], tensor_parallel_size=c["tensor_parallel_size"])
+                            state_dict_type=c["state_dict_type"], tensor_parallel_size=c["tensor_parallel_size"],
+                            start_method=c.get("start_method", "popen"))
     trainer = pl.Trainer(accelerator="cpu", devices=c["devices"], strategy=strategy, max_epochs=c["epochs"],
                          logger=False, enable_progress_bar=False, enable_checkpointing=False,
                          enable_model_summary=False, default_root_dir=out, gradient_clip_val=c["clip"],

@@ -48,7 +48,8 @@ DEFAULTS: dict[str, Any] = {
     "last_stage_loss": False, "predict": False, "build": "eager", "guard": False, "save_initial": False,
     "init": None, "state_dict_type": "full", "ddp": {}, "hook": None, "rare_gate": False,
     "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None, "count_collectives": False,
-    "data_plane": "auto", "init_scale": 2.0**20, "replica_batches": False, "body": "blocks",
+    "data_plane": "auto", "start_method": "popen", "mark_processes": False,
+    "init_scale": 2.0**20, "replica_batches": False, "body": "blocks",
     "tensor_parallel_size": 1, "tensor_parallel_plan": None,
 }
 
@@ -534,7 +535,8 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
                        rpc_timeout_sec=60, timeline=config["timeline"], schedule=config["schedule"],
                        virtual_stages=config["virtual_stages"], state_dict_type=config["state_dict_type"],
                        sharding_strategy=config["sharding"], hybrid_shard_size=config["hybrid_shard_size"],
-                       data_plane=config["data_plane"], **shared, **ddp_arguments(config, out),
+                       data_plane=config["data_plane"], start_method=config["start_method"], **shared,
+                       **ddp_arguments(config, out),
                        **({"tensor_parallel_size": config["tensor_parallel_size"],
                            "tensor_parallel_plan": config["tensor_parallel_plan"]}
                           if config["tensor_parallel_size"] > 1 else {}))
@@ -594,6 +596,9 @@ def crash_at_save(spec: str) -> None:
 
 def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningModule:
     config = {**DEFAULTS, **config}
+    if config["mark_processes"] and not plain:  # each process that runs the script up to fit leaves its mark
+        os.makedirs(os.path.join(out, "started"), exist_ok=True)
+        open(os.path.join(out, "started", str(os.getpid())), "w").close()
     if not plain:
         count_collectives(out, config["count_collectives"])
     if os.environ.get("LP_CRASH_AT_SAVE"):
@@ -650,7 +655,8 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
             json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "lr": model.lr,
                        "route": route, "stages": stats, "trainer": type(trainer).__module__,
                        "strategy": type(trainer.strategy).__module__,
-                       "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
+                       "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                       "threads": torch.get_num_threads()}, f)
     if (config["sharding"] != "NO_SHARD" or config["tensor_parallel_size"] > 1) and not plain:
         # How much of its stage every process holds, per pipeline (a replica's, with tensor parallel).
         from lightning_pipe.transport.parallel.fsdp import held

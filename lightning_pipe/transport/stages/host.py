@@ -192,12 +192,14 @@ class StageHost(StageState):
         """How many optimizer steps this stage took and barriers it passed, which tensors it materialised
         from the driver's recording of a deferred build (by the LightningModule's names), how much of its
         stage it holds (``held``: see :func:`~lightning_pipe.transport.parallel.fsdp.held`) and how many messages
-        its data plane sent and received (``plane``; None where every hand-off goes by RPC)."""
+        its data plane sent and received (``plane``; None where every hand-off goes by RPC), and how many CPU threads
+        it computes with (``threads``)."""
         optimizers = [optimizer for optimizer, _ in self.optimizers.values()]
         plane = self.runner.plane  # what its data plane carried (None: every hand-off by RPC)
         return {**self.counts, "materialized": self.materialized,
                 "held": fsdp.held(self.partition.parameters(), optimizers),
-                "plane": None if plane is None else {"sent": plane.sent, "received": plane.received}}
+                "plane": None if plane is None else {"sent": plane.sent, "received": plane.received},
+                "threads": torch.get_num_threads()}
 
     def memory(self) -> dict[str, int]:
         """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""
