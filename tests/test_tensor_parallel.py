@@ -363,12 +363,15 @@ def test_a_gradient_scaler_over_split_stages_unscales_and_skips_as_one_device(na
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["tp-llama-own-plan", "tp-llama-pretrained"])
+@pytest.mark.parametrize("name", ["tp-llama-own-plan", "tp-llama-pretrained", "tp-llama-tied",
+                                  "tp-llama-tied-embedding-whole"])
 def test_a_tiny_llama_split_by_its_own_plan_trains_the_plain_models_weights(name, jobs):
     """A Llama made a body by to_sequential carries the model's Hugging Face plan (q, k, v, gate, up colwise; o and
     down rowwise; the embedding by rows of the vocabulary, the head gathered), by the body's names; at [3, 3] over 2
     tensor ranks with AdamW clipped, it trains the model's weights on one device. Built on meta from a Hugging Face
-    checkpoint (each stage reading its own tensors, then split), it fine-tunes the checkpoint's weights."""
+    checkpoint (each stage reading its own tensors, then split), it fine-tunes the checkpoint's weights. Its head
+    tied to its embedding across the stages, both split by rows of the vocabulary or the embedding kept whole, it
+    trains the tied model's weights (the copies' gradients summed, slice by slice or whole)."""
     from scripts.hf_train import DEFAULTS, to_sequential_of, train_plain
 
     config = {**DEFAULTS, **case_config(name)}
@@ -378,6 +381,9 @@ def test_a_tiny_llama_split_by_its_own_plan_trains_the_plain_models_weights(name
     assert_same_weights(got, expected, rtol=1e-4, atol=2e-5)  # (pretrained: from the checkpoint's seed + 100)
     assert plain.tensor_parallel_plan["1.layer.self_attn.o_proj"] == "rowwise"
     assert plain.tensor_parallel_plan["0.embed_tokens"] == "embedding_rowwise"
+    if config["tied"]:  # found tied in every pipeline (each tensor rank's): the copies in stage 0 and stage 1
+        assert jobs.result(name)["tied"] == [["sequential_module.0.embed_tokens.weight",
+                                              "sequential_module.5.lm_head.weight"]]
 
 
 def test_the_plan_of_a_to_sequential_body_names_the_bodys_modules():
@@ -440,28 +446,21 @@ class _Strategy:
         self.tensor_parallel_size, self.tensor_parallel_plan = size, plan
 
 
-def test_a_split_without_a_plan_tied_layers_and_a_plan_that_does_not_meet_are_refused_at_setup():
+def test_a_split_without_a_plan_and_a_plan_that_does_not_meet_are_refused_at_setup():
     """Checked on every driver before any stage is split, against the body cut by the balance."""
     from lightning_pipe.lightning.build import tensor_split
 
     module, plain = nn.Module(), body()
     parts = split_module(plain, [3, 2])
-    assert tensor_split(_Strategy(1), module, plain, parts, []) is None
-    assert tensor_split(_Strategy(2, PLAN), module, plain, parts, []) == (2, PLAN)
+    assert tensor_split(_Strategy(1), module, plain, parts) is None
+    assert tensor_split(_Strategy(2, PLAN), module, plain, parts) == (2, PLAN)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs a plan saying how to split each layer of "
                                          r"Module.sequential_module: pass tensor_parallel_plan="):
-        tensor_split(_Strategy(2), module, plain, parts, [])
-
-    class Tied:
-        names = ["sequential_module.0.weight", "sequential_module.4.weight"]
-
-    with pytest.raises(ValueError, match=r"shared by layers of different stages \(sequential_module.0.weight, "
-                                         r"sequential_module.4.weight\), which tensor parallel"):
-        tensor_split(_Strategy(2, PLAN), module, plain, parts, [Tied()])
+        tensor_split(_Strategy(2), module, plain, parts)
     with pytest.raises(ValueError, match=r"leaves stage 0's output sharded on dim -1"):
-        tensor_split(_Strategy(2, {"0": "colwise"}), module, plain, split_module(plain, [1, 4]), [])
+        tensor_split(_Strategy(2, {"0": "colwise"}), module, plain, split_module(plain, [1, 4]))
     with pytest.raises(ValueError, match=r"tensor_parallel_plan\['7'\]|no module|matches no"):
-        tensor_split(_Strategy(2, {"7": "colwise"}), module, plain, parts, [])
+        tensor_split(_Strategy(2, {"7": "colwise"}), module, plain, parts)
 
 
 def test_the_topology_puts_the_tensor_ranks_of_a_stage_next_to_each_other():

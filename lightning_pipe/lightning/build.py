@@ -117,7 +117,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
             f"{type(module).__name__}.{strategy.module_name} has parameters shared by layers of different stages "
             f"({', '.join(tied[0].names)}), which an interleaved schedule (virtual_stages={n // p}) cannot split: "
             "use one stage per process (virtual_stages=1), or keep the layers that share them in one stage")
-    split = tensor_split(strategy, module, body, parts, tied)
+    split = tensor_split(strategy, module, body, parts)
     programs = {s: recording.program(named_tensors(parts[s])) for s in range(n) if s % p} if recording else {}
     setup_timeout = timeout + (strategy.setup_timeout() if strategy.world_size > 1 or recording else 0)
     futures = [host.configure_async(worker_name(ranks[r]), key, {s: (parts[s], offsets[s]) for s in range(r, n, p)},
@@ -173,8 +173,8 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     return pipelined
 
 
-def tensor_split(strategy: PipeStrategy, module: pl.LightningModule, body: nn.Sequential, parts: list[nn.Sequential],
-                 tied: list[Any]) -> tuple[int, Any] | None:
+def tensor_split(strategy: PipeStrategy, module: pl.LightningModule, body: nn.Sequential, parts: list[nn.Sequential]
+                 ) -> tuple[int, Any] | None:
     """``(t, plan)`` with which every stage is split over its ``t = tensor_parallel_size`` processes (None: not
     split): ``tensor_parallel_plan``, or the body's own (``tensor_parallel_plan`` of a ``to_sequential`` body),
     checked against the body cut into ``parts``
@@ -191,11 +191,6 @@ def tensor_split(strategy: PipeStrategy, module: pl.LightningModule, body: nn.Se
             f"{strategy.module_name}: pass tensor_parallel_plan={{'<layer name or pattern>': 'colwise' | 'rowwise' | "
             "..., ...}} or a function (stage_module, tp_mesh) -> None (a Hugging Face model's body made by "
             "lightning_pipe.models.to_sequential carries the model's own plan)")
-    if tied:
-        raise ValueError(
-            f"{type(module).__name__}.{strategy.module_name} has parameters shared by layers of different stages "
-            f"({', '.join(tied[0].names)}), which tensor parallel (tensor_parallel_size={t}) does not split: keep the "
-            "layers that share them in one stage, or use tensor_parallel_size=1")
     tensor.check_stage_boundaries(parts, plan, t)
     return t, plan
 

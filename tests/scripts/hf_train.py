@@ -241,10 +241,15 @@ def main(config: dict[str, Any], out: str) -> None:
                 assert time.monotonic() < deadline, f"no process wrote {pretrained}"
                 time.sleep(0.1)
     model = HFBody(c, pretrained)
+    plan = None
+    if c.get("plan_without"):  # the body's own plan less these entries (their layers kept whole)
+        own = model.sequential_module.tensor_parallel_plan
+        plan = {k: v for k, v in own.items() if k not in c["plan_without"]}
+        assert len(plan) == len(own) - len(c["plan_without"]), f"{c['plan_without']} not all in the plan {own}"
     strategy = PipeStrategy(balance=c["balance"], microbatches=c["microbatches"], checkpoint=c["checkpoint"],
                             schedule=c["schedule"], rpc_timeout_sec=60, sharding_strategy=c.get("sharding", "NO_SHARD"),
                             state_dict_type=c["state_dict_type"], tensor_parallel_size=c["tensor_parallel_size"],
-                            start_method=c.get("start_method", "popen"))
+                            tensor_parallel_plan=plan, start_method=c.get("start_method", "popen"))
     trainer = pl.Trainer(accelerator="cpu", devices=c["devices"], strategy=strategy, max_epochs=c["epochs"],
                          logger=False, enable_progress_bar=False, enable_checkpointing=False,
                          enable_model_summary=False, default_root_dir=out, gradient_clip_val=c["clip"],
@@ -253,7 +258,10 @@ def main(config: dict[str, Any], out: str) -> None:
     trainer.fit(model, DataLoader(batches(c["arch"], c["samples"]), batch_size=c["batch_size"]), ckpt_path=resume)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     result: dict[str, Any] = {"global_step": trainer.global_step}
-    if c["tied"] and c.get("sharding", "NO_SHARD") == "NO_SHARD":  # (a sharded stage's copy is its replicas' together)
+    if c["tied"]:
+        result["tied"] = [list(t.names) for t in model.sequential_module.tied]
+    # (a stage sharded over its replicas or split over tensor ranks holds a slice of its copy: not compared here)
+    if c["tied"] and c.get("sharding", "NO_SHARD") == "NO_SHARD" and c["tensor_parallel_size"] == 1:
         result.update(tied_copies(model.sequential_module, os.path.join(out, "final.ckpt")))
     if trainer.is_global_zero:
         with open(os.path.join(out, "result.json"), "w") as f:
