@@ -18,6 +18,11 @@ import pytest
 import torch
 from strategy_utils import REPO, run_command, run_script
 
+#: The examples below fork their other processes where they reach fit (what they train is the same to the bit:
+#: tests/test_lightning.py), which spares each the import of Lightning; the quick start and the MiniLM fine-tuning,
+#: the README's two programs, start them as scripts, as they run by default.
+FORKED = "--trainer.strategy.init_args.start_method=fork"
+
 sys.path.insert(0, str(REPO / "examples"))
 
 
@@ -41,7 +46,7 @@ def test_cnn_digits_learns_with_deferred_batchnorm_and_inferred_balance(tmp_path
     configs/cnn_digits/cpu.yaml``: 0.994 (358 of 360; its progress bar's val_acc, torchmetrics' class-averaged
     accuracy, 0.586, 0.987, 0.995 after epochs 1, 2, 3)."""
     pytest.importorskip("sklearn")
-    result = run_script("examples/cnn_digits.py", "fit", "--config", "configs/cnn_digits/cpu.yaml",
+    result = run_script("examples/cnn_digits.py", "fit", "--config", "configs/cnn_digits/cpu.yaml", FORKED,
                         "--trainer.max_epochs=2", f"--trainer.default_root_dir={tmp_path}",
                         "--trainer.enable_progress_bar=false", timeout=240)
     assert "PipeStrategy: inferred balance [" in result.stdout
@@ -93,8 +98,9 @@ def test_gpt_learns_the_shipped_corpus_and_samples(tmp_path):
     # A short run: 100 steps instead of the config's 400, so a higher peak rate for its OneCycle schedule (at the
     # config's 0.006 the loss is still at the byte frequencies' 3.26 after 100 steps; at 0.01, 2.65-2.84 for
     # seeds 7-9: the config's seed 7 gives 2.838).
-    result = run_script("examples/gpt.py", "fit", "--config", "configs/gpt/cpu.yaml", "--trainer.max_steps=100",
-                        "--model.lr=0.01", "--trainer.val_check_interval=100", "--model.max_new_bytes=120",
+    result = run_script("examples/gpt.py", "fit", "--config", "configs/gpt/cpu.yaml", FORKED,
+                        "--trainer.max_steps=100", "--model.lr=0.01", "--trainer.val_check_interval=100",
+                        "--model.max_new_bytes=120",
                         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
                         timeout=240)
     out = result.stdout
@@ -194,7 +200,7 @@ def test_causal_lm_fine_tunes_a_hugging_face_checkpoint_and_writes_one_back(tmp_
         return total / count
 
     result = run_script("examples/finetune_causal_lm.py", "fit", "--config", "configs/finetune_causal_lm/cpu.yaml",
-                        f"--model.pretrained={tmp_path / 'pretrained'}", "--model.context=32",
+                        FORKED, f"--model.pretrained={tmp_path / 'pretrained'}", "--model.context=32",
                         "--trainer.strategy.init_args.balance=[2, 2]", "--trainer.max_steps=16",
                         "--trainer.val_check_interval=16", "--model.max_new_tokens=12", "--model.lr=0.01",
                         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
@@ -260,7 +266,8 @@ def test_lora_example_trains_adapters_alone_saves_them_in_peft_format_and_resume
 
     pretrained_llama(tmp_path / "pretrained")
     # The frozen base in bfloat16 under 32-true, PEFT's adapters in float32 (Lightning's bf16-true would cast them).
-    arguments = ["fit", "--config", "configs/finetune_lora/cpu.yaml", f"--model.pretrained={tmp_path / 'pretrained'}",
+    arguments = ["fit", "--config", "configs/finetune_lora/cpu.yaml", FORKED,
+                 f"--model.pretrained={tmp_path / 'pretrained'}",
                  "--model.base_dtype=bfloat16",
                  "--model.context=32", "--trainer.strategy.init_args.balance=[2, 2]", "--trainer.max_steps=16",
                  "--trainer.val_check_interval=16", "--model.lr=0.01", f"--trainer.default_root_dir={tmp_path}",

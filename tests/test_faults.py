@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from strategy_utils import REPO, SCRIPTS, end, run_script
 
-FAST = {"LP_TIMEOUT": "5"}  # rpc_timeout_sec for these jobs
+FAST = {"LP_TIMEOUT": "5", "LP_START_METHOD": "popen"}  # rpc_timeout_sec for these jobs; processes started as scripts
 
 
 @pytest.mark.timeout(120)

@@ -12,6 +12,9 @@
                                     lambda_loss (loss_on_last_stage given a lambda, which cannot reach stage 1) |
                                     slow (stage 1 takes 1.5 s a micro-batch, longer than LP_TIMEOUT in all:
                                     it must train, not time out)
+
+The other processes are forked where the job reaches fit (LP_START_METHOD, default ``fork``: no second import of
+Lightning); the tests of a killed or silent process start them as scripts (``popen``).
 """
 
 from __future__ import annotations
@@ -146,7 +149,8 @@ def main(what: str, out: str) -> None:
                                     "pruning": [ModelPruning("l1_unstructured", amount=0.3)],
                                     "backbone": [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]}.get(what, []),
                          strategy=PipeStrategy(balance=balance, microbatches=4,
-                                               rpc_timeout_sec=float(os.environ.get("LP_TIMEOUT", 20)), **ddp))
+                                               rpc_timeout_sec=float(os.environ.get("LP_TIMEOUT", 20)),
+                                               start_method=os.environ.get("LP_START_METHOD", "fork"), **ddp))
     trainer.fit(model, DataLoader(data(model.config), batch_size=8))
 
 
