@@ -136,6 +136,18 @@ def _run_warm(argv: list[str], *, timeout: float, env: dict[str, str], expect_ok
     return result
 
 
+def start_logged(argv: list[str], env: dict[str, str], log: Path) -> Any:
+    """Start ``argv`` in the repository in a session of its own, with this environment and ``env`` added, its output
+    in the file ``log`` (a file, not a pipe: no process blocks on its output); a Python script warm
+    (:mod:`warm`). The process is returned as a ``subprocess.Popen`` or what :func:`end` takes alike."""
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore", **env}
+    if warm.runs_warm(argv, env):
+        return _Warm(warm.start(argv, REPO, environment, log))
+    with open(log, "w") as f:
+        return subprocess.Popen(argv, cwd=REPO, env=environment, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
 def run_together(commands: list[tuple[list[str], dict[str, str]]], out: Path, timeout: float = 200) -> None:
     """Start every ``(argv, environment)`` at once, as the nodes of a cluster would, each in a session of its
     own with its output in ``out/launch<i>.log``; wait for all (a hang fails within ``timeout``), then end
@@ -145,13 +157,7 @@ def run_together(commands: list[tuple[list[str], dict[str, str]]], out: Path, ti
     procs: list[Any] = []
     try:
         for i, (argv, env) in enumerate(commands):
-            environment = {**os.environ, "PYTHONWARNINGS": "ignore", **env}
-            if warm.runs_warm(argv, env):  # (a Python script: warm, its output in the same file)
-                procs.append(_Warm(warm.start(argv, REPO, environment, out / f"launch{i}.log")))
-                continue
-            with open(out / f"launch{i}.log", "w") as log:  # files, not pipes: no process blocks on output
-                procs.append(subprocess.Popen(argv, cwd=REPO, env=environment,
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(start_logged(argv, env, out / f"launch{i}.log"))
         deadline = time.monotonic() + timeout
         for i, p in enumerate(procs):
             p.wait(timeout=max(1.0, deadline - time.monotonic()))  # a hang fails here, and the finally ends it

@@ -22,12 +22,13 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from dist_utils import free_port
 from scripts import train as script
-from strategy_utils import REPO, SCRIPTS, assert_same_weights, end
+from strategy_utils import SCRIPTS, assert_same_weights, end, start_logged
 from test_strategy import load, plain_weights
 
 from lightning_pipe import consolidate_checkpoint
@@ -62,10 +63,8 @@ def _log(out: Path, name: str) -> str:
     return path.read_text(errors="replace")[-5000:] if path.exists() else ""
 
 
-def _start(argv: list[str], out: Path, log: str, env: dict[str, str]) -> subprocess.Popen:
-    with open(out / log, "w") as f:  # a file, not a pipe: no process blocks on its output
-        return subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONWARNINGS": "ignore", **env})
+def _start(argv: list[str], out: Path, log: str, env: dict[str, str]) -> Any:
+    return start_logged(argv, env, out / log)  # (a task of the SLURM job: a Python script, started warm)
 
 
 @pytest.mark.timeout(240)
