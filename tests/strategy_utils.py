@@ -68,30 +68,25 @@ def end(proc: subprocess.Popen[Any]) -> None:
 
 def run_command(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None,
                 expect_ok: bool = True, name: str = "job", cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in ``cwd`` in a new session (a Python script warm, :mod:`warm`); on timeout, and after it ends
-    in any case, every process it started (and only those) is killed. Fails with the output when the job fails
-    and ``expect_ok``."""
-    environment = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
-    if warm.runs_warm(argv, env):
-        return _run_warm(argv, timeout=timeout, env=environment, expect_ok=expect_ok, name=name, cwd=cwd)
-    script = name
-    proc = subprocess.Popen(argv, cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=environment)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        end(proc)
-        try:  # what it printed; bounded: a surviving grandchild may still hold the pipe
-            out, _ = proc.communicate(timeout=10)
+    """Run ``argv`` in ``cwd`` in a new session (:func:`start_logged`: a Python script warm); on timeout, and after
+    it ends in any case, every process it started (and only those) is killed. Fails with the output when the job
+    fails and ``expect_ok``."""
+    with tempfile.TemporaryDirectory(prefix="job-") as tmp:
+        log = Path(tmp) / "output.log"
+        proc = start_logged(argv, env or {}, log, cwd=cwd)
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
         except subprocess.TimeoutExpired:
-            out = "(its output could not be read: a process still holds it)"
-        raise AssertionError(f"{script} did not finish within {timeout:.0f} s:\n{out[-6000:]}") from None
-    finally:
-        end(proc)  # whatever the outcome, nothing of this job outlives the test
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+            timed_out = True
+        finally:
+            end(proc)  # whatever the outcome, nothing of this job outlives the test
+        out = log.read_text(errors="replace") if log.exists() else ""
+    if timed_out:
+        raise AssertionError(f"{name} did not finish within {timeout:.0f} s:\n{out[-6000:]}")
+    result = subprocess.CompletedProcess(argv, proc.returncode, out, "")
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"{script} failed with status {proc.returncode}:\n{out[-6000:]}")
+        raise AssertionError(f"{name} failed with status {proc.returncode}:\n{out[-6000:]}")
     return result
 
 
@@ -115,36 +110,15 @@ class _Warm:
         return self.proc.exitcode
 
 
-def _run_warm(argv: list[str], *, timeout: float, env: dict[str, str], expect_ok: bool, name: str,
-              cwd: Path) -> subprocess.CompletedProcess[str]:
-    """:func:`run_command` for a Python script run warm: the same bounds, the same result."""
-    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
-        log = Path(tmp) / "output.log"
-        proc = _Warm(warm.start(argv, cwd, env, log))
-        try:
-            proc.proc.join(timeout)
-            timed_out = proc.poll() is None
-        finally:
-            end(proc)  # type: ignore[arg-type]  # whatever the outcome, nothing of this job outlives the test
-        out = log.read_text(errors="replace") if log.exists() else ""
-    if timed_out:
-        raise AssertionError(f"{name} did not finish within {timeout:.0f} s:\n{out[-6000:]}")
-    code = proc.poll()
-    result = subprocess.CompletedProcess(argv, code if code is not None else -9, out, "")
-    if expect_ok and code != 0:
-        raise AssertionError(f"{name} failed with status {code}:\n{out[-6000:]}")
-    return result
-
-
-def start_logged(argv: list[str], env: dict[str, str], log: Path) -> Any:
-    """Start ``argv`` in the repository in a session of its own, with this environment and ``env`` added, its output
-    in the file ``log`` (a file, not a pipe: no process blocks on its output); a Python script warm
-    (:mod:`warm`). The process is returned as a ``subprocess.Popen`` or what :func:`end` takes alike."""
+def start_logged(argv: list[str], env: dict[str, str], log: Path, cwd: Path = REPO) -> Any:
+    """Start ``argv`` in ``cwd`` in a session of its own, with this environment and ``env`` added, its output in the
+    file ``log`` (a file, not a pipe: no process blocks on its output, and none left behind holds it); a Python
+    script warm (:mod:`warm`). The process is returned as a ``subprocess.Popen`` or what :func:`end` takes alike."""
     environment = {**os.environ, "PYTHONWARNINGS": "ignore", **env}
     if warm.runs_warm(argv, env):
-        return _Warm(warm.start(argv, REPO, environment, log))
+        return _Warm(warm.start(argv, cwd, environment, log))
     with open(log, "w") as f:
-        return subprocess.Popen(argv, cwd=REPO, env=environment, stdout=f, stderr=subprocess.STDOUT,
+        return subprocess.Popen(argv, cwd=cwd, env=environment, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
