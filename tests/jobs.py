@@ -450,7 +450,9 @@ GROUPS["4 processes tensor parallel"] = {
                     "save_every": "epoch", "state_dict_type": "sharded"},
 }
 GROUPS["8 processes tensor parallel"] = {
-    "tp-2replicas-clip": {**_TP, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw", "clip": 0.05},
+    # Built on meta: each layer takes replica 0's weights, then is split, before the next is made.
+    "tp-2replicas-clip": {**_TP, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw", "clip": 0.05,
+                          "build": "init_module"},
     "tp-2replicas-full-shard-clip": {**_TP, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw",
                                      "clip": 0.05, "sharding": "FULL_SHARD"},
     "tp-2replicas-full-shard-from-dcp": {**_TP, "devices": 8, "batch_size": 4, "optimizer": "adamw",

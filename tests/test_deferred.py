@@ -106,6 +106,45 @@ def test_shared_parameters_stay_shared_and_views_stay_views():
     assert torch.equal(tied.row, plain.embedding.weight[1])
 
 
+def test_a_stage_materialised_layer_by_layer_holds_nothing_of_the_layers_after_and_gets_the_plain_values():
+    """``materialize_layers``: each layer's tensors are real when its turn comes and the layers after it are still
+    meta; layers sharing a tensor (a head tied to an embedding two layers before) come together, at the first's
+    place; a layer without tensors has its turn too; the values are the plain build's, ties kept."""
+    from lightning_pipe.engine.materialize import layer_groups, materialize_layers
+
+    def stage() -> nn.Sequential:
+        layers = build()
+        layers.append(nn.Linear(16, 8, bias=False))
+        layers[-1].weight = layers[0].weight  # layer 6 shares layer 0's weight
+        layers.append(nn.Tanh())  # nothing to make: its turn comes all the same
+        return layers
+
+    torch.manual_seed(3)
+    plain = stage()
+    torch.manual_seed(3)
+    with deferred_init() as recording:
+        deferred = stage()
+    program = recording.program(named_tensors(deferred))
+    assert [children for children, _ in layer_groups(deferred, program)] == \
+        [["0", "6"], ["1"], ["2"], ["3"], ["4"], ["5"], ["7"]]
+    seen = []
+
+    def each(children: list[str]) -> None:
+        real = [name for name, layer in deferred.named_children()
+                if any(not t.is_meta for t in named_tensors(layer).values())]
+        seen.append((children, real))
+
+    materialize_layers(deferred, program, each)
+    assert seen == [(["0", "6"], ["0", "6"]), (["1"], ["0", "1", "6"]), (["2"], ["0", "1", "2", "6"]),
+                    (["3"], ["0", "1", "2", "3", "6"]), (["4"], ["0", "1", "2", "3", "4", "6"]),
+                    (["5"], ["0", "1", "2", "3", "4", "5", "6"]), (["7"], ["0", "1", "2", "3", "4", "5", "6"])]
+    assert deferred[6].weight is deferred[0].weight
+    expected, actual = everything(plain), everything(deferred)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
 def test_empty_init_skips_the_initialisers_and_draws_nothing_as_lightning_promises():
     torch.manual_seed(3)
     before = torch.get_rng_state()

@@ -297,6 +297,34 @@ def test_stages_split_over_tensor_ranks_train_the_plain_models_weights(name, job
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["tp-init-module", "tp-2replicas-clip", "tp-llama-pretrained"])
+def test_a_stage_built_on_meta_is_split_layer_by_layer_never_held_whole(name, jobs):
+    """Built on the meta device (the Llama reading a Hugging Face checkpoint), every process of every pipeline
+    materialises its stage one layer at a time and splits each layer before the next is made: while it builds, it
+    holds at most its shards plus one layer whole, below its stage whole wherever the stage has two layers with
+    parameters (materialising the stage, then splitting it, holds it whole)."""
+    import itertools
+
+    from scripts.hf_train import tiny, to_sequential_of
+    from scripts.train import make_body
+
+    config = case_config(name)
+    body = to_sequential_of(tiny("llama")) if config.get("script") == "hf" else \
+        make_body(config)
+    balance = config["balance"]
+    starts = list(itertools.accumulate([0, *balance]))
+    sizes = [[sum(p.numel() for p in layer.parameters()) for layer in body[a:b]] for a, b in zip(starts, starts[1:])]
+    out = jobs.directory(name)
+    for k in range(config["devices"] // len(balance)):  # every pipeline (one per tensor rank of each replica)
+        built = json.loads((out / f"built_replica{k}.json").read_text())
+        assert [b["whole"] for b in built] == [sum(s) for s in sizes], (built, sizes)
+        for b, stage in zip(built, sizes):
+            assert b["parameters"] < b["built"] <= b["parameters"] + max(stage), (b, stage)
+            if sum(1 for size in stage if size) > 1:
+                assert b["built"] < b["whole"], (b, stage)
+
+
+@pytest.mark.timeout(900)
 def test_a_run_resumed_from_the_one_file_with_split_stages_continues_exactly(jobs):
     """The one file saved after the first epoch (each split layer gathered whole, stage by stage) loads into the
     split stages of a new run, each process taking its shards, with AdamW's state and the scheduler's: its second

@@ -45,6 +45,7 @@ from lightning_pipe.engine.materialize import (
     Step,
     materialize,
     named_tensors,
+    needed_steps,
     ref_of,
     storage_key,
 )
@@ -108,13 +109,7 @@ class Recording:
             if not t.is_meta or storage_key(t) not in self._storages:
                 raise ValueError(f"{name} was not created under this deferred_init (device: {t.device})")
             targets[name] = ref_of(t)
-        needed = {ref.storage for ref in targets.values()}
-        kept: list[Step] = []
-        for step in reversed(self.steps):
-            if step.writes & needed:
-                kept.append(step)
-                needed |= step.reads
-        kept.reverse()
+        kept = needed_steps(self.steps, {ref.storage for ref in targets.values()})
         if not self.skip_initialisers:
             written = {s for step in kept if step.target.split(".")[0] not in _EMPTY for s in step.writes}
             blank = [name for name, ref in targets.items() if ref.storage not in written]

@@ -10,7 +10,7 @@ each random op from the generator state recorded before it, and returns the tens
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["Program", "materialize", "named_tensors"]
+__all__ = ["Program", "materialize", "materialize_layers", "named_tensors"]
 
 #: ``torch.nn.init`` functions that return at once on a meta tensor: recorded as whole calls, replayed by name.
 SKIPPING_INITIALISERS = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
@@ -66,12 +66,32 @@ def ref_of(t: Tensor) -> Ref:
     return Ref(storage_key(t), t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
 
+def needed_steps(steps: list[Step], storages: set[int]) -> list[Step]:
+    """The steps of ``steps`` (in their order) that the values of ``storages`` depend on: each one writing a
+    storage needed, and, back from it, those writing what it reads."""
+    needed = set(storages)
+    kept: list[Step] = []
+    for step in reversed(steps):
+        if step.writes & needed:
+            kept.append(step)
+            needed |= step.reads
+    kept.reverse()
+    return kept
+
+
 @dataclass
 class Program:
     """The recorded steps that some tensors depend on (picklable: it travels to the stage that runs it)."""
 
     steps: list[Step]
     targets: dict[str, Ref]
+
+    def select(self, names: Iterable[str]) -> Program:
+        """The program of some of its targets alone (``names``): the steps they depend on, no other. Run, it
+        gives them the values the whole program gives them (each random op replays from its own recorded
+        state)."""
+        targets = {name: self.targets[name] for name in names}
+        return Program(needed_steps(self.steps, {ref.storage for ref in targets.values()}), targets)
 
     def run(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
         """Replay the steps on CPU, then return each target by name on ``device``. Targets that shared a
@@ -243,3 +263,48 @@ def materialize(module: nn.Module, values: Mapping[str, Tensor]) -> None:
         if callable(fill) and any(id(t) in made for t in tensors) and not any(t.is_meta for t in tensors):
             fill()
 
+
+
+def layer_groups(module: nn.Module, program: Program) -> list[tuple[list[str], list[str]]]:
+    """``program``'s targets in ``module`` (named as :func:`named_tensors` names them) grouped by ``module``'s
+    children, in their order: ``(children, targets)``, one group per child (one without tensors to make too: its
+    ``targets`` are empty), except that children sharing a tensor
+    (a weight tied between two layers) are one group, at the place of the first. Targets that are ``module``'s own
+    (no child's) come first, a group of no child (unless they share a tensor with one)."""
+    children = [name for name, m in module._modules.items() if m is not None]
+    owner = {name: k for k, name in enumerate(children)}
+    by_child: dict[int, list[str]] = {}  # child index (-1: the module's own) -> its targets
+    for name in program.targets:
+        top, dot, _ = name.partition(".")
+        by_child.setdefault(owner.get(top, -1) if dot else -1, []).append(name)
+    groups: list[tuple[list[int], list[str], set[int]]] = []  # (child indices, targets, their storages)
+    for k in sorted(set(by_child) | set(range(len(children)))):  # every child, with tensors to make or not
+        names = by_child.get(k, [])
+        storages = {program.targets[n].storage for n in names}
+        joined = [g for g in groups if g[2] & storages]
+        if not joined:
+            groups.append(([k], list(names), storages))
+            continue
+        first = joined[0]
+        for g in joined[1:]:  # this child ties two earlier groups together: one group, at the first's place
+            first[0].extend(g[0])
+            first[1].extend(g[1])
+            first[2].update(g[2])
+        groups = [g for g in groups if not any(g is j for j in joined[1:])]
+        first[0].append(k)
+        first[1].extend(names)
+        first[2].update(storages)
+    return [([children[k] for k in sorted(indices) if k >= 0], names) for indices, names, _ in groups]
+
+
+def materialize_layers(module: nn.Module, program: Program, each: Callable[[list[str]], None],
+                       device: torch.device | str = "cpu") -> None:
+    """Materialise ``module`` (a stage built on the meta device) from ``program`` one layer at a time, calling
+    ``each(children)`` once a layer's tensors are real (on ``device``) and before the next layer's are made: what
+    ``each`` does with a layer (splits it into shards, sends it) is done while the layers after it hold nothing.
+    Layers that share a tensor are made together (:func:`layer_groups`). The values are those
+    ``materialize(module, program.run(device))`` puts in: each random op replays from its own recorded state."""
+    for children, names in layer_groups(module, program):
+        if names:
+            materialize(module, program.select(names).run(device))
+        each(children)

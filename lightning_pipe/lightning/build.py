@@ -35,6 +35,7 @@ from lightning_pipe.transport.stages import host
 from lightning_pipe.transport.stages.driver import RemotePipeline
 from lightning_pipe.transport.stages.rendezvous import connect
 from lightning_pipe.transport.stages.runner import StageRunner
+from lightning_pipe.transport.stages.stagestate import broadcast_from_replica0
 from lightning_pipe.transport.stages.tied import TiedCopies
 from lightning_pipe.transport.wire.session import worker_name
 
@@ -131,17 +132,30 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     remote = {name for s in range(n) if s % p for name, _ in parts[s].named_children()}
     # Materialising, and sharding over the replicas, replace the local parameters: the remote layers follow.
     retie = keep_ties(body, remote)
-    if recording is not None:
-        _materialize_local(module, strategy.module_name, remote, recording)
-        retie()
-    _broadcast_state(strategy, module, strategy.module_name, remote)  # every replica starts from replica 0's
-    if split is not None:  # this process's stages split over their tensor ranks, as the remote ones split theirs
+    cut_own = getattr(strategy, "init_sync", True)
+    built = None  # built on the meta device and split: each local layer made, then split, before the next
+    if recording is not None and split is not None:
+        own = {name for s in range(0, n, p) for name, _ in parts[s].named_children()}
+        _materialize_local(module, strategy.module_name, remote | own, recording)  # the module's other tensors
         mesh = dtensors.make_mesh(split[0], strategy.root_device.type)
-        cut_own = getattr(strategy, "init_sync", True)
-        for s in range(0, n, p):
-            tensor.parallelize_stage(parts[s].to(strategy.root_device), split[1], mesh["tensor"],
-                                     src_data_rank=None if cut_own else 0)
+        stages = [(parts[s], recording.program({name: t for name, t in named_tensors(parts[s]).items() if t.is_meta}))
+                  for s in range(0, n, p)]
+        built = tensor.materialize_split(stages, split[1], mesh["tensor"], device=strategy.root_device,
+                                         src_data_rank=None if cut_own else 0,  # every replica from replica 0's:
+                                         before_split=broadcast_from_replica0 if cut_own else None)
         retie()
+        _broadcast_state(strategy, module, strategy.module_name, remote | own)  # the rest of replica 0's
+    else:
+        if recording is not None:
+            _materialize_local(module, strategy.module_name, remote, recording)
+            retie()
+        _broadcast_state(strategy, module, strategy.module_name, remote)  # every replica starts from replica 0's
+        if split is not None:  # this process's stages split over their tensor ranks, as the remote ones split theirs
+            mesh = dtensors.make_mesh(split[0], strategy.root_device.type)
+            for s in range(0, n, p):
+                tensor.parallelize_stage(parts[s].to(strategy.root_device), split[1], mesh["tensor"],
+                                         src_data_rank=None if cut_own else 0)
+            retie()
     local_params = {prefix + name: param for s in range(0, n, p) for name, param in parts[s].named_parameters()}
     for r, future in enumerate(futures, start=1):
         try:
@@ -166,6 +180,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     pipelined.tied_sync = TiedSync(hosts, local_tied, local_params, tied) if local_tied is not None else None
     pipelined.retie = retie
     pipelined.sharded = split is not None  # DTensors: every pipeline of a replica takes part in each save
+    pipelined.built = built
     setattr(module, strategy.module_name, pipelined)
     # When the model is freed (a script training one model after another), so is what its stages hold.
     weakref.finalize(pipelined, _release, pipeline, hosts).atexit = False

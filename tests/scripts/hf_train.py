@@ -263,6 +263,10 @@ def main(config: dict[str, Any], out: str) -> None:
     # (a stage sharded over its replicas or split over tensor ranks holds a slice of its copy: not compared here)
     if c["tied"] and c.get("sharding", "NO_SHARD") == "NO_SHARD" and c["tensor_parallel_size"] == 1:
         result.update(tied_copies(model.sequential_module, os.path.join(out, "final.ckpt")))
+    if c["tensor_parallel_size"] > 1:  # the most each process held while it built its stage (on meta: layer by layer)
+        body = trainer.strategy._body
+        with open(os.path.join(out, f"built_replica{trainer.global_rank}.json"), "w") as f:
+            json.dump([body.built, *[s["built"] for s in body.hosts.call("stats")]], f)
     if trainer.is_global_zero:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)

@@ -666,6 +666,10 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
             json.dump([held(real, [o.optimizer for o in trainer.optimizers]
                             if hasattr(trainer.optimizers[0], "optimizer") else trainer.optimizers),
                        *[s["held"] for s in trainer.strategy._body.hosts.call("stats")]], f)
+        # Built on meta and split: the most each process held while it built its stage, layer by layer.
+        with open(os.path.join(out, f"built_replica{trainer.global_rank}.json"), "w") as f:
+            json.dump([trainer.strategy._body.built, *[s["built"] for s in trainer.strategy._body.hosts.call("stats")]],
+                      f)
         # Collectives left unwaited in this process so far (torch keeps each registered, its tensor alive).
         with open(os.path.join(out, f"unwaited_replica{trainer.global_rank}.json"), "w") as f:
             json.dump(torch._C._distributed_c10d._get_work_registry_size(), f)

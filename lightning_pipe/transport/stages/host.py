@@ -28,7 +28,7 @@ from lightning_pipe.engine.timeline import Event, Recorder
 from lightning_pipe.transport.parallel import dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import optim
 from lightning_pipe.transport.stages.runner import StageRunner, register, unregister
-from lightning_pipe.transport.stages.stagestate import StageState
+from lightning_pipe.transport.stages.stagestate import StageState, broadcast_from_replica0
 from lightning_pipe.transport.stages.tied import TiedCopies, TiedParameter
 from lightning_pipe.transport.wire.messages import MAILBOX, settle_commits, to_concurrent, where
 from lightning_pipe.transport.wire.session import SESSION
@@ -60,10 +60,20 @@ class StageHost(StageState):
 
     def __init__(self, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: torch.device,
                  peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
-                 programs: Mapping[int, Program] | None = None, tied: Sequence[TiedParameter] = ()) -> None:
+                 programs: Mapping[int, Program] | None = None, tied: Sequence[TiedParameter] = (),
+                 split: tuple[int, Any] | None = None, init_sync: bool = True) -> None:
         self.key = key
         self.prefix = prefix
-        for s, program in (programs or {}).items():  # layers built on the meta device: materialised here alone
+        #: Built on the meta device and split (tensor parallel): how much it held at most while it was built
+        #: (:func:`~lightning_pipe.transport.parallel.tensor.materialize_split`); None otherwise.
+        self.built: dict[str, int] | None = None
+        if programs and split is not None:  # each layer materialised, then split, before the next one is made
+            mesh = dtensors.make_mesh(split[0], device.type)
+            self.built = tensor.materialize_split([(parts[s][0], programs[s]) for s in sorted(programs)], split[1],
+                                                  mesh["tensor"], device=device,
+                                                  src_data_rank=None if init_sync else 0,
+                                                  before_split=broadcast_from_replica0 if init_sync else None)
+        for s, program in (programs or {}).items() if self.built is None else ():  # materialised here alone
             materialize(parts[s][0], program.run())
         self.stages = [Stage(s, part.to(device), device, offset=offset, exports=layout.exports[s].keys(),
                              imports=layout.imports[s].keys()) for s, (part, offset) in sorted(parts.items())]
@@ -192,14 +202,15 @@ class StageHost(StageState):
         """How many optimizer steps this stage took and barriers it passed, which tensors it materialised
         from the driver's recording of a deferred build (by the LightningModule's names), how much of its
         stage it holds (``held``: see :func:`~lightning_pipe.transport.parallel.fsdp.held`) and how many messages
-        its data plane sent and received (``plane``; None where every hand-off goes by RPC), and how many CPU threads
-        it computes with (``threads``)."""
+        its data plane sent and received (``plane``; None where every hand-off goes by RPC), how many CPU threads
+        it computes with (``threads``), and, built on the meta device and split, the most it held while it was built
+        (``built``, see :func:`~lightning_pipe.transport.parallel.tensor.materialize_split`; else None)."""
         optimizers = [optimizer for optimizer, _ in self.optimizers.values()]
         plane = self.runner.plane  # what its data plane carried (None: every hand-off by RPC)
         return {**self.counts, "materialized": self.materialized,
                 "held": fsdp.held(self.partition.parameters(), optimizers),
                 "plane": None if plane is None else {"sent": plane.sent, "received": plane.received},
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "built": self.built}
 
     def memory(self) -> dict[str, int]:
         """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""
@@ -301,11 +312,14 @@ def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, 
     old = _HOSTS.pop(key, None)
     if old is not None:
         old.close()
-    _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, programs, tied)
+    host = _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, programs,
+                                   tied, split, init_sync)
+    if host.built is not None:
+        return  # materialised layer by layer, each taking replica 0's weights, then split
     if init_sync:
-        _HOSTS[key].broadcast_state()
+        host.broadcast_state()
     if split is not None:
-        _HOSTS[key].split(*split, cut_own=init_sync)
+        host.split(*split, cut_own=init_sync)
 
 
 def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str,

@@ -21,6 +21,16 @@ from lightning_pipe.transport.stages import optim
 __all__: list[str] = []
 
 
+def broadcast_from_replica0(tensors: list[Tensor]) -> None:
+    """Give ``tensors`` (a stage's weights and buffers) replica 0's values: a broadcast over this process's default
+    group, the same stage of every replica (a ``DTensor`` left as it is: sharded over the replicas, each holds its
+    own shard)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for t in tensors:
+            if not fsdp.is_dtensor(t):
+                dist.broadcast(t.detach(), src=0)
+
+
 class StageState:
     """The state methods of a stage host (``partition``: its layers by their names in the body; ``prefix``
     turns those into the LightningModule's; ``optimizers``: its part of each of the driver's optimizers)."""
@@ -37,10 +47,7 @@ class StageState:
         """Take the same stage of replica 0's weights and buffers (its default group: that stage of every
         replica), as DDP starts every replica from rank 0's (a stage sharded over the replicas already keeps its
         shards)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            for t in [*self.partition.parameters(), *self.partition.buffers()]:
-                if not fsdp.is_dtensor(t):
-                    dist.broadcast(t.detach(), src=0)
+        broadcast_from_replica0([*self.partition.parameters(), *self.partition.buffers()])
 
     def is_sharded(self) -> bool:
         """Whether this process's stages are sharded over their replicas (FSDP2 units); if so, every unit is
