@@ -6,8 +6,10 @@ its own stage alone) and split by the model's own Hugging Face plan: q, k, v, ga
 o and down by rows, the embedding by rows of the vocabulary, the head by columns (gathered). The loss is taken on
 the last stage (``loss_on_last_stage``: the logits never leave it). One replica: devices = 2 x t. Each job trains
 ``--steps`` steps of ``--microbatches`` micro-batches; every pipeline's driver reports the peak resident memory
-(``VmHWM``) of every process of its pipeline once training is over, the stage's training state each holds (its
-parameters, as many gradients and AdamW's states, counted exactly), and the mean step time after the first two.
+(``VmHWM``) of every process of its pipeline once training is over, and when it starts (the stage built: at t > 1
+materialised layer by layer, each layer split before the next is made; at t = 1 whole), the stage's training state
+each holds (its parameters, as many gradients and AdamW's states, counted exactly), the most parameters it held
+while building (counted), and the mean step time after the first two.
 
 Printed, per process above the base every process has (torch and Lightning imported), and against t = 1 (the same
 stage's process): in theory each of the stage's weights, gradients and AdamW's two states, and its activations,
@@ -73,6 +75,16 @@ class Decoder(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
+class BuildPeaks(pl.Callback):
+    """Every process's peak resident memory when training starts (its stage built, no step taken yet)."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.peaks = [peak(), *[p["peak"] for p in trainer.strategy.memory_per_process()[1:]]]
+
+
 class StepTimes(pl.Callback):
     """When each training batch ended."""
 
@@ -93,10 +105,10 @@ def run(args: argparse.Namespace, size: int, out: str) -> None:
     blocks = args.blocks
     strategy = PipeStrategy(balance=[1 + blocks // 2, blocks - blocks // 2 + 1], microbatches=args.microbatches,
                             tensor_parallel_size=size)
-    times = StepTimes()
+    times, built = StepTimes(), BuildPeaks()
     trainer = pl.Trainer(accelerator="cpu", devices=2 * size, strategy=strategy, max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[times])
+                         callbacks=[times, built])
     with trainer.init_module():
         model = Decoder(args.width, args.mlp, blocks, args.vocab)
     g = torch.Generator().manual_seed(0)
@@ -111,10 +123,15 @@ def run(args: argparse.Namespace, size: int, out: str) -> None:
     counts = [held(real, [o.optimizer if hasattr(o, "optimizer") else o for o in trainer.optimizers]),
               *[s["held"] for s in trainer.strategy._body.hosts.call("stats")]]
     state = [4 * (2 * c["parameters"] + c["optimizer"]) for c in counts]
+    # While each process built its stage (t > 1: layer by layer, each split before the next is made): the most
+    # parameter bytes it held at once, counted, and of its stage whole.
+    building = [trainer.strategy._body.built, *[s["built"] for s in trainer.strategy._body.hosts.call("stats")]]
+    counted = [4 * b["built"] if b else 4 * c["whole"] for b, c in zip(building, counts)]
     later = times.ends[2:]
     step = (later[-1] - later[0]) / (len(later) - 1) if len(later) > 1 else float("nan")
     with open(os.path.join(out, f"pipeline{trainer.global_rank}.json"), "w") as f:
-        json.dump({"base": base, "peaks": peaks, "state": state, "step": step}, f)
+        json.dump({"base": base, "peaks": peaks, "state": state, "step": step, "build_peaks": built.peaks,
+                   "built": counted, "stage": [4 * c["whole"] for c in counts]}, f)
 
 
 def state_bytes(width: int, mlp: int, blocks: int, vocab: int) -> tuple[float, float]:
@@ -151,6 +168,8 @@ def main() -> None:
     held: dict[int, list[float]] = {}
     state: dict[int, list[float]] = {}
     steps: dict[int, float] = {}
+    building: dict[int, list[float]] = {}  # peak above base when training starts: the stage built
+    counted: dict[int, list[float]] = {}  # the most parameter bytes held while building / the stage's whole
     for size in args.sizes:
         out = tempfile.mkdtemp(prefix="lp-bench-tp-")
         command = [sys.executable, os.path.abspath(__file__), *_passed(args), "--job", str(size), out]
@@ -163,10 +182,13 @@ def main() -> None:
         held[size] = [result["peaks"][j] - result["base"] for j in range(2) for result in results]
         state[size] = [result["state"][j] for j in range(2) for result in results]
         steps[size] = sum(result["step"] for result in results) / size
+        building[size] = [result["build_peaks"][j] - result["base"] for j in range(2) for result in results]
+        counted[size] = [result["built"][j] / result["stage"][j] for j in range(2) for result in results]
         print(f"t={size} ({time.perf_counter() - start:5.1f} s): per process, stage 0's then stage 1's: peak above "
               f"base (GiB) {' '.join(f'{b / GiB:.3f}' for b in held[size])}; training state (parameters, gradients, "
-              f"AdamW) {' '.join(f'{b / GiB:.3f}' for b in state[size])}; step {steps[size] * 1000:.0f} ms",
-              flush=True)
+              f"AdamW) {' '.join(f'{b / GiB:.3f}' for b in state[size])}; step {steps[size] * 1000:.0f} ms; built: "
+              f"peak above base (GiB) {' '.join(f'{b / GiB:.3f}' for b in building[size])}, parameters held at most "
+              f"/ the stage's {' '.join(f'{r:.3f}' for r in counted[size])}", flush=True)
     if 1 not in held:
         return
     for size in args.sizes:
@@ -178,6 +200,10 @@ def main() -> None:
               f"{' '.join(f'{r:.3f}' for r in states)} (theory {1 / size:.3f}, plus what stays whole); peak per "
               f"process / its stage's at t=1: {' '.join(f'{r:.3f}' for r in own)}; worst peak / t=1's worst = "
               f"{max(held[size]) / max(held[1]):.3f}; step time / t=1's = {steps[size] / steps[1]:.2f}")
+        built = [b / building[1][j // size] for j, b in enumerate(building[size])]
+        print(f"RESULT t={size} built: peak above base when training starts / its stage's at t=1 (built whole): "
+              f"{' '.join(f'{r:.3f}' for r in built)}; parameters held at most while building / the stage's "
+              f"{' '.join(f'{r:.3f}' for r in counted[size])} (layer by layer: its shards plus one layer whole)")
 
 
 def _passed(args: argparse.Namespace) -> list[str]:

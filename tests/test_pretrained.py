@@ -2,7 +2,7 @@
 tensors alone, from model.safetensors, its shards, or a torch file, and the body then equals the model saved.
 
 Checkpoints are tiny models saved here with ``save_pretrained`` (offline). Reads are counted by wrapping
-``PretrainedFiles.read``, through which every tensor is read.
+``PretrainedFiles.read_parts``, through which every tensor is read.
 """
 
 from __future__ import annotations
@@ -35,16 +35,33 @@ def saved(arch: str, tied: bool, tmp_path, fmt: str = "safetensors") -> torch.nn
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Every checkpoint entry read, in order."""
+    """Every checkpoint entry read, in order (each once per layer reading it)."""
     seen: list[str] = []
-    original = PretrainedFiles.read
+    original = PretrainedFiles.read_parts
 
-    def read(self, names):
-        seen.extend(names)
-        return original(self, names)
+    def read_parts(self, parts):
+        seen.extend(dict.fromkeys(name for name, _ in parts.values()))
+        return original(self, parts)
 
-    monkeypatch.setattr(PretrainedFiles, "read", read)
+    monkeypatch.setattr(PretrainedFiles, "read_parts", read_parts)
     return seen
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_part_of_an_entry_is_read_as_the_whole_entry_sliced(fmt, tmp_path):
+    """What a process holding a shard of a layer reads (rows or columns of a tensor split over tensor ranks):
+    the same values as the whole entry, sliced; a part asked for under two keys is read once."""
+    model = saved("llama", False, tmp_path, fmt)
+    files = PretrainedFiles(tmp_path)
+    state = model.state_dict()
+    name, bias = "model.layers.1.mlp.up_proj.weight", "model.norm.weight"
+    rows, columns = (slice(16, 48), slice(0, None)), (slice(0, None), slice(8, 16))
+    got = files.read_parts({"rows": (name, rows), "columns": (name, columns), "again": (name, rows),
+                            "whole": (bias, None)})
+    assert torch.equal(got["rows"], state[name][rows]) and got["rows"].shape == (32, state[name].shape[1])
+    assert torch.equal(got["columns"], state[name][columns]) and torch.equal(got["whole"], state[bias])
+    assert got["again"] is got["rows"]
+    assert files.read([bias])[bias].shape == state[bias].shape
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

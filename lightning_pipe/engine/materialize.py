@@ -221,14 +221,15 @@ def _attributes(m: nn.Module) -> list[tuple[str, Any]]:
     return found
 
 
-def materialize(module: nn.Module, values: Mapping[str, Tensor]) -> None:
+def materialize(module: nn.Module, values: Mapping[str, Tensor], fill: bool = True) -> list[nn.Module]:
     """Put ``values`` (by name, from :meth:`Program.run`) in place of ``module``'s meta tensors (names as
     :func:`named_tensors` gives them): a parameter stays a parameter (same ``requires_grad``); one shared
     under several names stays shared.
 
     Then each submodule that got a tensor here and holds no meta tensor any more, and has an
     ``after_materialize()`` method, has it called: a layer may fill itself from elsewhere (a pretrained
-    checkpoint's tensors, read by the process that materialises it alone)."""
+    checkpoint's tensors, read by the process that materialises it alone). ``fill=False``: not yet; those
+    submodules are returned, for the caller to call once it has placed or split them."""
     done: dict[int, Tensor] = {}
 
     def real(name: str, t: Tensor, parameter: bool = False) -> Tensor:
@@ -257,11 +258,13 @@ def materialize(module: nn.Module, values: Mapping[str, Tensor]) -> None:
                 leaves = [real(n, t) if n in values else t for n, t in zip(names, leaves)]
                 m.__dict__[key] = tree_unflatten(leaves, spec)
     made = {id(t) for t in done.values()}
-    for m in module.modules():
-        fill = getattr(m, "after_materialize", None)
-        tensors = [*m.parameters(), *m.buffers()]
-        if callable(fill) and any(id(t) in made for t in tensors) and not any(t.is_meta for t in tensors):
-            fill()
+    ready = [m for m in module.modules() if callable(getattr(m, "after_materialize", None))
+             and any(id(t) in made for t in (*m.parameters(), *m.buffers()))
+             and not any(t.is_meta for t in (*m.parameters(), *m.buffers()))]
+    if fill:
+        for m in ready:
+            m.after_materialize()
+    return ready
 
 
 
@@ -302,9 +305,12 @@ def materialize_layers(module: nn.Module, program: Program, each: Callable[[list
     """Materialise ``module`` (a stage built on the meta device) from ``program`` one layer at a time, calling
     ``each(children)`` once a layer's tensors are real (on ``device``) and before the next layer's are made: what
     ``each`` does with a layer (splits it into shards, sends it) is done while the layers after it hold nothing.
-    Layers that share a tensor are made together (:func:`layer_groups`). The values are those
-    ``materialize(module, program.run(device))`` puts in: each random op replays from its own recorded state."""
+    A layer that fills itself (``after_materialize``: a pretrained checkpoint's entries) does so after ``each``, as
+    ``each`` left it (split: it reads its shards alone). Layers that share a tensor are made together
+    (:func:`layer_groups`). The values are those ``materialize(module, program.run(device))`` puts in: each random
+    op replays from its own recorded state."""
     for children, names in layer_groups(module, program):
-        if names:
-            materialize(module, program.select(names).run(device))
+        ready = materialize(module, program.select(names).run(device), fill=False) if names else []
         each(children)
+        for m in ready:
+            m.after_materialize()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from transformers import masking_utils
 
 __all__ = ["HFLayer"]
@@ -43,17 +44,26 @@ class HFLayer(nn.Module):
     def after_materialize(self) -> None:
         """Called by ``materialize`` once this layer's tensors are real (in the process that holds it): where a
         checkpoint was attached, reads its own entries alone and copies them in, then computes the buffers no
-        checkpoint holds."""
+        checkpoint holds. A tensor split over tensor ranks already (a ``DTensor``) reads its own shard alone."""
         if self.pretrained is None:
             return
         from lightning_pipe.models.state import init_buffers
 
         files, sources = self.pretrained
-        tensors = files.read(sorted(set(sources.values())))
         own = self.state_dict(keep_vars=True)
-        for key, source in sources.items():
-            own[key].copy_(tensors[source])
+        tensors = files.read_parts({key: (source, _local_index(own[key])) for key, source in sources.items()})
+        for key, value in tensors.items():
+            (own[key].to_local() if isinstance(own[key], DTensor) else own[key]).copy_(value)
         init_buffers(self)
+
+
+def _local_index(t: Tensor) -> tuple[slice, ...] | None:
+    """Where this process's shard of ``t`` lies in the whole tensor (one slice per dim), for a ``DTensor``; None
+    for a plain tensor (it is whole)."""
+    if not isinstance(t, DTensor):
+        return None
+    (chunk,) = t.__create_chunk_list__()
+    return tuple(slice(offset, offset + size) for offset, size in zip(chunk.offsets, chunk.sizes))
 
 
 def token_inputs(inputs: Any, extra: str | None = None) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,23 +83,44 @@ class PretrainedFiles:
 
     def read(self, names: Sequence[str]) -> dict[str, Tensor]:
         """The tensors ``names`` (each from the file that holds it), read alone, on CPU."""
+        return self.read_parts({name: (name, None) for name in names})
+
+    def read_parts(self, parts: Mapping[str, tuple[str, tuple[slice, ...] | None]]) -> dict[str, Tensor]:
+        """``{key: (name, index)}`` → ``{key: the part index of entry name}`` (``index``: one slice per dim;
+        None: the whole entry), on CPU: a safetensors file reads that part alone (``get_slice``), a torch file the
+        pages it spans (``mmap``)."""
         by_file: dict[str, list[str]] = {}
-        for name in names:
+        for key, (name, _) in parts.items():
             file = self._file_of(name)
             if file is None:
                 raise KeyError(f"the checkpoint {self.path!r} has no entry {name!r}")
-            by_file.setdefault(file, []).append(name)
+            by_file.setdefault(file, []).append(key)
         out: dict[str, Tensor] = {}
-        for file, wanted in by_file.items():
+        for file, keys in by_file.items():
+            done: dict[Any, Tensor] = {}  # one read per part asked for under several keys (a tied pair)
             if file.endswith(".safetensors"):
                 from safetensors import safe_open
 
                 with safe_open(file, framework="pt") as f:
-                    out.update({name: f.get_tensor(name) for name in wanted})
+                    for key in keys:
+                        name, index = parts[key]
+                        if _part(name, index) not in done:
+                            done[_part(name, index)] = f.get_tensor(name) if index is None else \
+                                f.get_slice(name)[index]
+                        out[key] = done[_part(name, index)]
             else:
                 state = _torch_state(file)  # pages read on use
-                out.update({name: state[name].clone() for name in wanted})
+                for key in keys:
+                    name, index = parts[key]
+                    if _part(name, index) not in done:
+                        done[_part(name, index)] = (state[name] if index is None else state[name][index]).clone()
+                    out[key] = done[_part(name, index)]
         return out
+
+
+def _part(name: str, index: tuple[slice, ...] | None) -> Any:
+    """A hashable key for a part of an entry (slices are not hashable)."""
+    return name, None if index is None else tuple((s.start, s.stop, s.step) for s in index)
 
 
 def attach_pretrained(body: nn.Sequential, path: str | os.PathLike[str]) -> nn.Sequential:
