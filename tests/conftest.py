@@ -69,3 +69,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every pretrained checkpoint entry read (``PretrainedFiles.read_parts``, through which every tensor is read),
+    in order, each once per layer reading it."""
+    from lightning_pipe.models import PretrainedFiles
+
+    seen: list[str] = []
+    original = PretrainedFiles.read_parts
+
+    def read_parts(self, parts):  # noqa: ANN001, ANN202
+        seen.extend(dict.fromkeys(name for name, _ in parts.values()))
+        return original(self, parts)
+
+    monkeypatch.setattr(PretrainedFiles, "read_parts", read_parts)
+    return seen

@@ -6,6 +6,7 @@ Skipped without a GPU. Run on a machine with one: ``python -m pytest tests/test_
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ CASES = {
 def plain_weights(config: dict, out: Path) -> dict[str, torch.Tensor]:
     """The weights of training ``config`` plain on one GPU, with the global batch."""
     config = copy.deepcopy(config)
-    replicas = config.get("devices", 2) // len(config.get("balance", [2, 2]))
+    replicas = config.get("devices", 2) // (len(config.get("balance", [2, 2])) * config.get("tensor_parallel_size", 1))
     config["batch_size"] = config.get("batch_size", 8) * replicas
     model = script.main(config, str(out), plain=True)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -89,3 +90,19 @@ def test_16_mixed_with_micro_batches_is_within_half_precision_rounding(tmp_path)
         print(f"{name}: pipe vs one GPU {gap:.2e}, 16-mixed vs float32 {half:.2e}")
         assert gap <= 3 * half + 1e-6, f"{name}: {gap:.2e} from one GPU's, beyond fp16 rounding ({half:.2e})"
     assert_same_weights(actual, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_stages_split_over_tensor_ranks_on_gpus_train_one_gpus_weights(tmp_path):
+    """2 stages x 2 tensor ranks on GPUs, built on the meta device (each layer materialised on its GPU and split
+    before the next is made), AdamW clipped by the global norm: one GPU's weights. With 4 GPUs or more the tensor
+    ranks' collectives go over NCCL; with fewer, the processes share the GPUs over gloo (NCCL refuses two ranks of
+    one group on one GPU)."""
+    config = {"accelerator": "gpu", "devices": 4, "body": "scenario", "width": 8, "balance": [3, 2],
+              "tensor_parallel_size": 2, "tensor_parallel_plan": {"0": "colwise", "2": "rowwise", "4": "colwise_rep"},
+              "epochs": 1, "build": "init_module", "optimizer": "adamw", "clip": 0.05}
+    train(config, tmp_path / "pipe", timeout=240)
+    actual = script.Model.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu").state_dict()
+    assert_same_weights(actual, plain_weights(config, tmp_path / "plain"), rtol=1e-4, atol=2e-5)
+    for k in range(2):  # each tensor rank's pipeline: stage 0 never held whole while it was built
+        stage0 = json.loads((tmp_path / "pipe" / f"built_replica{k}.json").read_text())[0]
+        assert stage0["parameters"] < stage0["built"] < stage0["whole"], stage0

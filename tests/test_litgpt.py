@@ -26,7 +26,6 @@ from lightning_pipe import Pipe, deferred_init, loss_on_last_stage  # noqa: E402
 from lightning_pipe.engine.deferred import materialize, named_tensors, recording_of  # noqa: E402
 from lightning_pipe.engine.partition import split_module  # noqa: E402
 from lightning_pipe.models import (  # noqa: E402
-    PretrainedFiles,
     hf_key_map,
     hf_state_dict,
     load_hf_state_dict,
@@ -276,20 +275,6 @@ def test_a_body_built_deferred_initialises_as_the_plain_gpt():
     ids, _ = batches(2)
     with torch.no_grad():
         torch.testing.assert_close(body(ids), plain(ids), rtol=0, atol=0)
-
-
-@pytest.fixture
-def reads(monkeypatch):
-    """Every checkpoint entry read, in order."""
-    seen: list[str] = []
-    original = PretrainedFiles.read
-
-    def read(self, names):
-        seen.extend(names)
-        return original(self, names)
-
-    monkeypatch.setattr(PretrainedFiles, "read", read)
-    return seen
 
 
 @pytest.mark.parametrize("nested", [False, True])

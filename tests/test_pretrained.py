@@ -33,20 +33,6 @@ def saved(arch: str, tied: bool, tmp_path, fmt: str = "safetensors") -> torch.nn
     return model
 
 
-@pytest.fixture
-def reads(monkeypatch):
-    """Every checkpoint entry read, in order (each once per layer reading it)."""
-    seen: list[str] = []
-    original = PretrainedFiles.read_parts
-
-    def read_parts(self, parts):
-        seen.extend(dict.fromkeys(name for name, _ in parts.values()))
-        return original(self, parts)
-
-    monkeypatch.setattr(PretrainedFiles, "read_parts", read_parts)
-    return seen
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_a_part_of_an_entry_is_read_as_the_whole_entry_sliced(fmt, tmp_path):
     """What a process holding a shard of a layer reads (rows or columns of a tensor split over tensor ranks):

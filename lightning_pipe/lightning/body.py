@@ -62,7 +62,7 @@ class PipelinedSequential(nn.Module):
         self.tied_sync: Any = None  # sums their copies' gradients (lightning/tied.py), where there are any
         self.retie: Callable[[], None] = lambda: None  # remote layers take the local parameters tied to them again
         #: Built on the meta device and split (tensor parallel): the most its local stages held while they were built
-        #: (:func:`~lightning_pipe.transport.parallel.tensor.materialize_split`); None otherwise.
+        #: (:func:`~lightning_pipe.transport.parallel.building.materialize_split`); None otherwise.
         self.built: dict[str, int] | None = None
         self.stage_of_layer = dict(stage_of)
         self.owner = owner

@@ -30,7 +30,7 @@ from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
 from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
-from lightning_pipe.transport.parallel import dtensors, fsdp, tensor
+from lightning_pipe.transport.parallel import building, dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import host
 from lightning_pipe.transport.stages.driver import RemotePipeline
 from lightning_pipe.transport.stages.rendezvous import connect
@@ -140,7 +140,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
         mesh = dtensors.make_mesh(split[0], strategy.root_device.type)
         stages = [(parts[s], recording.program({name: t for name, t in named_tensors(parts[s]).items() if t.is_meta}))
                   for s in range(0, n, p)]
-        built = tensor.materialize_split(stages, split[1], mesh["tensor"], device=strategy.root_device,
+        built = building.materialize_split(stages, split[1], mesh["tensor"], device=strategy.root_device,
                                          src_data_rank=None if cut_own else 0,  # every replica from replica 0's:
                                          before_split=broadcast_from_replica0 if cut_own else None)
         retie()

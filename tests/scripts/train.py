@@ -655,8 +655,7 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
             json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "lr": model.lr,
                        "route": route, "stages": stats, "trainer": type(trainer).__module__,
                        "strategy": type(trainer.strategy).__module__,
-                       "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-                       "threads": torch.get_num_threads()}, f)
+                       "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
     if (config["sharding"] != "NO_SHARD" or config["tensor_parallel_size"] > 1) and not plain:
         # How much of its stage every process holds, per pipeline (a replica's, with tensor parallel).
         from lightning_pipe.transport.parallel.fsdp import held

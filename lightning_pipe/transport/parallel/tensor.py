@@ -18,8 +18,8 @@ Checks, each a ``ValueError`` that says what to do: :func:`resolve_plan` refuses
 dimension that does not divide by ``t``; :func:`check_stage_boundaries` follows the layout from layer to layer of
 the body cut into stages and refuses a sharded activation that reaches a layer expecting it whole (or a whole one
 reaching a layer expecting a slice), a stage's sharded output handed to a stage whose first layer does not take
-slices, and a body whose output stays sharded. :func:`parallelize_stage` applies a stage's part of the plan;
-:func:`materialize_split` materialises a stage built on the meta device and splits it, layer by layer.
+slices, and a body whose output stays sharded. :func:`parallelize_stage` applies a stage's part of the plan
+(:mod:`~lightning_pipe.transport.parallel.building`: to a stage built on the meta device, layer by layer).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Union
 
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -44,10 +44,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_pipe.engine.materialize import Program, materialize, materialize_layers
-
-__all__ = ["STYLES", "SummedGradients", "Whole", "check_stage_boundaries", "materialize_split", "parallelize_stage",
-           "resolve_plan", "stage_plan"]
+__all__ = ["STYLES", "SummedGradients", "Whole", "check_stage_boundaries", "parallelize_stage", "resolve_plan",
+           "stage_plan"]
 
 Plan = Union[Mapping[str, Union[ParallelStyle, str]], Callable[[nn.Module, Any], None]]  # noqa: UP007 - runtime
 
@@ -265,61 +263,6 @@ def parallelize_stage(stage_module: nn.Module, plan: Plan, tp_mesh: Any, *, name
     for name, style in stage_plan(stage_module, plan, tp_mesh.size(), names).items():
         parallelize_module(stage_module.get_submodule(name), tp_mesh, style, src_data_rank=src_data_rank)
     return stage_module
-
-
-def _holding(module: nn.Module) -> int:
-    """The parameter elements ``module`` holds: a split parameter's shard, a meta one nothing."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters() if not p.is_meta)
-
-
-def _materialize_split(module: nn.Module, program: Program, plan: Plan, tp_mesh: Any, device: Any,
-                       src_data_rank: int | None, before_split: Callable[[list[Tensor]], None] | None) -> int:
-    """One stage of :func:`materialize_split`; the most it held while it was built."""
-    if callable(plan) and not isinstance(plan, Mapping):
-        materialize(module, program.run(device))
-        held = _holding(module)  # (whole)
-        if before_split is not None:
-            before_split([*module.parameters(), *module.buffers()])
-        plan(module, tp_mesh)
-        return held
-    resolved = stage_plan(module, plan, tp_mesh.size())
-    most = 0
-
-    def split(children: list[str]) -> None:
-        nonlocal most
-        most = max(most, _holding(module))
-        layers = [module.get_submodule(child) for child in children]
-        if before_split is not None:
-            before_split([t for layer in layers for t in (*layer.parameters(), *layer.buffers())])
-        for name, style in resolved.items():
-            if name.partition(".")[0] in children:
-                parallelize_module(module.get_submodule(name), tp_mesh, style, src_data_rank=src_data_rank)
-
-    materialize_layers(module, program, split, device)
-    return most
-
-
-def materialize_split(stages: Sequence[tuple[nn.Module, Program]], plan: Plan, tp_mesh: Any, *,
-                      device: Any = "cpu", src_data_rank: int | None = None,
-                      before_split: Callable[[list[Tensor]], None] | None = None) -> dict[str, int]:
-    """Materialise ``stages`` (each built on the meta device, with the :class:`~lightning_pipe.engine.materialize.
-    Program` that makes its tensors) and split each over the tensor ranks of ``tp_mesh`` by its part of ``plan``, one
-    layer at a time (:func:`~lightning_pipe.engine.materialize.materialize_layers`): a layer is made on ``device``,
-    its parameters and buffers handed to ``before_split`` (to take replica 0's values), and split before the next one
-    is made. So this process holds, at most, the shards of the layers before, one layer whole, and nothing of the
-    layers after, where materialising a stage whole then splitting it holds the whole stage. ``src_data_rank`` as in
-    :func:`parallelize_stage`. A function plan needs its stage whole: the stage is materialised, then the plan called.
-
-    Returns, in parameter elements as :func:`~lightning_pipe.transport.parallel.fsdp.held` counts them: ``built``,
-    the most the stages held at once while being built (a split parameter's shard, a meta one nothing); ``whole``,
-    the stages' parameters whole; ``parameters``, what they hold once split."""
-    done = most = whole = 0
-    for module, program in stages:
-        whole += sum(p.numel() for p in module.parameters())
-        most = max(most, done + _materialize_split(module, program, plan, tp_mesh, device, src_data_rank,
-                                                   before_split))
-        done += _holding(module)
-    return {"built": most, "whole": whole, "parameters": done}
 
 
 # ---------------------------------------------------------------------------------- layouts from layer to layer

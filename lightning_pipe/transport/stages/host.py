@@ -25,7 +25,7 @@ from lightning_pipe.engine.deferred import Program, materialize, named_tensors
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
-from lightning_pipe.transport.parallel import dtensors, fsdp, tensor
+from lightning_pipe.transport.parallel import building, dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import optim
 from lightning_pipe.transport.stages.runner import StageRunner, register, unregister
 from lightning_pipe.transport.stages.stagestate import StageState, broadcast_from_replica0
@@ -65,11 +65,11 @@ class StageHost(StageState):
         self.key = key
         self.prefix = prefix
         #: Built on the meta device and split (tensor parallel): how much it held at most while it was built
-        #: (:func:`~lightning_pipe.transport.parallel.tensor.materialize_split`); None otherwise.
+        #: (:func:`~lightning_pipe.transport.parallel.building.materialize_split`); None otherwise.
         self.built: dict[str, int] | None = None
         if programs and split is not None:  # each layer materialised, then split, before the next one is made
             mesh = dtensors.make_mesh(split[0], device.type)
-            self.built = tensor.materialize_split([(parts[s][0], programs[s]) for s in sorted(programs)], split[1],
+            self.built = building.materialize_split([(parts[s][0], programs[s]) for s in sorted(programs)], split[1],
                                                   mesh["tensor"], device=device,
                                                   src_data_rank=None if init_sync else 0,
                                                   before_split=broadcast_from_replica0 if init_sync else None)
@@ -204,7 +204,7 @@ class StageHost(StageState):
         stage it holds (``held``: see :func:`~lightning_pipe.transport.parallel.fsdp.held`) and how many messages
         its data plane sent and received (``plane``; None where every hand-off goes by RPC), how many CPU threads
         it computes with (``threads``), and, built on the meta device and split, the most it held while it was built
-        (``built``, see :func:`~lightning_pipe.transport.parallel.tensor.materialize_split`; else None)."""
+        (``built``, see :func:`~lightning_pipe.transport.parallel.building.materialize_split`; else None)."""
         optimizers = [optimizer for optimizer, _ in self.optimizers.values()]
         plane = self.runner.plane  # what its data plane carried (None: every hand-off by RPC)
         return {**self.counts, "materialized": self.materialized,
