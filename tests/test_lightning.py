@@ -110,33 +110,6 @@ def test_strategy_by_name_infers_the_balance(tmp_path):
     assert torch.load(ckpt, weights_only=False)["global_step"] == 2
 
 
-@pytest.mark.timeout(900)
-def test_torchrun_launch_trains_the_same_weights_as_lightnings_launcher(tmp_path, jobs):
-    """The same plain Lightning script (its strategy argument the only pipeline-specific line), started by
-    torchrun instead of by Lightning's launcher, trains bit-identical weights: 2 stages each split over 2 tensor
-    ranks (4 processes, AdamW clipped by the global norm), Lightning's world the 2 drivers."""
-    import json
-    import os
-    import sys
-
-    from dist_utils import free_port
-    from jobs import config as case_config
-    from strategy_utils import SCRIPTS, assert_same_weights, run_command
-
-    name = "tp-adamw-clip"  # trained by Lightning's launcher in the shared job (and there against one device)
-    config = case_config(name)
-    out = tmp_path / "torchrun"
-    out.mkdir()
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    run_command([torchrun, f"--nproc_per_node={config['devices']}", "--master_addr=127.0.0.1",
-                 f"--master_port={free_port()}", str(SCRIPTS / "train.py"), json.dumps(config), str(out)],
-                timeout=300, name="torchrun")
-    assert json.loads((out / "result.json").read_text())["world_size"] == 2
-    a = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu")
-    b = script.Model.load_from_checkpoint(jobs.directory(name) / "final.ckpt", map_location="cpu")
-    assert_same_weights(a.state_dict(), b.state_dict(), rtol=0, atol=0)
-
-
 @pytest.mark.timeout(300)
 def test_forked_processes_train_the_weights_of_processes_started_as_scripts(tmp_path, jobs):
     """start_method='fork': the script runs once up to fit (one process leaves its mark, where the processes
@@ -201,12 +174,14 @@ def test_slurm_launch_on_two_nodes_trains_the_same_weights_as_one_device(tmp_pat
     assert_two_nodes_train_one_devices_weights(config, out, tmp_path / "plain")
 
 
-@pytest.mark.timeout(420)
-def test_torchrun_on_two_nodes_trains_the_same_weights_as_one_device(tmp_path):
+@pytest.mark.timeout(900)
+def test_torchrun_on_two_nodes_trains_the_weights_of_lightnings_launcher_and_of_one_device(tmp_path, jobs):
     """`torchrun --nnodes=2 --node_rank=0|1 --nproc_per_node=2`, both nodes on this machine (loopback), with each
     stage split over 2 tensor ranks: a node holds a stage's 2 tensor ranks (the tensor dimension inside a node),
-    activations cross the nodes between matching tensor ranks, and the weights are one device's. (The SLURM test
-    above runs 2 replicas x 2 stages on two nodes.)"""
+    activations cross the nodes between matching tensor ranks. The same plain Lightning script (its strategy argument
+    the only pipeline-specific line) trains, to the bit, the weights Lightning's launcher trains on one node (AdamW
+    clipped by the global norm, Lightning's world the 2 drivers), and one device's. (The SLURM test above runs
+    2 replicas x 2 stages on two nodes.)"""
     import os
     import sys
 
@@ -224,5 +199,7 @@ def test_torchrun_on_two_nodes_trains_the_same_weights_as_one_device(tmp_path):
                   for node in (0, 1)], out)
     assert json.loads((out / "result.json").read_text())["world_size"] == 2  # the 2 pipelines' drivers
     pipelined = script.Model.load_from_checkpoint(out / "final.ckpt", map_location="cpu").state_dict()
+    launched = script.Model.load_from_checkpoint(jobs.directory("tp-adamw-clip") / "final.ckpt", map_location="cpu")
+    assert_same_weights(pipelined, launched.state_dict(), rtol=0, atol=0)
     one_device = script.main(config, str(tmp_path / "plain"), plain=True).state_dict()
     assert_same_weights(pipelined, one_device, rtol=1e-4, atol=2e-5)
