@@ -24,7 +24,9 @@ import lightning_pipe
 # Each job: its processes and its cases (changes from fabric_loop.DEFAULTS: 2 stages [3, 2], 4 micro-batches,
 # GPipe, SGD with momentum, 8 steps of 8 samples).
 JOBS: dict[str, dict[str, Any]] = {
-    "2 processes": {"devices": 2, "cases": {
+    # Forked where the script reaches fabric.launch() (start_method='fork'): no second import, the same training;
+    # the standalone package's job below starts its process as a script (Fabric's launcher, as its users run it).
+    "2 processes": {"devices": 2, "start_method": "fork", "cases": {
         "sgd-clip-scheduler": {"clip": 0.05, "scheduler": "step"},
         "adamw-1f1b-accumulate-clip": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True,
                                        "accumulate": 2, "clip": 0.1},
