@@ -86,7 +86,7 @@ def test_replicas_that_unfreeze_at_different_steps_are_refused_before_the_step(t
     """Replica 1 unfreezes the embedding at step 2, replica 0 does not: each would step it apart from the other
     (torch's DDP and Lightning's DDPStrategy let that happen silently). Every driver refuses the step, saying
     what differs and what to do, and the job ends."""
-    config = {**case_config("ft-unfreeze-embedding-ddp"), "unfreeze_on_replica": 1}
+    config = {**case_config("ft-unfreeze-embedding-ddp"), "unfreeze_on_replica": 1, "start_method": "fork"}
     result = run_script("train.py", json.dumps({"cases": {"apart": config}}), str(tmp_path), expect_ok=False,
                         timeout=240)
     assert result.returncode != 0

@@ -75,6 +75,7 @@ def test_lightning_cli_yaml_config(tmp_path):
     """`trainer.strategy.class_path: lightning_pipe.PipeStrategy` with init_args from the example's YAML."""
     result = run_script("examples/mlp.py", "fit", "--config", "configs/mlp/cpu.yaml", "--trainer.max_epochs=1",
                         "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
+                        "--trainer.strategy.init_args.start_method=fork",  # (the other process forked at fit)
                         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
                         timeout=240)
     # ModelSummary (plain or Rich, whichever Lightning picks) counted every stage's parameters, not stage 0's.

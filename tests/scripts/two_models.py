@@ -22,9 +22,10 @@ from lightning_pipe import PipeStrategy  # noqa: E402
 
 def fit(out: str, seed: int) -> tuple[pl.Trainer, Model]:
     model = Model({"samples": 32, "batch_size": 8, "seed": seed})
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=PipeStrategy(balance=[2, 2], microbatches=2),
-                         max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                         enable_model_summary=False, default_root_dir=out)
+    strategy = PipeStrategy(balance=[2, 2], microbatches=2, start_method="fork")  # the other process forked at fit
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                         default_root_dir=out)
     trainer.fit(model, DataLoader(data(model.config), batch_size=8))
     return trainer, model
 
