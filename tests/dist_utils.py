@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -12,11 +13,42 @@ from typing import Any
 
 import warm
 
+_GIVEN: set[int] = set()  # the ports free_port gave this process
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (``bind(0)`` and outgoing connections draw from it)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, for processes about to listen on it. Not from the ephemeral range, where
+    the kernel hands a port ``bind(0)`` gave back to the next ``bind(0)`` or outgoing connection before the caller
+    listens on it (two calls in a row returned the same port: a test's gloo group then met its RPC store there,
+    EADDRINUSE); below it, in this test worker's share (``pytest -n``), never one given before in this process."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % workers
+    share = (high - low) // workers
+    start = low + worker * share
+    pick = random.SystemRandom()
+    for _ in range(500):
+        port = pick.randrange(start, start + share)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in {start}..{start + share - 1} after 500 tries")
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple[Any, ...],
