@@ -4,7 +4,9 @@
 <lightning_pipe.engine.deferred.Recording.program>` cuts out of it a :class:`Program`, the steps some tensors
 need, which is plain data (it is pickled to the stage that runs it). :meth:`Program.run` replays them on CPU,
 each random op from the generator state recorded before it, and returns the tensors by name;
-:func:`materialize` puts them in place of a module's meta tensors (:func:`named_tensors` names them).
+:func:`materialize` puts them in place of a module's meta tensors (:func:`named_tensors` names them);
+:func:`materialize_layers` does it one layer at a time (:meth:`Program.select`), so that a caller can split or send
+each layer before the next one exists.
 """
 
 from __future__ import annotations
