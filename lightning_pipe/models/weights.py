@@ -17,9 +17,10 @@ embedding's name by the stage of the head.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -97,25 +98,28 @@ class PretrainedFiles:
             by_file.setdefault(file, []).append(key)
         out: dict[str, Tensor] = {}
         for file, keys in by_file.items():
-            done: dict[Any, Tensor] = {}  # one read per part asked for under several keys (a tied pair)
-            if file.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                with safe_open(file, framework="pt") as f:
-                    for key in keys:
-                        name, index = parts[key]
-                        if _part(name, index) not in done:
-                            done[_part(name, index)] = f.get_tensor(name) if index is None else \
-                                f.get_slice(name)[index]
-                        out[key] = done[_part(name, index)]
-            else:
-                state = _torch_state(file)  # pages read on use
+            with contextlib.ExitStack() as opened:
+                read = _reader(file, opened)
+                done: dict[Any, Tensor] = {}  # one read per part asked for under several keys (a tied pair)
                 for key in keys:
                     name, index = parts[key]
-                    if _part(name, index) not in done:
-                        done[_part(name, index)] = (state[name] if index is None else state[name][index]).clone()
-                    out[key] = done[_part(name, index)]
+                    part = _part(name, index)
+                    if part not in done:
+                        done[part] = read(name, index)
+                    out[key] = done[part]
         return out
+
+
+def _reader(file: str, opened: contextlib.ExitStack) -> Callable[[str, tuple[slice, ...] | None], Tensor]:
+    """How to read an entry of ``file``, or a part of it (one slice per dim): a safetensors file opened in
+    ``opened`` reads the part alone (``get_slice``), a torch file (``mmap``) the pages it spans."""
+    if file.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        f = opened.enter_context(safe_open(file, framework="pt"))
+        return lambda name, index: f.get_tensor(name) if index is None else f.get_slice(name)[index]
+    state = _torch_state(file)  # pages read on use
+    return lambda name, index: (state[name] if index is None else state[name][index]).clone()
 
 
 def _part(name: str, index: tuple[slice, ...] | None) -> Any:
