@@ -260,14 +260,16 @@ def materialize(module: nn.Module, values: Mapping[str, Tensor], fill: bool = Tr
                 leaves = [real(n, t) if n in values else t for n, t in zip(names, leaves)]
                 m.__dict__[key] = tree_unflatten(leaves, spec)
     made = {id(t) for t in done.values()}
-    ready = [m for m in module.modules() if callable(getattr(m, "after_materialize", None))
-             and any(id(t) in made for t in (*m.parameters(), *m.buffers()))
-             and not any(t.is_meta for t in (*m.parameters(), *m.buffers()))]
+    ready = []
+    for m in module.modules():
+        tensors = [*m.parameters(), *m.buffers()]
+        if callable(getattr(m, "after_materialize", None)) and any(id(t) in made for t in tensors) \
+                and not any(t.is_meta for t in tensors):
+            ready.append(m)
     if fill:
         for m in ready:
             m.after_materialize()
     return ready
-
 
 
 def layer_groups(module: nn.Module, program: Program) -> list[tuple[list[str], list[str]]]:

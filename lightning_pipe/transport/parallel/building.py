@@ -14,10 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_pipe.engine.materialize import Program, materialize, materialize_layers
+from lightning_pipe.transport.parallel import fsdp
 from lightning_pipe.transport.parallel.tensor import Plan, stage_plan
 
 __all__ = ["materialize_split"]
@@ -25,7 +25,7 @@ __all__ = ["materialize_split"]
 
 def _holding(module: nn.Module) -> int:
     """The parameter elements ``module`` holds: a split parameter's shard, a meta one nothing."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters() if not p.is_meta)
+    return sum(fsdp.local(p).numel() for p in module.parameters() if not p.is_meta)
 
 
 def _materialize_split(module: nn.Module, program: Program, plan: Plan, tp_mesh: Any, device: Any,

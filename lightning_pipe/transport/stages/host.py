@@ -73,8 +73,9 @@ class StageHost(StageState):
                                                   mesh["tensor"], device=device,
                                                   src_data_rank=None if init_sync else 0,
                                                   before_split=broadcast_from_replica0 if init_sync else None)
-        for s, program in (programs or {}).items() if self.built is None else ():  # materialised here alone
-            materialize(parts[s][0], program.run())
+        elif programs:  # layers built on the meta device: materialised here alone
+            for s, program in programs.items():
+                materialize(parts[s][0], program.run())
         self.stages = [Stage(s, part.to(device), device, offset=offset, exports=layout.exports[s].keys(),
                              imports=layout.imports[s].keys()) for s, (part, offset) in sorted(parts.items())]
         self.stage = self.stages[0]
