@@ -408,8 +408,14 @@ GROUPS["8 processes hybrid"] = {
 # of it averaged by all-reduce, then sharded by FSDP2 over the replicas (FULL_SHARD, after tensor parallel).
 _TP = {"body": "scenario", "width": 8, "balance": [3, 2], "tensor_parallel_size": 2, "epochs": 1,
        "tensor_parallel_plan": {"0": "colwise", "2": "rowwise", "4": "colwise_rep"}}
+# A per-head norm kept whole, its gradient summed over the tensor ranks ("replicated_with_grad_allreduce", as Hugging
+# Face's plans keep Qwen3's q_norm): under tensor parallel alone, with 2 replicas averaged, and sharded by FULL_SHARD
+# (whose fully_shard replaces the parameters a hook on them would have summed: silently 8e-4 off one device).
+_HEADS = {**_TP, "body": "heads",
+          "tensor_parallel_plan": {"0": "colwise", "1": "replicated_with_grad_allreduce", "2": "rowwise",
+                                   "4": "colwise_rep"}}
 GROUPS["4 processes tensor parallel"] = {
-    "tp-adamw-clip": {**_TP, "devices": 4, "optimizer": "adamw", "clip": 0.05},
+    "tp-adamw-clip": {**_HEADS, "devices": 4, "optimizer": "adamw", "clip": 0.05},
     "tp-1f1b-last-stage-loss": {**_TP, "devices": 4, "schedule": "1f1b", "last_stage_loss": True, "balance": [3, 3]},
     # Built on the meta device (each process materialising its own stage, then splitting it); a run saving the one
     # file each epoch, and another resuming from its first epoch's (loaded into the split stages).
@@ -451,9 +457,9 @@ GROUPS["4 processes tensor parallel"] = {
 }
 GROUPS["8 processes tensor parallel"] = {
     # Built on meta: each layer takes replica 0's weights, then is split, before the next is made.
-    "tp-2replicas-clip": {**_TP, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw", "clip": 0.05,
+    "tp-2replicas-clip": {**_HEADS, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw", "clip": 0.05,
                           "build": "init_module"},
-    "tp-2replicas-full-shard-clip": {**_TP, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw",
+    "tp-2replicas-full-shard-clip": {**_HEADS, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw",
                                      "clip": 0.05, "sharding": "FULL_SHARD"},
     "tp-2replicas-full-shard-from-dcp": {**_TP, "devices": 8, "batch_size": 4, "optimizer": "adamw",
                                          "scheduler": "step", "epochs": 2, "sharding": "FULL_SHARD",

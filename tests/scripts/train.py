@@ -192,9 +192,27 @@ def bf16_hook(process_group: Any, bucket):  # type: ignore[no-untyped-def] # noq
     return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
 
 
+class HeadNorm(nn.Module):
+    """A norm over each head of 4 features with one weight for every head, as Qwen3's per-head ``q_norm``: under
+    tensor parallel it stays whole (``"replicated_with_grad_allreduce"``), and each tensor rank sees its heads alone,
+    so its gradient must be summed over the ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.5 * torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.unflatten(-1, (-1, 4)), (4,), self.weight).flatten(-2)
+
+
+#: ``"body": "heads"``: the scenarios' body with its first Tanh a :class:`HeadNorm`, and the plan keeping it whole.
+HEADS_PLAN = {"0": "colwise", "1": "replicated_with_grad_allreduce", "2": "rowwise", "4": "colwise_rep"}
+
+
 def make_body(config: dict[str, Any]) -> nn.Sequential:
-    if config["body"] == "scenario":
-        return nn.Sequential(nn.Linear(config["width"], 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    if config["body"] in ("scenario", "heads"):
+        first = HeadNorm() if config["body"] == "heads" else nn.Tanh()
+        return nn.Sequential(nn.Linear(config["width"], 16), first, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     layers: list[nn.Module] = []
     width = config["width"]
     for i in range(config["layers"]):
@@ -226,7 +244,7 @@ class Model(pl.LightningModule):
         torch.manual_seed(self.config["seed"])
         if not self.lazy:
             self.sequential_module = make_body(self.config)
-        out = 4 if self.config["body"] == "scenario" else self.config["width"]
+        out = 4 if self.config["body"] in ("scenario", "heads") else self.config["width"]
         if self.config["last_stage_loss"]:  # the head ends the body: the loss is computed on the last stage
             self.sequential_module.append(nn.Linear(out, 1))
             self.head = nn.Identity()

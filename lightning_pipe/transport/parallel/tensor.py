@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from functools import partial
@@ -68,13 +69,25 @@ class SummedGradients(ParallelStyle):
     """Hugging Face's ``"replicated_with_grad_allreduce"``: the module's own parameters stay whole in every tensor
     rank, and each gradient reaching them is summed over the ranks (a norm over a sharded axis, as Qwen3's per-head
     ``q_norm``, sees only its rank's heads). Summed per backward, before it accumulates: right for micro-batches.
-    The hooks are on the parameters: apply it after they are materialised or loaded."""
+
+    The sum is hooked on the parameters the module's forward uses, as it runs, not on those it holds when the style
+    is applied: materialising, loading, and FSDP2's ``fully_shard`` over the replicas replace its parameters (FSDP2
+    runs the forward with whole parameters of its own, whose gradients it then reduces into the shards); a hook on
+    the tensors of the time would be left behind, and the gradients silently not summed."""
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        for p in module.parameters(recurse=False):
-            if p.requires_grad:
-                p.register_hook(partial(_sum_over, device_mesh.get_group()))
+        hooked: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        module.register_forward_pre_hook(partial(_hook_sums, device_mesh.get_group(), hooked))
         return module
+
+
+def _hook_sums(group: Any, hooked: weakref.WeakValueDictionary[int, Tensor], module: nn.Module, args: Any) -> None:
+    """Before ``module``'s forward: each parameter it will use that needs a gradient, not hooked yet, has its
+    gradients summed over ``group`` (``hooked``: those that have, by id, while they live)."""
+    for p in module.parameters(recurse=False):
+        if p.requires_grad and hooked.get(id(p)) is not p:
+            p.register_hook(partial(_sum_over, group))
+            hooked[id(p)] = p
 
 
 def _named_style(name: str, style: ParallelStyle, kind: type[nn.Module] | None) -> Callable[[], ParallelStyle]:
