@@ -27,11 +27,12 @@ JOBS: dict[str, dict[str, Any]] = {
     # Forked where the script reaches fabric.launch() (start_method='fork'): no second import, the same training;
     # the standalone package's job below starts its process as a script (Fabric's launcher, as its users run it).
     "2 processes": {"devices": 2, "start_method": "fork", "cases": {
-        "sgd-clip-scheduler": {"clip": 0.05, "scheduler": "step"},
+        "sgd-clip-scheduler": {"clip": 0.05, "scheduler": "step", "own_state": True},
         "adamw-1f1b-accumulate-clip": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True,
                                        "accumulate": 2, "clip": 0.1},
         "zero-bubble-clip-value": {"schedule": "zero-bubble", "last_stage_loss": True, "clip_value": 0.01},
-        "head-outside-launch-fn": {"model": "module", "launch_fn": True, "balance": [2, 3], "optimizer": "adamw"},
+        "head-outside-launch-fn": {"model": "module", "launch_fn": True, "balance": [2, 3], "optimizer": "adamw",
+                                   "own_state": True},
         "bf16-mixed": {"precision": "bf16-mixed", "microbatches": 1},
         "bf16-true": {"precision": "bf16-true", "microbatches": 1},
         "interleaved-1f1b": {"schedule": "interleaved-1f1b", "virtual_stages": 2, "last_stage_loss": True,
@@ -49,20 +50,27 @@ JOBS: dict[str, dict[str, Any]] = {
         "sharded-save": {"clip": 0.05, "scheduler": "step", "state_dict_type": "sharded"},
         "sharded-load-other-balance": {"clip": 0.05, "scheduler": "step", "balance": [1, 4],
                                        "load": "sharded-save/final.pt"},
+        # The first case's own files (torch.save of model.state_dict() and optimizer.state_dict()) loaded by the
+        # module's and optimizer's own load_state_dict, at another balance.
+        "own-state-load-other-balance": {"clip": 0.05, "balance": [1, 4], "load_own": "sgd-clip-scheduler"},
     }},
     # Forked where the script reaches fabric.launch() (start_method='fork'): no second import, the same training.
     "4 processes": {"devices": 4, "start_method": "fork", "cases": {
         "2replicas-adamw-1f1b-accumulate-clip": {"optimizer": "adamw", "schedule": "1f1b", "last_stage_loss": True,
-                                                 "accumulate": 2, "clip": 0.1, "batch_size": 4, "collectives": True},
+                                                 "accumulate": 2, "clip": 0.1, "batch_size": 4, "collectives": True,
+                                                 "own_state": True},
         "2replicas-sgd-head-outside": {"model": "module", "balance": [2, 3], "batch_size": 4, "clip": 0.05},
         # The 2-process job's checkpoint, loaded by two replicas.
         "2replicas-load": {"clip": 0.05, "scheduler": "step", "batch_size": 4,
                            "load": "../2-processes/sgd-clip-scheduler/final.pt"},
+        # The 2-process job's own files, read by fabric.load_raw into the module and into the optimizer.
+        "2replicas-load-raw": {"clip": 0.05, "batch_size": 4, "load_own": "../2-processes/sgd-clip-scheduler",
+                               "load_with": "load_raw", "own_state": True},
         # Each stage sharded over its 2 replicas by FSDP2: the one file gathered from the shards, and loaded into
         # shards again (FULL_SHARD, then SHARD_GRAD_OP at another balance, as a later program).
         "2replicas-full-shard-1f1b-accumulate-clip": {"sharding": "FULL_SHARD", "optimizer": "adamw",
                                                       "schedule": "1f1b", "last_stage_loss": True, "accumulate": 2,
-                                                      "clip": 0.1, "batch_size": 4},
+                                                      "clip": 0.1, "batch_size": 4, "own_state": True},
         "2replicas-shard-grad-op-load": {"sharding": "SHARD_GRAD_OP", "clip": 0.05, "scheduler": "step",
                                          "batch_size": 4, "balance": [2, 3],
                                          "load": "../2-processes/sgd-clip-scheduler/final.pt"},
@@ -84,7 +92,7 @@ JOBS: dict[str, dict[str, Any]] = {
     # Each stage split over 2 tensor ranks (2 stages x 2 tensor ranks) by the scenarios' plan, in Fabric's loop.
     "4 processes, tensor parallel": {"devices": 4, "start_method": "fork", "cases": {
         "tensor-parallel-1f1b-adamw-clip": {"tensor_parallel_size": 2, "optimizer": "adamw", "schedule": "1f1b",
-                                            "last_stage_loss": True, "clip": 0.1},
+                                            "last_stage_loss": True, "clip": 0.1, "own_state": True},
     }},
 }
 NEEDS = {"4 processes": "2 processes"}
@@ -109,6 +117,7 @@ def job_directory(root: Path, job: str) -> Path:
         if not done.exists() and not failed.exists():
             spec = JOBS[job]
             cases = {name: {**case, **({"load": str(out / case["load"])} if case.get("load") else {}),
+                            **({"load_own": str(out / case["load_own"])} if case.get("load_own") else {}),
                             "package": spec.get("package", "lightning"),
                             "start_method": spec.get("start_method", "popen")} for name, case in spec["cases"].items()}
             try:
@@ -165,6 +174,9 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
     if config.get("load"):  # the reference runs the first program and the second in turn
         plain(FIRST[config["load"]], 1, tmp_path / "first")
         config["load"] = str(tmp_path / "first" / "final.pt")
+    if config.get("load_own"):
+        plain(FIRST[config["load_own"] + "/final.pt"], 1, tmp_path / "first")
+        config["load_own"] = str(tmp_path / "first")
     expected = plain(config, replicas, tmp_path / "plain")
     saved = saved_state(out / "final.pt", tmp_path)
     assert saved["step"] == expected["step"] > 0
@@ -190,6 +202,31 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
         assert result["broadcast"] == "from 0"
     plain_model = fabric_loop.model({**fabric_loop.DEFAULTS, **config})
     plain_model.load_state_dict(saved["model"])  # the file loads into the plain model, no strategy at all
+    if config.get("own_state"):
+        check_own_state(out, config, result, expected, replicas * tensor)
+
+
+def check_own_state(out: Path, config: dict[str, Any], result: dict[str, Any], expected: dict[str, Any],
+                    drivers: int) -> None:
+    """The loop's own ``model.state_dict()`` and ``optimizer.state_dict()``, in every driver, are one device's:
+    every entry whole (none a placeholder), equal to the plain model's and its optimizer's; where the stages are
+    split over tensor ranks or sharded over replicas (no process holds them whole), both are refused, saying to
+    save with ``fabric.save``."""
+    if config.get("sharding", "NO_SHARD") != "NO_SHARD" or config.get("tensor_parallel_size", 1) > 1:
+        assert "fabric.save(" in (result["own_state_error"] or ""), result["own_state_error"]
+        return
+    assert result["own_state_error"] is None, result["own_state_error"]
+    for rank in range(drivers):
+        model = torch.load(out / f"own-model-{rank}.pt", weights_only=True)
+        assert not any(t.is_meta for t in model.values()), f"driver {rank}: placeholders in model.state_dict()"
+        assert_same_weights(model, expected["model"], rtol=1e-4, atol=2e-5)
+        optimizer = torch.load(out / f"own-optimizer-{rank}.pt", weights_only=True)
+        assert optimizer["param_groups"] == expected["optimizer"]["param_groups"], rank
+        assert sorted(optimizer["state"]) == sorted(expected["optimizer"]["state"]), rank  # every stage's
+        for i, state in expected["optimizer"]["state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(optimizer["state"][i][key], value, rtol=1e-4, atol=2e-5,
+                                           msg=f"driver {rank}: {i} {key}")
 
 
 def test_a_state_a_sharded_directory_cannot_hold_is_refused_saying_what_to_do():

@@ -13,6 +13,7 @@ reach its stage, so the next forward or ``state_dict`` raises.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -133,6 +134,17 @@ class PipelinedSequential(nn.Module):
             "model.load_state_dict(...), which reaches every stage, or in the layer's own forward (a change "
             "through .data is not seen here, nor anywhere)")
 
+    def speak_for(self, module: nn.Module) -> None:
+        """Have ``module``, which holds this body's layers under the same names (the bare ``nn.Sequential`` given to
+        ``fabric.setup``, through which Fabric's wrapper reads and loads its state), read and load its state as this
+        body does: ``module.state_dict()`` is the whole model's, fetched from every stage, and
+        ``module.load_state_dict(...)`` reaches every stage (without this, its remote layers' entries are their
+        placeholders: meta tensors, silently)."""
+        ref = weakref.ref(self)  # (no reference from the user's module keeps a freed body and its stages)
+        module.register_state_dict_post_hook(_through(ref, _remote_state))
+        module.register_load_state_dict_pre_hook(_through(ref, _load_remote_state))
+        module.register_load_state_dict_post_hook(_through(ref, _loaded))
+
     def _apply(self, fn: Any, recurse: bool = True) -> PipelinedSequential:
         for name, child in self.named_children():
             if self.owner[name] == 0:
@@ -244,6 +256,13 @@ def _remote_state(module: PipelinedSequential, state: dict[str, Any], prefix: st
     module.check_placeholders()
     if module.hosts is None or module.local_only:
         return
+    if module.sharded:
+        raise RuntimeError(
+            "model.state_dict() cannot put the whole model together in one process when its stages are split over "
+            "tensor ranks (tensor_parallel_size) or sharded over their replicas (sharding_strategy): every process "
+            "holds a part. Save with fabric.save(path, {'model': model, 'optimizer': optimizer, ...}) or "
+            "trainer.save_checkpoint(path), called in every process, which gather the parts into one file of the "
+            "plain model's state (fabric.load, or the plain model's load_state_dict, read it back)")
     cut = len(module.name) + 1
     for part in module.hosts.call("state_dict"):
         for name, value in part.items():
@@ -255,6 +274,17 @@ def _remote_state(module: PipelinedSequential, state: dict[str, Any], prefix: st
         for name in tied.names[1:]:
             if first in state and prefix + name[cut:] in state:
                 state[prefix + name[cut:]] = state[first]
+
+
+def _through(ref: Callable[[], PipelinedSequential | None], hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` of a body, registered on another module (:meth:`PipelinedSequential.speak_for`): called with the
+    body in place of that module, while the body lives."""
+
+    def call(_module: nn.Module, *args: Any) -> Any:
+        body = ref()
+        return hook(body, *args) if body is not None else None
+
+    return call
 
 
 def _load_remote_state(module: PipelinedSequential, state: dict[str, Any], prefix: str, metadata: Any,

@@ -36,6 +36,7 @@ class _MirroredOptimizer:
     _lp_index: int
     _lp_stepping: list[Future[Any]] | None
     _lp_before_update: Callable[[], None]
+    _lp_owner: StageOptimizers
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         evaluations = [0]
@@ -72,6 +73,20 @@ class _MirroredOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
         self._lp_hosts.call("zero_grad", self._lp_index, set_to_none)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load the plain model's optimizer's state (as one device's optimizer, or this one's whole
+        ``state_dict`` in a Fabric loop, gives it): each stage's part reaches its stage."""
+        self._lp_owner.load(self, state_dict)  # type: ignore[arg-type]
+
+
+def load_held(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load ``state``, in the form this process's part of ``optimizer`` holds it (:func:`optim.as_held`), into
+    that part alone (a mirrored optimizer's ``load_state_dict`` takes the whole model's, for every stage)."""
+    if isinstance(optimizer, _MirroredOptimizer):
+        super(_MirroredOptimizer, optimizer).load_state_dict(state)  # type: ignore[misc]
+    else:
+        optimizer.load_state_dict(state)
 
 
 def mix_in(obj: Any, mixin: type) -> None:
@@ -154,6 +169,7 @@ class StageOptimizers:
             optimizer._lp_index = k  # type: ignore[attr-defined]
             optimizer._lp_before_update = self.before_update  # type: ignore[attr-defined]
             optimizer._lp_tied = self.tied  # type: ignore[attr-defined] - summed before clipping
+            optimizer._lp_owner = self  # type: ignore[attr-defined] - loads reach every stage through it
             _mirror(optimizer)
         for j, future in enumerate(self.hosts.start_each("build_optimizers", per_stage[1:]), start=1):
             try:
@@ -192,7 +208,7 @@ class StageOptimizers:
             named = {optimizer._lp_names[int(i)]: s for i, s in state["state"].items()}  # type: ignore[attr-defined]
             for j, states in twin_states(named, self.tied.tied).items():
                 remote.setdefault(j, {}).update(states)
-        optimizer.load_state_dict(optim.as_held(optimizer, own))
+        load_held(optimizer, optim.as_held(optimizer, own))
         # Every stage loads, also one the checkpoint has no state for (saved before any step, as the
         # learning-rate finder's is): what it built since must go, as it does from the driver's.
         for j in range(1, self.processes):

@@ -117,11 +117,41 @@ def _zero_remote(p: Placeholder, frame: Any) -> None:
                 body.hosts.call_stage(j, "zero_named", stage_names, set_to_none)
 
 
+#: Optimizers checked by :func:`_refuse_unmirrored`: how many parameters each held when it was (a change rechecks).
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_step_hook: Any = None
+
+
+def _refuse_unmirrored(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any optimizer's step: refuse one holding placeholders that no pipeline mirrors on its stages (built
+    after the split, never set up by the strategy): its step would update this process's stages alone."""
+    if hasattr(optimizer, "_lp_index"):
+        return
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _CHECKED.get(optimizer) == count:
+        return
+    remote = [p for group in optimizer.param_groups for p in group["params"] if isinstance(p, Placeholder)]
+    if remote:
+        stages = sorted({p.stage for p in remote})
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds parameters of layers in other pipeline stages "
+            f"({listed([p.param_name for p in remote])}: stages {', '.join(map(str, stages))}), which this process "
+            "holds as placeholders: its step would update this process's layers alone. Set the optimizer up with "
+            "the model, model, optimizer = fabric.setup(model, optimizer) in a Fabric loop (not setup_module), or "
+            "return it from configure_optimizers under the Trainer: then every stage steps with it")
+    _CHECKED[optimizer] = count
+
+
 def wrap_placeholders(layer: nn.Module, prefix: str, stage: int, process: int,
                       made: dict[int, tuple[Tensor, Placeholder]] | None = None) -> None:
     """Make the (meta) parameters of ``layer`` :class:`Placeholder` s named ``prefix`` + their name, keeping
     those that are already and any sharing between its modules (and with the layers wrapped before with the
     same ``made``: a parameter tied across layers stays one placeholder, named and placed by its first)."""
+    global _step_hook
+    if _step_hook is None:  # (once per process: a hook on every optimizer's step)
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _step_hook = register_optimizer_step_pre_hook(_refuse_unmirrored)
     made = {} if made is None else made
     for module_name, module in layer.named_modules(remove_duplicate=False):
         for name, p in list(module._parameters.items()):

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.lightning.optimizers import load_held
 from lightning_pipe.transport import placing
 from lightning_pipe.transport.parallel import shards
 from lightning_pipe.transport.stages import optim
@@ -163,21 +164,22 @@ def load_optimizer(info: Mapping[str, Any], k: int, optimizer: torch.optim.Optim
     futures = body.hosts.start("load_optimizer_shards", info["path"], optimizer._lp_index,  # type: ignore[attr-defined]
                                timeout=0) if body else []
     try:
-        optimizer.load_state_dict(optim.as_held(optimizer, local_optimizer_state(info, k, group_state, optimizer)))
+        load_held(optimizer, optim.as_held(optimizer, local_optimizer_state(info, k, group_state, optimizer)))
     finally:
         for future in futures:
             future.result()
 
 
-def read_meta(path: str) -> dict[str, Any]:
+def read_meta(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     """A sharded checkpoint's Lightning entries: Lightning's checkpoint without the tensors of the model and
-    optimizers; its ``lightning_pipe`` entry also records ``path`` and ``index``, the names of the state-dict
-    entries the checkpoint holds. A directory of the first format is refused, saying what to do."""
+    optimizers, unpickled as ``torch.load(..., weights_only=weights_only)`` would (None: torch's default); its
+    ``lightning_pipe`` entry also records ``path`` and ``index``, the names of the state-dict entries the
+    checkpoint holds. A directory of the first format is refused, saying what to do."""
     path = os.fspath(path)
     if shards.is_legacy(path):
         raise OSError(shards.legacy_message(path))
     metadata = shards.read_metadata(path)
-    meta = shards.read_rest(path, metadata)
+    meta = shards.read_rest(path, metadata, weights_only)
     info = meta.get("lightning_pipe", {}) if isinstance(meta, dict) else {}
     if info.get("format") != FORMAT["format"] or info.get("version") != FORMAT["version"]:
         raise ValueError(f"{path} is not a sharded checkpoint this version reads (format: {info.get('format')!r}, "
@@ -237,7 +239,7 @@ def consolidate_checkpoint(path: str, output: str) -> None:
     checkpoint of the first format) is refused with what it is and what to pass (``NotADirectoryError``,
     ``FileNotFoundError``, ``OSError``)."""
     shards.check_directory(path)
-    meta = read_meta(path)
+    meta = read_meta(path, weights_only=False)  # (a directory of one's own, consolidated by one's own command)
     info = meta.pop("lightning_pipe")
     entries = shards.read(path, lambda p: p[0] in (shards.STATE, shards.OPTIMIZER))
     state_dict = {p[1]: t for p, t in entries.items() if p[0] == shards.STATE and len(p) == 2}
@@ -261,7 +263,9 @@ def consolidate_checkpoint(path: str, output: str) -> None:
     temporary = shards.staging(output, ".tmp")
     try:
         torch.save(meta, temporary)
+        placing.flush(temporary)
         os.replace(temporary, output)
+        placing.flush_folder(output)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)

@@ -38,7 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "precision": "32-true", "build": "eager", "samples": 64, "batch_size": 8, "epochs": 1, "seed": 7,
     "load": None, "launch_fn": False, "collectives": False, "package": "lightning", "init_scale": 2.0 ** 4,
     "sharding": "NO_SHARD", "virtual_stages": 1, "state_dict_type": "full", "nodes": 1, "tensor_parallel_size": 1,
-    "start_method": "popen",
+    "start_method": "popen", "own_state": False, "load_own": None, "load_with": "load_state_dict",
 }
 
 
@@ -118,6 +118,15 @@ def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
         state["scheduler"] = scheduler
     if config["load"]:
         fabric.load(config["load"], state)
+    if config["load_own"]:  # the loop's own files of an earlier run (own_state), by the module's and optimizer's own
+        model_file, optimizer_file = (os.path.join(config["load_own"], f"own-{what}-0.pt")
+                                      for what in ("model", "optimizer"))
+        if config["load_with"] == "load_raw":
+            fabric.load_raw(model_file, net)
+            fabric.load_raw(optimizer_file, optimizer)
+        else:
+            net.load_state_dict(torch.load(model_file, weights_only=True))
+            optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
     body_of = net if config["model"] == "sequential" else net.sequential_module
     for _ in range(config["epochs"]):
         for k, (x, y) in enumerate(loader):
@@ -140,11 +149,21 @@ def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
                 scheduler.step()
             state["step"] += 1
     fabric.save(os.path.join(out, "final.pt"), state)
+    own_error = None
+    if config["own_state"]:  # the script's own calls, as many end (an EMA, an evaluation, torch.save of them)
+        try:
+            own = {"model": net.state_dict(), "optimizer": optimizer.state_dict()}
+        except RuntimeError as exc:  # where no process holds the whole (split or sharded stages): refused
+            own_error = str(exc)
+        else:
+            for what, value in own.items():
+                torch.save(value, os.path.join(out, f"own-{what}-{fabric.global_rank}.pt"))
     scaler = getattr(fabric.strategy.precision, "scaler", None)
     if scaler is not None:
         state["scale"] = float(scaler.get_scale())
     result: dict[str, Any] = {"step": state["step"], "world_size": fabric.world_size,
-                              "global_rank": fabric.global_rank, "lr": optimizer.param_groups[0]["lr"]}
+                              "global_rank": fabric.global_rank, "lr": optimizer.param_groups[0]["lr"],
+                              "own_state_error": own_error}
     if config["collectives"]:  # among the drivers, as under any strategy: one per replica
         result["all_reduce"] = float(fabric.all_reduce(torch.tensor(float(fabric.global_rank + 1)), reduce_op="sum"))
         result["broadcast"] = fabric.broadcast(f"from {fabric.global_rank}", src=0)

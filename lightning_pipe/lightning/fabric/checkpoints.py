@@ -72,7 +72,7 @@ def fabric_save(path: str, state: Mapping[str, Any], body: PipelinedSequential, 
     collectives), each remote stage's shards gathered whole by its replica 0's process first; the main process
     alone ``write``s."""
     table = _Placeholders(body.hosts) if write else None
-    converted: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for key, obj in state.items():
         obj = _unwrapped(obj)
         if obj is root or obj is body or obj is _unwrapped(model):
@@ -84,15 +84,20 @@ def fabric_save(path: str, state: Mapping[str, Any], body: PipelinedSequential, 
             value = obj.state_dict()
         else:
             value = obj
-        _apply_filter(key, dict(filter), value, converted)
+        values[key] = value
     if table is None:
         return
-    if type(checkpoint_io) is TorchCheckpointIO and "://" not in path and storage_options is None:
+    streamed = type(checkpoint_io) is TorchCheckpointIO and "://" not in path and storage_options is None
+    if not streamed:  # a CheckpointIO of the user's (or a remote path) takes the whole checkpoint in hand: filled
+        table.fill()  # before the filter copies the entries it keeps (else it would keep the placeholders)
+    converted: dict[str, Any] = {}
+    for key, value in values.items():
+        _apply_filter(key, dict(filter), value, converted)
+    if streamed:  # (the placeholders the filter kept are fetched as they are written)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         save_atomically(lambda p: save_streamed(converted, p, table.lazy, table.fetch), path)
-    else:  # a CheckpointIO of the user's (or a remote path) takes the whole checkpoint in hand
-        table.fill()
-        save_atomically(lambda p: checkpoint_io.save_checkpoint(converted, p, storage_options), path)
+    else:
+        save_atomically(lambda p: checkpoint_io.save_checkpoint(converted, p, storage_options), path, checkpoint_io)
 
 
 def fabric_load(checkpoint: dict[str, Any], state: dict[str, Any], strict: bool, optimizers: StageOptimizers
@@ -169,11 +174,11 @@ def fabric_save_sharded(path: str, state: Mapping[str, Any], body: PipelinedSequ
 
 
 def fabric_load_sharded(path: str, state: dict[str, Any], strict: bool, body: PipelinedSequential, root: nn.Module,
-                        model: nn.Module, module_name: str) -> dict[str, Any]:
+                        model: nn.Module, module_name: str, weights_only: bool | None = None) -> dict[str, Any]:
     """Restore ``state``'s objects from the sharded directory at ``path`` (one :func:`fabric_save_sharded` wrote, or
     the Trainer): each process reads its own entries. Returns what was not restored, as Fabric's
     ``load_checkpoint``."""
-    meta = sharded.read_meta(path)
+    meta = sharded.read_meta(path, weights_only)
     info = meta.pop("lightning_pipe")
     saved_states = meta.pop("optimizer_states", [])
     keys = meta.pop(sharded.FABRIC, None)
@@ -240,6 +245,7 @@ def load(strategy: Any, path: str, state: dict[str, Any], strict: bool, weights_
         body.pipeline.runner.averages.before_update()
     placing.recover(path)  # a save that died replacing it: the one it replaced
     if sharded.is_sharded(path):
-        return fabric_load_sharded(path, state, strict, body, strategy._module, strategy.model, strategy.module_name)
+        return fabric_load_sharded(path, state, strict, body, strategy._module, strategy.model, strategy.module_name,
+                                   weights_only)
     checkpoint = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
     return fabric_load(checkpoint, state, strict, strategy._stage_optimizers)

@@ -226,8 +226,9 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
                 return pipelined(*args, **kwargs)
 
         body.pipeline_loss = pipeline_loss  # type: ignore[method-assign]
-        if bare:  # loss_on_last_stage(model, ...) finds the pipeline through the module Fabric was given
+        if bare:  # loss_on_last_stage(model, ...) finds the pipeline through the module Fabric was given, and
             module.pipeline_loss = pipeline_loss  # type: ignore[assignment]
+            body.speak_for(module)  # Fabric's wrapper reads and loads the state through that module
         self.model = body if bare else root
         self._replicas.start(self, body)  # DDP or FSDP2 for every stage (DDP for the outside layers) with replicas
         PipePrecision._lp_unscale_shards(self.precision)  # type: ignore[arg-type] - a scaler unscales shards too
@@ -305,6 +306,24 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         if self._stage_optimizers is not None:
             self._stage_optimizers.step_remote(optimizer)
         return output
+
+    @override
+    def get_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()`` in the loop: the plain model's optimizer's state, every stage's part fetched
+        (as under Fabric's DDP); refused where the stages are split or sharded (no process holds the whole)."""
+        optimizer = raw(optimizer)
+        if self._stage_optimizers is None or not hasattr(optimizer, "_lp_index"):
+            return super().get_optimizer_state(optimizer)
+        assert self._body is not None
+        if self._body.sharded:
+            raise RuntimeError(
+                f"optimizer.state_dict() cannot put {type(optimizer).__name__}'s whole state together in one process "
+                "when the stages are split over tensor ranks (tensor_parallel_size) or sharded over their replicas "
+                "(sharding_strategy): every process holds a part. Save with fabric.save(path, {'model': model, "
+                "'optimizer': optimizer, ...}), called in every process, which gathers the parts into one file of "
+                "the plain model's optimizer's state (fabric.load reads it back)")
+        self._stage_optimizers.step_remote(optimizer)  # (a step of its own still under way in the stages)
+        return self._stage_optimizers.state(optimizer)
 
     @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | int,
