@@ -106,3 +106,59 @@ def test_put_in_place_replaces_a_checkpoint_and_leaves_nothing_else(tmp_path, mo
     staged = _checkpoint(Path(placing.staging(str(tmp_path / "first.ckpt"), placing.PARTIAL)), "first")
     placing.put_in_place(str(staged), str(tmp_path / "first.ckpt"))  # nothing to replace: one rename
     assert _which(tmp_path / "first.ckpt") == "first" and sorted(os.listdir(tmp_path)) == ["first.ckpt", "last.ckpt"]
+
+
+class _SlowIO:
+    """A ``CheckpointIO`` that takes a while to write (a large checkpoint, a slow disk)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):  # noqa: ANN001, ANN201
+        import time
+
+        import torch
+
+        time.sleep(0.3)
+        torch.save(checkpoint, path)
+
+
+def test_a_save_through_lightnings_async_checkpoint_io_is_renamed_into_place_once_written(tmp_path):
+    """``AsyncCheckpointIO`` writes in a thread and returns at once: the rename over the target came before the
+    write had finished (the staged file missing: the save failed, or later a half-written file put in place).
+    Now its write is waited for, and the file in place is whole."""
+    import torch
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_pipe.lightning.checkpoints import save_atomically
+
+    io = AsyncCheckpointIO(_SlowIO())
+    target = tmp_path / "last.ckpt"
+    save_atomically(lambda p: io.save_checkpoint({"w": torch.arange(3)}, p), str(target), io)
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.arange(3))
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # nothing staged left behind
+    save_atomically(lambda p: io.save_checkpoint({"w": torch.ones(2)}, p), str(target), io)  # a next save works too
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(2))
+
+
+def test_a_checkpoint_reaches_the_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """A rename journaled before the data it names: after a crash of the machine the target may be an empty
+    file. The staged file (a one-file save) or every file of a staged directory is flushed before the rename,
+    and the folder after it."""
+    from lightning_pipe.lightning.checkpoints import save_atomically
+
+    events: list[str] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(f"fsync {os.readlink(f'/proc/self/fd/{fd}')}"),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(f"rename {b}"), real_replace(a, b))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(f"rename {b}"), real_rename(a, b))[1])
+    target = tmp_path / "one.ckpt"
+    save_atomically(lambda p: Path(p).write_text("weights"), str(target))
+    staged = [e for e in events if e.startswith("fsync") and ".tmp" in e]
+    assert staged and events.index(staged[0]) < events.index(f"rename {target}")
+    assert events[-1] == f"fsync {tmp_path}"  # the folder's new entry
+    events.clear()
+    staged_dir = _checkpoint(tmp_path / ".dir.partial-1", "new")
+    placing.put_in_place(str(staged_dir), str(tmp_path / "dir"))
+    renames = [k for k, e in enumerate(events) if e.startswith("rename")]
+    flushed = [k for k, e in enumerate(events) if e.endswith("__0_0.distcp") or e.endswith(".metadata")]
+    assert len(flushed) == 2 and max(flushed) < min(renames)
+    assert _which(tmp_path / "dir") == "new"

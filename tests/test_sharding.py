@@ -389,3 +389,23 @@ def test_hybrid_shards_gradient_norm_and_overflow_are_taken_over_the_shard_group
         assert row == [2 * (rank // 2), 2 * (rank // 2) + 1] and column == [rank % 2, rank % 2 + 2], (rank, row, column)
         assert overflow, rank
         assert norm == pytest.approx(whole, rel=1e-6), rank
+
+
+class NotWeights:
+    """An object ``torch.load(weights_only=True)`` refuses to unpickle."""
+
+
+def test_the_sharded_reader_honours_weights_only(tmp_path):
+    """A sharded checkpoint's Lightning entry was unpickled with ``weights_only=False`` whatever the caller asked:
+    ``fabric.load(..., weights_only=True)`` of an untrusted directory ran its pickles. It is now read as
+    ``torch.load(weights_only=...)`` reads a file: refused with True, read with False."""
+    import pickle
+
+    from lightning_pipe.transport.parallel import shards
+
+    directory = str(tmp_path / "ckpt")
+    shards.write_shard(directory, 0, shards.entries({"w": torch.ones(2)}, {}, rest={"hyper": NotWeights()}),
+                       others=lambda: [])
+    assert isinstance(shards.read_rest(directory, weights_only=False)["hyper"], NotWeights)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        shards.read_rest(directory, weights_only=True)

@@ -446,6 +446,14 @@ def test_tensor_parallel_arguments_that_cannot_work_are_refused():
             PipeStrategy(tensor_parallel_size=size)
     with pytest.raises(TypeError, match=r"tensor_parallel_plan must be a dict .* \(got: list\)"):
         PipeStrategy(tensor_parallel_size=2, tensor_parallel_plan=["0"])
+    # A plan given with tensor_parallel_size=1 was dropped without a word (the job trained unsplit).
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan is given with tensor_parallel_size=1, which splits "
+                                         r"nothing"):
+        PipeStrategy(tensor_parallel_plan=PLAN)
+    # A function plan that cannot be pickled failed in the stage processes, after they started.
+    with pytest.raises(TypeError, match=r"tensor_parallel_plan=.*<lambda>.* cannot be pickled .* define it as a "
+                                        r"function at the top level of a module"):
+        PipeStrategy(tensor_parallel_size=2, tensor_parallel_plan=lambda stage, mesh: None)
     with pytest.raises(ValueError, match=r"'HYBRID_SHARD' with tensor_parallel_size=2 is not supported: use "
                                          r"'FULL_SHARD'"):
         PipeStrategy(tensor_parallel_size=2, sharding_strategy="HYBRID_SHARD")

@@ -33,9 +33,11 @@ def module_state_dict(module: pl.LightningModule, body: nn.Module, writes: bool)
         body.local_only = False
 
 
-def save_atomically(save: Callable[[str], None], path: str) -> None:
-    """Write a file by ``save(temporary)`` beside ``path``, then rename it over ``path`` (remote filesystems,
-    which have no rename to rely on, are written directly)."""
+def save_atomically(save: Callable[[str], None], path: str, checkpoint_io: Any = None) -> None:
+    """Write a file by ``save(temporary)`` beside ``path``, flushed to the disk, then rename it over ``path``
+    (remote filesystems, which have no rename to rely on, are written directly). ``checkpoint_io``, the
+    ``CheckpointIO`` that ``save`` writes through, if any: Lightning's ``AsyncCheckpointIO`` writes in a thread
+    and returns at once, so its write is waited for (``teardown``, which raises its error) before the rename."""
     if "://" in path:
         save(path)
         return
@@ -43,7 +45,11 @@ def save_atomically(save: Callable[[str], None], path: str) -> None:
     placing.sweep(os.path.dirname(os.path.abspath(path)))  # what saves of dead processes left there
     try:
         save(temporary)
+        if type(checkpoint_io).__name__ == "AsyncCheckpointIO":  # (either package's)
+            checkpoint_io.teardown()  # the write finished (its executor made anew at the next save)
+        placing.flush(temporary)
         os.replace(temporary, path)
+        placing.flush_folder(path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)

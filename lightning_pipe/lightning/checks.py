@@ -102,7 +102,21 @@ def check_tensor_parallel(size: Any, plan: Any, sharding: str, ddp_given: list[s
         raise TypeError(f"tensor_parallel_plan must be a dict from the body's module names to styles, or a function "
                         f"(stage_module, tp_mesh) -> None (got: {type(plan).__name__})")
     if size == 1:
+        if plan is not None:
+            raise ValueError("tensor_parallel_plan is given with tensor_parallel_size=1, which splits nothing: the "
+                             "plan would be ignored. Set tensor_parallel_size to how many processes split each stage "
+                             "(2 or more), or leave tensor_parallel_plan out")
         return
+    if callable(plan) and not isinstance(plan, Mapping):  # it travels to every stage's processes, pickled
+        import pickle
+
+        try:
+            pickle.dumps(plan)
+        except Exception as exc:  # noqa: BLE001 - pickle raises several kinds
+            raise TypeError(f"tensor_parallel_plan={plan!r} cannot be pickled ({type(exc).__name__}: {exc}), and "
+                            "every stage's processes must receive it: define it as a function at the top level of "
+                            "a module (not a lambda, a nested function or a bound method of an object that does "
+                            "not pickle)") from exc
     if sharding == "HYBRID_SHARD":
         raise ValueError(f"sharding_strategy='HYBRID_SHARD' with tensor_parallel_size={size} is not supported: use "
                          "'FULL_SHARD' or 'SHARD_GRAD_OP' (each stage sharded over every replica), or 'NO_SHARD'")

@@ -189,17 +189,48 @@ def exchange(a: str, b: str) -> bool:
     raise OSError(code, f"could not swap {a} and {b}: {os.strerror(code)}")
 
 
+def flush(path: str) -> None:
+    """Have what ``path`` holds (a file, or every file under a directory and the directory) reach the disk
+    (``fsync``), before a rename puts it in place: without it, a crash of the machine soon after the rename may
+    leave the name pointing at a file that was never written (ext4, XFS: the rename is journaled first)."""
+    if not os.path.isdir(path):
+        _fsync(path)
+        return
+    for top, _, names in os.walk(path):
+        for name in names:
+            _fsync(os.path.join(top, name))
+    _fsync(path)
+
+
+def flush_folder(path: str) -> None:
+    """Have the folder holding ``path`` record its entry on the disk (``fsync`` of the folder), after a rename."""
+    _fsync(os.path.dirname(os.path.abspath(path)))
+
+
+def _fsync(name: str) -> None:
+    descriptor = os.open(name, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    except OSError as exc:  # a file system without fsync on directories (some network ones)
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
+            raise
+    finally:
+        os.close(descriptor)
+
+
 def put_in_place(staged: str, path: str) -> None:
     """Put the complete directory ``staged`` at ``path``, replacing whatever is there (see the module's
     docstring: at every moment ``path`` holds the previous checkpoint or this one, or, on a file system without
-    a swap, the previous one is under its ``.old-`` name, which :func:`sweep` puts back)."""
+    a swap, the previous one is under its ``.old-`` name, which :func:`sweep` puts back). What ``staged`` holds
+    reaches the disk first (:func:`flush`), and the renames after."""
+    flush(staged)
     if not os.path.lexists(path):
         os.rename(staged, path)
-        return
-    if os.path.isdir(path) and not os.path.islink(path) and exchange(staged, path):
+    elif os.path.isdir(path) and not os.path.islink(path) and exchange(staged, path):
         _remove(staged)  # the previous checkpoint, now under the staging name
-        return
-    old = staging(path, OLD)
-    os.rename(path, old)
-    os.rename(staged, path)
-    _remove(old)
+    else:
+        old = staging(path, OLD)
+        os.rename(path, old)
+        os.rename(staged, path)
+        _remove(old)
+    flush_folder(path)

@@ -120,7 +120,8 @@ class PipelineCheckpoints(PipelineProcesses):
     def _save_full(self, checkpoint: dict[str, Any], path: str, storage_options: Any, body: Any,
                    optimizers: list[torch.optim.Optimizer]) -> None:
         if body is None:
-            save_atomically(lambda p: self.checkpoint_io.save_checkpoint(checkpoint, p, storage_options), path)
+            save_atomically(lambda p: self.checkpoint_io.save_checkpoint(checkpoint, p, storage_options), path,
+                            self.checkpoint_io)
             return
         table = placeholders(checkpoint, body, optimizers)
         if type(self.checkpoint_io) is TorchCheckpointIO and "://" not in path and storage_options is None:
@@ -128,14 +129,15 @@ class PipelineCheckpoints(PipelineProcesses):
             save_atomically(lambda p: save_streamed(checkpoint, p, table.lazy, table.fetch), path)
         else:  # a CheckpointIO of the user's (or a remote path) takes the whole checkpoint in hand
             table.fill()
-            save_atomically(lambda p: self.checkpoint_io.save_checkpoint(checkpoint, p, storage_options), path)
+            save_atomically(lambda p: self.checkpoint_io.save_checkpoint(checkpoint, p, storage_options), path,
+                            self.checkpoint_io)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if isinstance(checkpoint_path, (str, os.PathLike)):  # a save that died replacing it: the one it replaced
             placing.recover(os.fspath(checkpoint_path))
         if sharded.is_sharded(checkpoint_path):
-            meta = sharded.read_meta(checkpoint_path)
+            meta = sharded.read_meta(checkpoint_path, weights_only)
             if sharded.FABRIC in meta:
                 raise ValueError(f"{checkpoint_path} was written by a Fabric loop (fabric.save), not by a Trainer: "
                                  "load it with fabric.load, or take its weights with python -m lightning_pipe "

@@ -307,13 +307,14 @@ def state_names(metadata: Any) -> list[str]:
     return [path[1] for path in paths(metadata).values() if len(path) == 2 and path[0] == STATE]
 
 
-def read_rest(directory: str, metadata: Any = None) -> Any:
-    """The rest of Lightning's checkpoint, as the main process saved it."""
+def read_rest(directory: str, metadata: Any = None, weights_only: bool | None = None) -> Any:
+    """The rest of Lightning's checkpoint, as the main process saved it, unpickled as ``torch.load(...,
+    weights_only=weights_only)`` does (None: torch's default, as Lightning's loading of a local file)."""
     found = read(directory, lambda p: p == (LIGHTNING,), metadata)
     if (LIGHTNING,) not in found:
         raise ValueError(f"{directory} is a torch.distributed.checkpoint directory without the '{LIGHTNING}' entry "
                          "that PipeStrategy(state_dict_type=\"sharded\") writes: not a checkpoint of a Lightning run")
-    return torch.load(io.BytesIO(found[(LIGHTNING,)]), weights_only=False, map_location="cpu")
+    return torch.load(io.BytesIO(found[(LIGHTNING,)]), weights_only=weights_only, map_location="cpu")
 
 
 def sharded_checkpoints(folder: str, depth: int = 4) -> list[str]:
