@@ -442,7 +442,7 @@ GROUPS["4 processes tensor parallel"] = {
                        "last_stage_loss": True, "balance": [1, 2, 2, 1],
                        "tensor_parallel_plan": {"0": "colwise_rep", "2": "rowwise_rep", "4": "colwise_rep"}},
     # Autocast in split stages (one micro-batch, as the other bf16 cases).
-    "tp-bf16-mixed": {**_TP, "devices": 4, "precision": "bf16-mixed", "microbatches": 1},
+    "tp-bf16-mixed": {**_TP, "devices": 4, "precision": "bf16-mixed", "microbatches": 1, "record_dtypes": True},
     # A gradient scaler over split gradients, from a scale no step overflows at (SGD: unscaled or not shows), and
     # from 2**20, where the first steps overflow in some tensor ranks' slices and must be skipped by all.
     "tp-fp16-steps": {**_TP, "devices": 4, "precision": "16-mixed-scaler", "init_scale": 16.0, "microbatches": 1},

@@ -53,6 +53,10 @@ JOBS: dict[str, dict[str, Any]] = {
         # The first case's own files (torch.save of model.state_dict() and optimizer.state_dict()) loaded by the
         # module's and optimizer's own load_state_dict, at another balance.
         "own-state-load-other-balance": {"clip": 0.05, "balance": [1, 4], "load_own": "sgd-clip-scheduler"},
+        # LitGPT's GPT as a body (to_sequential), in LitGPT's fine-tuning shape: against the plain GPT
+        # (test_litgpts_gpt_through_a_fabric_loop_trains_the_plain_gpts_weights).
+        "litgpt-1f1b-adamw-clip": {"model": "litgpt", "balance": [3, 3], "schedule": "1f1b", "last_stage_loss": True,
+                                   "optimizer": "adamw", "clip": 0.5, "samples": 32, "own_state": True},
     }},
     # Forked where the script reaches fabric.launch() (start_method='fork'): no second import, the same training.
     "4 processes": {"devices": 4, "start_method": "fork", "cases": {
@@ -96,7 +100,8 @@ JOBS: dict[str, dict[str, Any]] = {
     }},
 }
 NEEDS = {"4 processes": "2 processes"}
-CASES = [(job, case) for job, spec in JOBS.items() for case in spec["cases"]]
+CASES = [(job, case) for job, spec in JOBS.items() for case, config in spec["cases"].items()
+         if config.get("model") != "litgpt"]  # (against the plain GPT, in a test of their own)
 
 
 #: What a case's ``load`` file was written by: that program's config (2 processes, one replica).
@@ -306,3 +311,28 @@ def test_torchrun_on_two_nodes_starts_the_fabric_loop_to_one_devices_weights(tmp
     expected = plain({k: v for k, v in case.items() if k != "nodes"}, 2, tmp_path / "plain")
     assert saved["step"] == expected["step"] > 0
     assert_same_weights(saved["model"], expected["model"], rtol=1e-4, atol=2e-5)
+
+
+def test_litgpts_gpt_through_a_fabric_loop_trains_the_plain_gpts_weights(fabric_jobs, tmp_path):
+    """LitGPT's ``GPT`` as a body (``to_sequential``), in a Fabric loop of LitGPT's fine-tuning shape (1F1B with the
+    loss on the last stage, AdamW with weight decay on the weights, clipping by the global norm) over 2 stages: its
+    weights, in the file ``fabric.save`` wrote and in the loop's own ``model.state_dict()``, are the plain
+    ``GPT``'s trained by the same loop on one device (``hf_state_dict`` gives them LitGPT's names, which
+    ``GPT.load_state_dict`` takes strictly: a ``lit_model.pth``)."""
+    pytest.importorskip("litgpt")
+    from lightning_pipe.models import hf_state_dict
+
+    out = job_directory(fabric_jobs, "2 processes") / "litgpt-1f1b-adamw-clip"
+    config = {**JOBS["2 processes"]["cases"]["litgpt-1f1b-adamw-clip"], "model": "litgpt-plain",
+              "last_stage_loss": False}
+    expected = plain(config, 1, tmp_path / "plain")
+    body = fabric_loop.model({**fabric_loop.DEFAULTS, "model": "litgpt"})  # its names (the weights are not read)
+    initial = fabric_loop.model({**fabric_loop.DEFAULTS, **config}).state_dict()
+    assert any(not torch.equal(initial[k], v) for k, v in expected["model"].items())  # it trained
+    for what, state in (("fabric.save", saved_state(out / "final.pt", tmp_path)["model"]),
+                        ("model.state_dict()", torch.load(out / "own-model-0.pt", weights_only=True))):
+        lit = hf_state_dict(body, state)
+        assert lit.keys() == expected["model"].keys(), what
+        assert_same_weights(lit, expected["model"], rtol=1e-4, atol=2e-5)
+        gpt = fabric_loop.model({**fabric_loop.DEFAULTS, **config})
+        gpt.load_state_dict(lit, strict=True)  # a lit_model.pth LitGPT loads

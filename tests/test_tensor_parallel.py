@@ -171,6 +171,21 @@ def test_layouts_that_do_not_meet_inside_a_stage_or_at_the_end_are_refused():
         check_stage_boundaries(split_module(blocks(), [2, 2]), {**plan, "0": ColwiseParallel()})
 
 
+def test_slices_on_another_dimension_than_a_layer_takes_are_refused():
+    """Layouts were compared as "sharded or not" alone: a layer taking slices on one dimension accepted slices on
+    another (rows where it cuts columns), and trained on the wrong numbers. Dimensions of one sign are compared
+    now, inside a stage and from stage to stage."""
+    rows, cols = ColwiseParallel(output_layouts=Shard(0)), RowwiseParallel(input_layouts=Shard(1))
+    two = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    with pytest.raises(ValueError, match=r"which takes its input sharded on dim 1, but what reaches it is sharded on "
+                                         r"dim 0 .*takes what reaches it"):
+        check_stage_boundaries(split_module(two, [2]), {"0": rows, "1": cols})
+    with pytest.raises(ValueError, match=r"leaves stage 0's output sharded on dim 0 .* stage 1's first layer '1' "
+                                         r"\(Linear\) is not planned to take slices"):
+        check_stage_boundaries(split_module(two, [1, 1]), {"0": rows, "1": cols})
+    assert check_stage_boundaries(split_module(two, [1, 1]), {"0": rows, "1": RowwiseParallel(input_layouts=Shard(0))})
+
+
 def test_a_function_plan_is_called_as_it_is():
     calls = []
     stage = body()
@@ -360,11 +375,16 @@ def test_bf16_mixed_split_stages_train_the_plain_models_bf16_weights_to_bf16_rou
     """bf16-mixed with split stages (SGD, one micro-batch): plain bf16-mixed training's weights on one device, to
     within bf16's rounding. Not to the bit, as the non-split bf16 cases are: a rowwise layer adds its ranks' partial
     products after each was rounded to bf16, where one device rounds their sum once. (After 8 steps the two differ
-    by about 2e-4, as much as bf16 and float32 training do, so that autocast runs in every process is shown by the
-    non-split bf16 cases, whose remote stages take the same path.)"""
+    by about 2e-4, as much as bf16 and float32 training do: that autocast runs in every process is shown by what
+    each process's layers computed in.)"""
     config = case_config("tp-bf16-mixed")
     got = load(jobs.directory("tp-bf16-mixed") / "final.ckpt")
     assert_same_weights(got, plain_weights(config, tmp_path / "bf16"), rtol=0, atol=1e-3)
+    # The weights cannot tell (float32 training ends as far from these), so each process says what its split
+    # layers computed in: bfloat16, in the 2 tensor ranks of each of the 2 stages.
+    seen = [json.loads(path.read_text()) for path in jobs.directory("tp-bf16-mixed").glob("dtypes-*.json")]
+    assert sorted(sorted(layers) for layers in seen) == [["0", "2"], ["0", "2"], ["4"], ["4"]], seen
+    assert {dtype for layers in seen for dtype in layers.values()} == {"torch.bfloat16"}, seen
 
 
 @pytest.mark.timeout(900)
@@ -497,6 +517,12 @@ def test_a_split_without_a_plan_and_a_plan_that_does_not_meet_are_refused_at_set
         tensor_split(_Strategy(2, {"0": "colwise"}), module, plain, split_module(plain, [1, 4]))
     with pytest.raises(ValueError, match=r"tensor_parallel_plan\['7'\]|no module|matches no"):
         tensor_split(_Strategy(2, {"7": "colwise"}), module, plain, parts)
+    # Zero-bubble over split stages ran each backward whole (tensor parallel's layers have hooks) and said nothing.
+    zero_bubble = _Strategy(2, PLAN)
+    zero_bubble.schedule = "zero-bubble"
+    with pytest.warns(UserWarning, match=r"schedule='zero-bubble' with tensor_parallel_size=2: each stage's backward "
+                                         r"runs whole.*1F1B's bubble"):
+        assert tensor_split(zero_bubble, module, plain, parts) == (2, PLAN)
 
 
 def test_the_topology_puts_the_tensor_ranks_of_a_stage_next_to_each_other():

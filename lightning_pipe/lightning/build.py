@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_pipe.engine.balance import balance_by_size, balance_by_time
@@ -207,6 +207,12 @@ def tensor_split(strategy: PipeStrategy, module: pl.LightningModule, body: nn.Se
             "..., ...}} or a function (stage_module, tp_mesh) -> None (a Hugging Face model's body made by "
             "lightning_pipe.models.to_sequential carries the model's own plan)")
     tensor.check_stage_boundaries(parts, plan, t)
+    if getattr(strategy, "schedule", None) == "zero-bubble":
+        rank_zero_warn(
+            f"schedule='zero-bubble' with tensor_parallel_size={t}: each stage's backward runs whole, its input "
+            "gradients and its parameters' together (the split into I and W runs where the stage's layers have no "
+            "hooks, and tensor parallel's layers have them), so the step trains the same weights with 1F1B's bubble, "
+            "not zero-bubble's. Use schedule='1f1b' to say so, or zero-bubble without tensor parallel")
     return t, plan
 
 

@@ -75,15 +75,38 @@ class WithHead(nn.Module):
         return self.head(self.sequential_module(x))
 
 
+#: ``"model": "litgpt"``: a tiny Llama-like LitGPT ``GPT`` (no download) as a body (``to_sequential``), and
+#: ``"litgpt-plain"`` the ``GPT`` itself, the one-device reference (LitGPT's own forward and names).
+LITGPT = {"block_size": 16, "vocab_size": 50, "padding_multiple": 8, "n_layer": 4, "n_head": 4, "n_embd": 32,
+          "n_query_groups": 2, "rotary_percentage": 1.0, "parallel_residual": False, "bias": False,
+          "norm_class_name": "RMSNorm", "norm_eps": 1e-5, "mlp_class_name": "LLaMAMLP", "intermediate_size": 48}
+TOKENS = 12  # per sample
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy (module-level: it runs on the last stage under ``loss_on_last_stage``)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
 def model(config: dict[str, Any]) -> nn.Module:
     """The model of ``config``, seeded."""
     torch.manual_seed(config["seed"])
+    if config["model"] in ("litgpt", "litgpt-plain"):
+        import litgpt
+
+        from lightning_pipe.models import to_sequential
+
+        gpt = litgpt.GPT(litgpt.Config(name="tiny-llama", **LITGPT))
+        return gpt if config["model"] == "litgpt-plain" else to_sequential(gpt)
     return body() if config["model"] == "sequential" else WithHead()
 
 
 def data(config: dict[str, Any]) -> TensorDataset:
-    """Regression samples, the same everywhere."""
+    """Regression samples (token ids and their next tokens for LitGPT), the same everywhere."""
     g = torch.Generator().manual_seed(123)
+    if config["model"].startswith("litgpt"):
+        tokens = torch.randint(0, LITGPT["vocab_size"], (config["samples"], TOKENS + 1), generator=g)
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
     x = torch.randn(config["samples"], 8, generator=g)
     return TensorDataset(x, torch.tanh(x[:, :4] * 2) + 0.1 * torch.randn(config["samples"], 4, generator=g))
 
@@ -127,15 +150,16 @@ def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
         else:
             net.load_state_dict(torch.load(model_file, weights_only=True))
             optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
-    body_of = net if config["model"] == "sequential" else net.sequential_module
+    body_of = net.sequential_module if config["model"] == "module" else net
+    loss_fn = lm_loss if config["model"].startswith("litgpt") else mse
     for _ in range(config["epochs"]):
         for k, (x, y) in enumerate(loader):
             accumulating = (k + 1) % config["accumulate"] != 0
             with fabric.no_backward_sync(net, enabled=accumulating):
                 if config["last_stage_loss"]:
-                    loss = lightning_pipe.loss_on_last_stage(body_of, x, y, mse)
+                    loss = lightning_pipe.loss_on_last_stage(body_of, x, y, loss_fn)
                 else:
-                    loss = mse(net(x), y)
+                    loss = loss_fn(net(x), y)
                 fabric.backward(loss / config["accumulate"])
             if accumulating:
                 continue

@@ -11,6 +11,7 @@ the processes Lightning starts) the same script runs against ``lightning.pytorch
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -50,7 +51,7 @@ DEFAULTS: dict[str, Any] = {
     "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None, "count_collectives": False,
     "data_plane": "auto", "start_method": "popen", "mark_processes": False,
     "init_scale": 2.0**20, "replica_batches": False, "body": "blocks",
-    "tensor_parallel_size": 1, "tensor_parallel_plan": None,
+    "tensor_parallel_size": 1, "tensor_parallel_plan": None, "record_dtypes": False,
 }
 
 #: ``"body": "scenario"``: the body of the tensor-parallel scenarios (input width 8), and a plan splitting it.
@@ -190,6 +191,17 @@ def bf16_hook(process_group: Any, bucket):  # type: ignore[no-untyped-def] # noq
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def record_dtype(directory: str, index: str, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    """A forward hook: the dtype of layer ``index``'s output, recorded per process in ``directory`` (in a split
+    run, the precision's autocast reached each process that ran the layer)."""
+    path = os.path.join(directory, f"dtypes-{os.getpid()}.json")
+    seen = json.loads(open(path).read()) if os.path.exists(path) else {}
+    if seen.get(index) != str(output.dtype):
+        seen[index] = str(output.dtype)
+        with open(path, "w") as f:
+            json.dump(seen, f)
 
 
 class HeadNorm(nn.Module):
@@ -636,6 +648,10 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
         model = model_class(config)
     if config["save_initial"]:
         trainer.callbacks.append(SaveInitial(os.path.join(out, "initial.pt")))
+    if config["record_dtypes"] and not plain:  # (the hooks travel with the layers to their stages' processes)
+        for index, layer in enumerate(model.sequential_module):
+            if isinstance(layer, nn.Linear):
+                layer.register_forward_hook(functools.partial(record_dtype, out, str(index)))
     dataset = data(config)
     processes = len(config["balance"]) // config["virtual_stages"] if config["balance"] else config["devices"]
     replicas = config["devices"] * config["nodes"] // (processes * config["tensor_parallel_size"])

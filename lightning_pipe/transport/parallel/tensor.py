@@ -305,6 +305,16 @@ def _layer_layouts(layer: str, resolved: Mapping[str, ParallelStyle]) -> tuple[A
     return _layouts(resolved[inside[0]])[0], _layouts(resolved[inside[-1]])[1], inside[0], inside[-1]
 
 
+def _meet(takes: Any, layout: Any) -> bool:
+    """Whether what a layer takes meets what reaches it: both whole, or both sharded on one dimension (a negative
+    and a non-negative dimension may be one, -1 and 1 of a 2-D activation: let through, unknown here)."""
+    if isinstance(takes, Shard) != isinstance(layout, Shard):
+        return False
+    if isinstance(takes, Shard) and (takes.dim < 0) == (layout.dim < 0):
+        return bool(takes.dim == layout.dim)
+    return True
+
+
 def _whole(layout: Any) -> str:
     return f"sharded on dim {layout.dim}" if isinstance(layout, Shard) else "whole" if isinstance(layout, Replicate) \
         else str(layout)
@@ -333,14 +343,17 @@ def check_stage_boundaries(partitions: Sequence[nn.Module], plan: Plan, tp_size:
             takes, leaves, first, final = _layer_layouts(layer, resolved)
             kind = type(partition._modules[layer]).__name__
             source = f"{last!r} is {_describe(resolved[last])}" if last else "the body's input"
-            if k == 0 and j > 0 and isinstance(layout, Shard) and not isinstance(takes, Shard):
+            handed = isinstance(takes, Shard) and _meet(takes, layout)  # the slices a stage hands on taken as they are
+            if k == 0 and j > 0 and isinstance(layout, Shard) and not handed:
                 raise ValueError(
                     f"tensor_parallel_plan leaves stage {j - 1}'s output {_whole(layout)} ({source}), and stage {j}'s "
                     f"first layer {layer!r} ({kind}) is not planned to take slices. Gather it in stage {j - 1}: "
                     f"make {last!r} 'colwise_rep', or end stage {j - 1} with a 'rowwise' layer after it; or cut the "
                     f"stages so that stage {j} begins with the layer that takes the slices (a 'rowwise' one)")
-            if takes is not None and layout is not None and isinstance(takes, Shard) != isinstance(layout, Shard):
-                fix = ("a style there that takes it whole ('rowwise_rep' for 'rowwise': it cuts its input itself)"
+            if takes is not None and layout is not None and not _meet(takes, layout):
+                fix = (f"a style there that takes what reaches it (sharded on dim {layout.dim}), or one before it "
+                       f"that leaves its output so" if isinstance(takes, Shard) and isinstance(layout, Shard) else
+                       "a style there that takes it whole ('rowwise_rep' for 'rowwise': it cuts its input itself)"
                        if isinstance(takes, Shard) else
                        f"'colwise_rep' for {last!r} (its output gathered whole), or a 'rowwise' layer between them")
                 raise ValueError(
