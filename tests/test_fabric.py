@@ -9,6 +9,7 @@ this process by a Fabric on one device with the global batch.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,11 +98,13 @@ JOBS: dict[str, dict[str, Any]] = {
     "4 processes, tensor parallel": {"devices": 4, "start_method": "fork", "cases": {
         "tensor-parallel-1f1b-adamw-clip": {"tensor_parallel_size": 2, "optimizer": "adamw", "schedule": "1f1b",
                                             "last_stage_loss": True, "clip": 0.1, "own_state": True},
+        # The data sharded by hand by fabric.global_rank, which counts tensor ranks: refused at the first step.
+        "tensor-parallel-data-by-process": {"tensor_parallel_size": 2, "shard_by_rank": True},
     }},
 }
 NEEDS = {"4 processes": "2 processes"}
 CASES = [(job, case) for job, spec in JOBS.items() for case, config in spec["cases"].items()
-         if config.get("model") != "litgpt"]  # (against the plain GPT, in a test of their own)
+         if config.get("model") != "litgpt" and not config.get("shard_by_rank")]  # (tested on their own)
 
 
 #: What a case's ``load`` file was written by: that program's config (2 processes, one replica).
@@ -336,3 +339,15 @@ def test_litgpts_gpt_through_a_fabric_loop_trains_the_plain_gpts_weights(fabric_
         assert_same_weights(lit, expected["model"], rtol=1e-4, atol=2e-5)
         gpt = fabric_loop.model({**fabric_loop.DEFAULTS, **config})
         gpt.load_state_dict(lit, strict=True)  # a lit_model.pth LitGPT loads
+
+
+def test_tensor_ranks_given_different_batches_are_refused_at_the_first_step(fabric_jobs):
+    """Under tensor parallel ``fabric.world_size`` counts every tensor rank (2 replicas x 2 here, or 1 x 2), and a
+    script sharding its data by ``global_rank`` by hand (as for Fabric's own strategies) fed the two tensor ranks of
+    a stage different batches: each computed its slices of another batch, and the run trained garbage, silently (as
+    under Lightning's own ModelParallelStrategy). The drivers now compare a digest of their inputs every run: the
+    first step is refused, saying to split the data by replica."""
+    out = job_directory(fabric_jobs, "4 processes, tensor parallel") / "tensor-parallel-data-by-process"
+    error = json.loads((out / "result.json").read_text())["error"]
+    assert re.search(r"received different inputs in run 1 of the pipeline .*distributed_sampler_kwargs", error), error
+    assert not (out / "final.pt").exists()

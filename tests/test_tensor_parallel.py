@@ -278,6 +278,43 @@ def test_a_body_split_over_2_tensor_ranks_gives_the_plain_models_outputs_and_wei
         assert cases["heads"][4]["0.weight"] == (8, 8) and "1.weight" not in cases["heads"][4]
 
 
+def _dropout_masks(rank: int, world: int, path: str) -> dict[str, object]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 32), nn.Dropout(0.5), nn.Linear(32, 4))
+        plan = {"0": "colwise", "2": "rowwise"}
+        check_stage_boundaries([model], plan, 2)
+        parallelize_stage(model, plan, mesh)
+        seen: dict[str, object] = {}
+        for name in ("1", "3"):
+            model.get_submodule(name).register_forward_hook(
+                lambda m, a, out, name=name: seen.__setitem__(name, _plain(out == 0)))
+        torch.manual_seed(1)  # the same stream in both ranks, as the engine seeds each micro-batch
+        out = model(torch.randn(16, 8))
+        return {**seen, "out": _plain(out), "after": _plain(torch.rand(3))}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dropout_on_slices_draws_each_tensor_ranks_own_mask_and_one_on_whole_activations_the_same(tmp_path):
+    """A ``Dropout`` between a colwise and a rowwise layer acts on each rank's slice of the features: both ranks drew
+    their masks from the stream they share, so slice 0 and slice 1 got the same mask (correlated, which one device
+    never draws; Megatron keeps a generator per tensor rank there). Each rank now draws its own there, the stream
+    they share left where it would be; a dropout on whole activations (after the rowwise layer) masks alike in
+    every rank, as it must, and the output is the same in both."""
+    results = run_processes(_dropout_masks, 2, str(tmp_path / "store"), timeout=120)
+    first, second = results[0], results[1]
+    assert first["1"].shape == (16, 32) and 0.3 < first["1"].mean() < 0.7  # each rank's slice, half dropped
+    assert (first["1"] != second["1"]).mean() > 0.3, "the slices' masks are the same in both tensor ranks"
+    assert (first["3"] == second["3"]).all()  # whole activations: one mask
+    assert (first["out"] == second["out"]).all() and (first["after"] == second["after"]).all()
+
+
 # ---------------------------------------------------------------------------------- through PipeStrategy
 #: Compared with one device on the global batch (the others: with a run they resume, or in their own tests).
 TRAINED = [name for group in ("4 processes tensor parallel", "8 processes tensor parallel") for name in GROUPS[group]

@@ -27,6 +27,7 @@ from lightning_pipe.engine.loss import LossFn, check_sendable
 from lightning_pipe.engine.microbatch import Batch, TensorOrTensors
 from lightning_pipe.lightning.placeholders import BODIES, listed, version, wrap_placeholders
 from lightning_pipe.transport.parallel import fsdp
+from lightning_pipe.transport.parallel.dtensors import check_same_inputs
 
 __all__: list[str] = []
 
@@ -80,6 +81,8 @@ class PipelinedSequential(nn.Module):
         self._warned_small = False
         self.local_only = False  # True: state_dict() leaves remote layers' entries as placeholders
         self.sharded = False  # its stages are sharded over the replicas (FSDP2); they stay so once they are
+        self.tensor_group: Any = None  # split by tensor parallel: the drivers that split stage 0 (see _prepare)
+        self._runs = 0  # runs of the pipeline so far
         # Module-level functions, not bound methods: no reference cycle keeps a freed body (and its stages).
         self.register_state_dict_post_hook(_remote_state)
         self.register_load_state_dict_pre_hook(_load_remote_state)
@@ -181,14 +184,20 @@ class PipelinedSequential(nn.Module):
                 for pname, p in child.named_parameters():
                     yield f"{name}.{pname}", p
 
-    def _prepare(self, input: Any) -> None:
-        """What precedes every run of the pipeline: refusals, the driver's settings sent on, a warning."""
+    def _prepare(self, input: Any, target: Any = None) -> None:
+        """What precedes every run of the pipeline: refusals (inputs that differ between the tensor ranks of a
+        split stage 0 among them), the driver's settings sent on, a warning."""
         if torch.jit.is_tracing():
             raise RuntimeError(
                 "the pipelined body cannot be traced (torch.jit.trace, or TensorBoardLogger(log_graph=True), which "
                 "traces the model at the start of fit): its layers run in other processes, outside the trace. Use "
                 "TensorBoardLogger(log_graph=False), or trace the plain model without PipeStrategy")
         self.check_placeholders()
+        self._runs += 1
+        if self.tensor_group is not None:
+            tensors = [t for t in (*Batch.of(input, "input of the pipeline").tensors,
+                                   *([target] if isinstance(target, Tensor) else [])) if isinstance(t, Tensor)]
+            check_same_inputs(self.tensor_group, tensors, self._runs)
         if self.before_forward is not None:
             self.before_forward()
         size = Batch.of(input, "input of the pipeline").tensors[0].size(0) if self.chunks > 1 else self.chunks
@@ -226,7 +235,7 @@ class PipelinedSequential(nn.Module):
         last stage is in another process: refused here otherwise, before anything is sent."""
         if self.processes > 1:
             check_sendable(loss_fn, self.processes)
-        self._prepare(input)
+        self._prepare(input, target)
         out = pipeline_loss(self.pipeline, input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
                             training=self.training, parameters=self.parameters(), schedule=self.schedule,
                             reduction=reduction, loss_scale=self.loss_scale())

@@ -180,6 +180,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     pipelined.tied_sync = TiedSync(hosts, local_tied, local_params, tied) if local_tied is not None else None
     pipelined.retie = retie
     pipelined.sharded = split is not None  # DTensors: every pipeline of a replica takes part in each save
+    pipelined.tensor_group = dtensors.mesh()["tensor"].get_group() if split is not None else None
     pipelined.built = built
     setattr(module, strategy.module_name, pipelined)
     # When the model is freed (a script training one model after another), so is what its stages hold.

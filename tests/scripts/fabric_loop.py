@@ -28,7 +28,7 @@ if (__name__ == "__main__" and json.loads(sys.argv[1]).get("package") == "lightn
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import lightning_pipe
 
@@ -39,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "load": None, "launch_fn": False, "collectives": False, "package": "lightning", "init_scale": 2.0 ** 4,
     "sharding": "NO_SHARD", "virtual_stages": 1, "state_dict_type": "full", "nodes": 1, "tensor_parallel_size": 1,
     "start_method": "popen", "own_state": False, "load_own": None, "load_with": "load_state_dict",
+    "shard_by_rank": False,
 }
 
 
@@ -121,37 +122,9 @@ def optimizer_of(config: dict[str, Any], module: nn.Module) -> torch.optim.Optim
     return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
 
 
-def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
-    """The loop: setup, the optimizer and scheduler, batches from ``setup_dataloaders``, the loss on the last stage
-    or on the output, ``fabric.backward`` under ``no_backward_sync`` while accumulating, clipping, ``step``,
-    ``zero_grad``; ``fabric.load`` of an earlier run first, ``fabric.save`` at the end."""
-    config = {**DEFAULTS, **config}
-    fabric.seed_everything(config["seed"])
-    if config["build"] == "init_module":
-        with fabric.init_module():
-            net = model(config)
-    else:
-        net = model(config)
-    optimizer = optimizer_of(config, net)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if config["scheduler"] else None
-    net, optimizer = fabric.setup(net, optimizer)
-    loader = fabric.setup_dataloaders(DataLoader(data(config), batch_size=config["batch_size"]))
-    state: dict[str, Any] = {"model": net, "optimizer": optimizer, "step": 0}
-    if scheduler is not None:
-        state["scheduler"] = scheduler
-    if config["load"]:
-        fabric.load(config["load"], state)
-    if config["load_own"]:  # the loop's own files of an earlier run (own_state), by the module's and optimizer's own
-        model_file, optimizer_file = (os.path.join(config["load_own"], f"own-{what}-0.pt")
-                                      for what in ("model", "optimizer"))
-        if config["load_with"] == "load_raw":
-            fabric.load_raw(model_file, net)
-            fabric.load_raw(optimizer_file, optimizer)
-        else:
-            net.load_state_dict(torch.load(model_file, weights_only=True))
-            optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
-    body_of = net.sequential_module if config["model"] == "module" else net
-    loss_fn = lm_loss if config["model"].startswith("litgpt") else mse
+def train(fabric: Any, config: dict[str, Any], net: Any, optimizer: Any, scheduler: Any, loader: Any,
+          state: dict[str, Any], body_of: Any, loss_fn: Any) -> None:
+    """The epochs of :func:`run`'s loop."""
     for _ in range(config["epochs"]):
         for k, (x, y) in enumerate(loader):
             accumulating = (k + 1) % config["accumulate"] != 0
@@ -172,6 +145,51 @@ def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
             if scheduler is not None:
                 scheduler.step()
             state["step"] += 1
+
+
+def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
+    """The loop: setup, the optimizer and scheduler, batches from ``setup_dataloaders``, the loss on the last stage
+    or on the output, ``fabric.backward`` under ``no_backward_sync`` while accumulating, clipping, ``step``,
+    ``zero_grad``; ``fabric.load`` of an earlier run first, ``fabric.save`` at the end."""
+    config = {**DEFAULTS, **config}
+    fabric.seed_everything(config["seed"])
+    if config["build"] == "init_module":
+        with fabric.init_module():
+            net = model(config)
+    else:
+        net = model(config)
+    optimizer = optimizer_of(config, net)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if config["scheduler"] else None
+    net, optimizer = fabric.setup(net, optimizer)
+    if config["shard_by_rank"]:  # sharded by hand by process, as scripts for Fabric's own strategies often do
+        dataset = data(config)
+        mine = Subset(dataset, range(fabric.global_rank, len(dataset), fabric.world_size))
+        loader = fabric.setup_dataloaders(DataLoader(mine, batch_size=config["batch_size"]),
+                                          use_distributed_sampler=False)
+    else:
+        loader = fabric.setup_dataloaders(DataLoader(data(config), batch_size=config["batch_size"]))
+    state: dict[str, Any] = {"model": net, "optimizer": optimizer, "step": 0}
+    if scheduler is not None:
+        state["scheduler"] = scheduler
+    if config["load"]:
+        fabric.load(config["load"], state)
+    if config["load_own"]:  # the loop's own files of an earlier run (own_state), by the module's and optimizer's own
+        model_file, optimizer_file = (os.path.join(config["load_own"], f"own-{what}-0.pt")
+                                      for what in ("model", "optimizer"))
+        if config["load_with"] == "load_raw":
+            fabric.load_raw(model_file, net)
+            fabric.load_raw(optimizer_file, optimizer)
+        else:
+            net.load_state_dict(torch.load(model_file, weights_only=True))
+            optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
+    body_of = net.sequential_module if config["model"] == "module" else net
+    loss_fn = lm_loss if config["model"].startswith("litgpt") else mse
+    try:
+        train(fabric, config, net, optimizer, scheduler, loader, state, body_of, loss_fn)
+    except RuntimeError as exc:
+        if not config["shard_by_rank"]:
+            raise
+        return {"error": str(exc)}  # refused (tensor ranks that received different inputs)
     fabric.save(os.path.join(out, "final.pt"), state)
     own_error = None
     if config["own_state"]:  # the script's own calls, as many end (an EMA, an evaluation, torch.save of them)

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_pipe.engine.materialize import Program, materialize, materialize_layers
 from lightning_pipe.transport.parallel import fsdp
-from lightning_pipe.transport.parallel.tensor import Plan, stage_plan
+from lightning_pipe.transport.parallel.tensor import Plan, own_dropout_streams, stage_plan
 
 __all__ = ["materialize_split"]
 
@@ -52,6 +52,7 @@ def _materialize_split(module: nn.Module, program: Program, plan: Plan, tp_mesh:
                 parallelize_module(module.get_submodule(name), tp_mesh, style, src_data_rank=src_data_rank)
 
     materialize_layers(module, program, split, device)
+    own_dropout_streams(module, resolved, tp_mesh)
     return most
 
 

@@ -67,6 +67,48 @@ def data_group() -> dist.ProcessGroup:
     return _MESH["mesh"].get_group("data")
 
 
+#: How many elements of each input :func:`check_same_inputs` compares, evenly spread (a different batch differs
+#: almost everywhere; the whole of a large one would cost a copy of it).
+SAMPLED = 4096
+
+
+def _digest(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """A few integers that equal tensors give alike on every process: their count, shapes, and the bytes of
+    up to :data:`SAMPLED` elements each, summed plainly and weighted by position (exact: no float sum's rounding,
+    which could differ between machines)."""
+    out = torch.zeros(4, dtype=torch.int64)
+    for k, t in enumerate(tensors, start=1):
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // SAMPLED)
+        sample = flat[::step][:SAMPLED].contiguous().cpu().view(torch.uint8).to(torch.int64)
+        weights = torch.arange(1, sample.numel() + 1, dtype=torch.int64).remainder_(251).add_(k)
+        out += torch.tensor([1, hash(tuple(t.shape)) % (1 << 40), int(sample.sum()), int((sample * weights).sum())])
+    return out.to(device)
+
+
+def check_same_inputs(group: Any, tensors: list[Tensor], run: int) -> None:
+    """Refuse, in every process of ``group`` (the tensor ranks of a stage-0 replica: the drivers that split its
+    layers) at once, a run of the pipeline whose input tensors are not the same in all of them: each rank would
+    compute its slices of another batch, and the layers would combine them into garbage, silently. A collective
+    (an all-gather of a few integers per run)."""
+    size = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    mine = _digest(tensors, device)
+    every = torch.empty(size * mine.numel(), dtype=mine.dtype, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    rows = every.view(size, -1).cpu()
+    differ = [k for k in range(1, size) if not torch.equal(rows[k], rows[0])]
+    if differ:
+        raise RuntimeError(
+            f"the tensor ranks of this pipeline's first stage received different inputs in run {run} of the "
+            f"pipeline (tensor rank 0's differ from those of tensor rank(s) {differ}): every tensor rank splits the "
+            "same layers and must see the same batch, or training is garbage. The data is split by replica, not by "
+            "process: fabric.world_size and fabric.global_rank (and the Trainer's world) count every tensor rank; "
+            "let fabric.setup_dataloaders (or the Trainer) add its sampler, or shard by hand with "
+            "strategy.distributed_sampler_kwargs (num_replicas: the replicas, rank: this replica's index)")
+
+
 def is_split(t: Any) -> bool:
     """Whether ``t`` is a ``DTensor`` on the tensor dimension (a parameter split, or kept whole, by tensor parallel)."""
     return hasattr(t, "device_mesh") and "tensor" in (t.device_mesh.mesh_dim_names or ())

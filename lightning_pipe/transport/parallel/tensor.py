@@ -27,12 +27,14 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any, Union
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -45,8 +47,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["STYLES", "SummedGradients", "Whole", "check_stage_boundaries", "parallelize_stage", "resolve_plan",
-           "stage_plan"]
+__all__ = ["STYLES", "SummedGradients", "Whole", "check_stage_boundaries", "own_dropout_streams", "parallelize_stage",
+           "resolve_plan", "stage_plan"]
 
 Plan = Union[Mapping[str, Union[ParallelStyle, str]], Callable[[nn.Module, Any], None]]  # noqa: UP007 - runtime
 
@@ -273,9 +275,70 @@ def parallelize_stage(stage_module: nn.Module, plan: Plan, tp_mesh: Any, *, name
     if getattr(tp_mesh, "ndim", None) != 1:
         raise ValueError(f"parallelize_stage needs the stage's 1-D tensor mesh (of a larger mesh, its tensor "
                          f"dimension: mesh['tensor']) (got: {tp_mesh!r})")
-    for name, style in stage_plan(stage_module, plan, tp_mesh.size(), names).items():
+    resolved = stage_plan(stage_module, plan, tp_mesh.size(), names)
+    for name, style in resolved.items():
         parallelize_module(stage_module.get_submodule(name), tp_mesh, style, src_data_rank=src_data_rank)
+    own_dropout_streams(stage_module, resolved, tp_mesh)
     return stage_module
+
+
+# ---------------------------------------------------------------------------------- dropout on slices
+_saved = threading.local()  # the random state a dropout of a split region set aside, by module, in this thread
+
+
+def _own_stream(rank: int, module: nn.Module, args: Any) -> None:
+    """Before a dropout on a slice: draw one seed from the random stream every tensor rank shares (each draws the
+    same, so the stream stays the same in all of them), then run the dropout on a stream of this rank's own."""
+    x = args[0] if args else None
+    if not module.training or not getattr(module, "p", 0) or not isinstance(x, Tensor):
+        return
+    seed = int(torch.randint(0, 1 << 62, (1,)).item()) + rank
+    if x.device.type == "cuda":
+        saved = (x.device, torch.cuda.get_rng_state(x.device))
+        with torch.cuda.device(x.device):
+            torch.cuda.manual_seed(seed)
+    else:
+        saved = (x.device, torch.get_rng_state())
+        torch.random.default_generator.manual_seed(seed)
+    vars(_saved).setdefault("states", {})[id(module)] = saved
+
+
+def _shared_stream(module: nn.Module, args: Any, output: Any) -> None:
+    """After a dropout on a slice: the shared random stream back where it was (see :func:`_own_stream`)."""
+    saved = vars(_saved).get("states", {}).pop(id(module), None)
+    if saved is None:
+        return
+    device, state = saved
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def own_dropout_streams(stage_module: nn.Module, resolved: Mapping[str, ParallelStyle], tp_mesh: Any) -> list[str]:
+    """Give each dropout of ``stage_module`` that acts on slices (a layer of the stage between a layer leaving its
+    output sharded and one taking it whole, as a ``Dropout`` between a colwise and a rowwise ``Linear``) a random
+    stream of its tensor rank's own, as Megatron's model-parallel generator does: with the stream every rank shares,
+    each rank's slice would get the same mask as the others' (correlated masks, which one device never draws). A
+    dropout on whole activations keeps the shared stream (every rank must mask them alike). Dropouts inside a layer
+    whose own modules are planned (a block) are left as they are: nothing here follows the layout inside it.
+    ``resolved``: the stage's plan (:func:`stage_plan`). Returns the names of the dropouts given their own stream."""
+    layout: Any = Replicate()  # what reaches the stage's first layer (slices only if it takes them: checked before)
+    done: list[str] = []
+    rank = tp_mesh.get_local_rank()
+    for child, layer in stage_module.named_children():
+        takes, leaves, _, _ = _layer_layouts(child, resolved)
+        if takes is not None:
+            layout = takes
+        if leaves is _PASS and takes is None and isinstance(layout, Shard):  # a layer of no style, on slices
+            for name, module in layer.named_modules(prefix=child):
+                if isinstance(module, nn.modules.dropout._DropoutNd):
+                    module.register_forward_pre_hook(partial(_own_stream, rank))
+                    module.register_forward_hook(_shared_stream)
+                    done.append(name)
+        if leaves is not _PASS:
+            layout = leaves
+    return done
 
 
 # ---------------------------------------------------------------------------------- layouts from layer to layer
