@@ -315,6 +315,56 @@ def test_a_dropout_on_slices_draws_each_tensor_ranks_own_mask_and_one_on_whole_a
     assert (first["out"] == second["out"]).all() and (first["after"] == second["after"]).all()
 
 
+def _sequence_parallel_clipping(rank: int, world: int, path: str) -> dict[str, object]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_pipe.transport.parallel import fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+        model = copy.deepcopy(plain)
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Shard(1)), "3": "sequence_parallel",
+                "4": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+        check_stage_boundaries([model], plan, 2)
+        parallelize_stage(model, plan, mesh)
+        x = torch.randn(2, 6, 8)
+        for m in (plain, model):
+            m(x).pow(2).sum().backward()
+        results: dict[str, object] = {"placements": str(model[3].weight.grad.placements)}
+        norm = fsdp.total_norm(fsdp.settle(model.parameters()), 2.0)
+        results["norm"] = (norm, float(torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()])))
+        for g in fsdp.settle(model.parameters()):  # clipped by value, as clip_by_value does
+            fsdp.local(g).detach().clamp_(-0.5, 0.5)
+        torch.nn.utils.clip_grad_value_(plain.parameters(), 0.5)
+        for m in (plain, model):
+            torch.optim.SGD(m.parameters(), lr=0.1).step()
+        results["weights"] = {n: (_plain(p.full_tensor() if isinstance(p, DTensor) else p), _plain(q))
+                              for (n, p), q in zip(model.named_parameters(), plain.parameters())}
+        return results
+    finally:
+        dist.destroy_process_group()
+
+
+def test_partial_gradients_of_sequence_parallel_norms_are_summed_before_a_norm_or_a_clamp(tmp_path):
+    """A norm under ``"sequence_parallel"`` sees its rank's slice of the sequence: its gradient is ``Partial``, each
+    rank holding a part of the sum. The global norm counted each rank's part (the two ranks found 50.81 and 50.82,
+    one device 51.39, and clipped by different coefficients), and clipping by value clamped the parts. The parts
+    are now summed first: both ranks find one device's norm, and clamp as one device does."""
+    results = run_processes(_sequence_parallel_clipping, 2, str(tmp_path / "store"), timeout=120)
+    for rank, result in results.items():
+        assert "Partial" in result["placements"]  # (what the fix is for)
+        norm, plain = result["norm"]
+        assert norm == pytest.approx(plain, rel=1e-5), f"rank {rank}: the global norm"
+        for name, (got, expected) in result["weights"].items():
+            torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(expected), rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank}: {name} after a step clipped by value")
+
+
 # ---------------------------------------------------------------------------------- through PipeStrategy
 #: Compared with one device on the global batch (the others: with a run they resume, or in their own tests).
 TRAINED = [name for group in ("4 processes tensor parallel", "8 processes tensor parallel") for name in GROUPS[group]

@@ -64,12 +64,7 @@ class PipePrecision:
         hosts = getattr(optimizer, "_lp_hosts", None)
         if hosts is None:
             return super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
-        sum_tied(optimizer)
-        params = [p for p in self.main_params(optimizer) if not is_placeholder(p)]  # type: ignore[attr-defined]
-        for p in params:
-            if p.grad is not None:
-                fsdp.local(p.grad).detach().clamp_(-clip_val, clip_val)
-        hosts.call("clamp_grads", optimizer._lp_index, clip_val)  # type: ignore[attr-defined]
+        clip_by_value(optimizer, clip_val)
         return None
 
 
@@ -94,7 +89,7 @@ def clip_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, norm_
     together, as ``torch.nn.utils.clip_grad_norm_`` over the whole model does; return that norm."""
     hosts = optimizer._lp_hosts  # type: ignore[attr-defined]
     sum_tied(optimizer)  # (manual optimization clips before its step)
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grads = _grads(optimizer)
     norm_type = float(norm_type)
     remote = hosts.start("grad_norm", optimizer._lp_index, norm_type)  # type: ignore[attr-defined]
     norms = [fsdp.total_norm(grads, norm_type)] + [future.result() for future in remote]
@@ -113,6 +108,21 @@ def clip_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, norm_
             fsdp.local(g).detach().mul_(coefficient)
         hosts.call("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
     return torch.tensor(total)
+
+
+def clip_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    """Clamp the gradients of every stage's part of ``optimizer`` (a mirrored one) to ``[-clip_val, clip_val]``, as
+    ``torch.nn.utils.clip_grad_value_`` over the whole model does."""
+    sum_tied(optimizer)
+    for g in _grads(optimizer):
+        fsdp.local(g).detach().clamp_(-clip_val, clip_val)
+    optimizer._lp_hosts.call("clamp_grads", optimizer._lp_index, float(clip_val))  # type: ignore[attr-defined]
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The gradients of this process's part of ``optimizer`` (placeholders have none), partial sums summed
+    (:func:`~lightning_pipe.transport.parallel.fsdp.settle`)."""
+    return fsdp.settle(p for g in optimizer.param_groups for p in g["params"] if not is_placeholder(p))
 
 
 def _holding(grad: Tensor) -> Tensor:

@@ -40,7 +40,13 @@ from lightning_pipe.lightning.fabric import checkpoints
 from lightning_pipe.lightning.launcher import Serving
 from lightning_pipe.lightning.layers import LayerSync
 from lightning_pipe.lightning.optimizers import StageOptimizers, raw
-from lightning_pipe.lightning.precision import PipePrecision, clip_by_global_norm, sum_tied, unscale_remote
+from lightning_pipe.lightning.precision import (
+    PipePrecision,
+    clip_by_global_norm,
+    clip_by_value,
+    sum_tied,
+    unscale_remote,
+)
 from lightning_pipe.lightning.processes import PipelineLayout
 from lightning_pipe.lightning.replicas import Replicas
 
@@ -341,12 +347,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         if hosts is None:
             return super().clip_gradients_value(module, optimizer, clip_val)
         self.unscale(optimizer)
-        sum_tied(optimizer)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not p.is_meta:
-                    p.grad.detach().clamp_(-clip_val, clip_val)
-        hosts.call("clamp_grads", optimizer._lp_index, float(clip_val))
+        clip_by_value(optimizer, float(clip_val))
         return None
 
     @override

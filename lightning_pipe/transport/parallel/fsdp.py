@@ -284,6 +284,28 @@ def _by_sharding(tensors: Iterable[Tensor]) -> dict[tuple[tuple[str, int], ...],
     return dict(sorted(groups.items()))
 
 
+def settle(params: Iterable[Tensor]) -> list[Tensor]:
+    """The gradients of ``params`` (those that have one), each ``DTensor`` still holding partial sums first summed
+    over its mesh and put in place of the partial one: a parameter kept whole that layers use on slices of the
+    sequence (``"sequence_parallel"``'s norms) gets a ``Partial`` gradient, each tensor rank holding its slices'
+    part, and a norm, a clamp or an overflow check must see the gradient, not each rank's part of it (the global
+    norm differed from rank to rank, and so did the clipping coefficient). A collective where any is partial: every
+    process holding the stage calls it at once, with its parameters in the same order."""
+    from torch.distributed.tensor import Replicate
+
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if is_dtensor(g) and any(placement.is_partial() for placement in g.placements):
+            g = g.redistribute(g.device_mesh, [Replicate() if placement.is_partial() else placement
+                                               for placement in g.placements])
+            p.grad = g
+        grads.append(g)
+    return grads
+
+
 def total_norm(grads: Sequence[Tensor], norm_type: float) -> float:
     """The ``norm_type`` norm of ``grads`` taken as one vector, sharded ones (``DTensor``) over all their shards:
     a collective of the shards' groups (every process holding a shard of the stage calls it at once). A ``DTensor``

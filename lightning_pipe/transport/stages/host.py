@@ -125,6 +125,7 @@ class StageHost(StageState):
             return []
         optimizer, names = self.optimizers[k]
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        fsdp.settle(params)  # (partial sums summed: the gradients themselves)
         return [p.grad for p, name in zip(params, names)
                 if p.grad is not None and (not counted_only or self.tied.counted(name))]
 
