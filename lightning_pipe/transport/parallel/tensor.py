@@ -24,20 +24,17 @@ slices, and a body whose output stays sharded. :func:`parallelize_stage` applies
 
 from __future__ import annotations
 
-import copy
 import difflib
 import re
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -47,107 +44,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_pipe.transport.parallel.styles import STYLES, SummedGradients, Whole, describe, style_of
+
 __all__ = ["STYLES", "SummedGradients", "Whole", "check_stage_boundaries", "own_dropout_streams", "parallelize_stage",
            "resolve_plan", "stage_plan"]
 
 Plan = Union[Mapping[str, Union[ParallelStyle, str]], Callable[[nn.Module, Any], None]]  # noqa: UP007 - runtime
-
-
-class Whole(ParallelStyle):
-    """Hugging Face's ``"replicate"``: the module stays whole in every tensor rank, its parameters plain tensors
-    (as any module the plan leaves out)."""
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        return module
-
-
-def _sum_over(group: Any, grad: Tensor) -> Tensor:
-    grad = grad.clone()
-    dist.all_reduce(grad, group=group)
-    return grad
-
-
-class SummedGradients(ParallelStyle):
-    """Hugging Face's ``"replicated_with_grad_allreduce"``: the module's own parameters stay whole in every tensor
-    rank, and each gradient reaching them is summed over the ranks (a norm over a sharded axis, as Qwen3's per-head
-    ``q_norm``, sees only its rank's heads). Summed per backward, before it accumulates: right for micro-batches.
-
-    The sum is hooked on the parameters the module's forward uses, as it runs, not on those it holds when the style
-    is applied: materialising, loading, and FSDP2's ``fully_shard`` over the replicas replace its parameters (FSDP2
-    runs the forward with whole parameters of its own, whose gradients it then reduces into the shards); a hook on
-    the tensors of the time would be left behind, and the gradients silently not summed."""
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        hooked: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
-        module.register_forward_pre_hook(partial(_hook_sums, device_mesh.get_group(), hooked))
-        return module
-
-
-def _hook_sums(group: Any, hooked: weakref.WeakValueDictionary[int, Tensor], module: nn.Module, args: Any) -> None:
-    """Before ``module``'s forward: each parameter it will use that needs a gradient, not hooked yet, has its
-    gradients summed over ``group`` (``hooked``: those that have, by id, while they live)."""
-    for p in module.parameters(recurse=False):
-        if p.requires_grad and hooked.get(id(p)) is not p:
-            p.register_hook(partial(_sum_over, group))
-            hooked[id(p)] = p
-
-
-def _named_style(name: str, style: ParallelStyle, kind: type[nn.Module] | None) -> Callable[[], ParallelStyle]:
-    def make() -> ParallelStyle:
-        made = copy.copy(style)
-        made.plan_name, made.plan_kind = name, kind  # type: ignore[attr-defined]
-        return made
-
-    return make
-
-
-#: Hugging Face's style names (``transformers.distributed.tensor_parallel``) as torch's styles, with their
-#: layouts: ``colwise`` takes its input whole and leaves its output sharded on the last dim, ``rowwise`` the
-#: reverse (its partial sums all-reduced), the ``_rep``/``gather_output``/``split_input`` forms whole on both sides;
-#: ``embedding_rowwise`` shards the vocabulary, ``embedding_colwise`` the embedding dim; ``sequence_parallel``
-#: takes and leaves the input's slice on dim 1; ``all_reduce`` sums the module's partial output.
-STYLES: dict[str, Callable[[], ParallelStyle]] = {
-    name: _named_style(name, style, kind) for name, style, kind in [
-        ("colwise", ColwiseParallel(), nn.Linear),
-        ("colwise_rep", ColwiseParallel(output_layouts=Replicate()), nn.Linear),
-        ("colwise_gather_output", ColwiseParallel(output_layouts=Replicate()), nn.Linear),
-        ("rowwise", RowwiseParallel(), nn.Linear),
-        ("rowwise_rep", RowwiseParallel(input_layouts=Replicate()), nn.Linear),
-        ("rowwise_split_input", RowwiseParallel(input_layouts=Replicate()), nn.Linear),
-        ("embedding_rowwise", RowwiseParallel(input_layouts=Replicate()), nn.Embedding),
-        ("embedding_colwise", ColwiseParallel(output_layouts=Replicate()), nn.Embedding),
-        ("sequence_parallel", SequenceParallel(use_local_output=True), None),
-        ("all_reduce", PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()), None),
-        ("replicate", Whole(), None),
-        ("replicated_with_grad_allreduce", SummedGradients(), None),
-    ]}
-
-#: Hugging Face's style names that need its own modules or packed weights: a function plan can apply them.
-UNSUPPORTED = ("packed_colwise", "packed_rowwise", "local_colwise", "local_rowwise", "local_packed_rowwise", "local",
-               "gather", "local_params", "mla_kv_a_proj", "moe_tp_experts", "moe_identity_expert", "grouped_gemm",
-               "ep_dispatch_experts", "ep_router")
-
-
-def _style(value: Any, key: str) -> ParallelStyle:
-    if isinstance(value, ParallelStyle):
-        return value
-    if not isinstance(value, str):
-        raise TypeError(f"tensor_parallel_plan[{key!r}] must be a torch ParallelStyle or a style name "
-                        f"(got: {value!r})")
-    if value in STYLES:
-        return STYLES[value]()
-    if value in UNSUPPORTED:
-        raise ValueError(f"tensor_parallel_plan[{key!r}] is {value!r}, a Hugging Face style for its own modules or "
-                         f"packed weights, not supported here; give a torch ParallelStyle, or a function "
-                         f"(stage_module, tp_mesh) -> None as the whole plan. Supported names: {', '.join(STYLES)}")
-    close = difflib.get_close_matches(value, list(STYLES), n=3)
-    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-    raise ValueError(f"tensor_parallel_plan[{key!r}] is an unknown style name {value!r}{hint}; the known names: "
-                     f"{', '.join(STYLES)}; or a torch ParallelStyle")
-
-
-def _describe(style: ParallelStyle) -> str:
-    return repr(getattr(style, "plan_name", None) or type(style).__name__)
 
 
 def _named(module: nn.Module, names: Mapping[str, str] | None = None) -> dict[str, nn.Module]:
@@ -191,13 +93,13 @@ def _check(name: str, module: nn.Module, style: ParallelStyle, tp_size: int | No
         kind = (nn.Linear, nn.Embedding)
     if kind is not None and not isinstance(module, kind):
         wanted = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise ValueError(f"tensor_parallel_plan gives {name!r} ({type(module).__name__}) the style {_describe(style)}, "
+        raise ValueError(f"tensor_parallel_plan gives {name!r} ({type(module).__name__}) the style {describe(style)}, "
                          f"which splits an nn.{wanted} only; name the {wanted} layers inside it, or give it "
                          "'replicate' (or leave it out: every tensor rank then holds it whole)")
     split = _sharded_dim(module, style)
     if tp_size is not None and split is not None and split[1] % tp_size:
         attribute, size = split
-        raise ValueError(f"tensor_parallel_plan splits {name!r} ({module}) {_describe(style)} over "
+        raise ValueError(f"tensor_parallel_plan splits {name!r} ({module}) {describe(style)} over "
                          f"tensor_parallel_size={tp_size}: its {attribute} is {size}, which does not divide by "
                          f"{tp_size}; choose a tensor_parallel_size that divides {size}, or leave {name!r} whole "
                          "(out of the plan, or 'replicate')")
@@ -218,7 +120,7 @@ def _resolve(named: Mapping[str, nn.Module], plan: Any, tp_size: int | None, str
         if not isinstance(key, str) or not key:
             raise ValueError(f"tensor_parallel_plan's keys are module names of {what}, as named_modules() gives "
                              f"them (got: {key!r})")
-        style = _style(value, key)
+        style = style_of(value, key)
         found = _match(key, named)
         if not found and strict:
             pool = list(named) + sorted({re.sub(r"\d+", "*", n) for n in named} if "*" in key else ())
@@ -405,7 +307,7 @@ def check_stage_boundaries(partitions: Sequence[nn.Module], plan: Plan, tp_size:
         for k, layer in enumerate(name for name, m in partition._modules.items() if m is not None):
             takes, leaves, first, final = _layer_layouts(layer, resolved)
             kind = type(partition._modules[layer]).__name__
-            source = f"{last!r} is {_describe(resolved[last])}" if last else "the body's input"
+            source = f"{last!r} is {describe(resolved[last])}" if last else "the body's input"
             handed = isinstance(takes, Shard) and _meet(takes, layout)  # the slices a stage hands on taken as they are
             if k == 0 and j > 0 and isinstance(layout, Shard) and not handed:
                 raise ValueError(
@@ -422,12 +324,12 @@ def check_stage_boundaries(partitions: Sequence[nn.Module], plan: Plan, tp_size:
                 raise ValueError(
                     f"tensor_parallel_plan gives {first!r} "
                     f"({f'{kind}, ' if first == layer else f'in layer {layer!r}, '}stage {j}) "
-                    f"{_describe(resolved[first])}, which takes its input {_whole(takes)}, but what reaches it is "
+                    f"{describe(resolved[first])}, which takes its input {_whole(takes)}, but what reaches it is "
                     f"{_whole(layout)} ({source}); use {fix}")
             if leaves is not _PASS:
                 layout, last = leaves, final
     if isinstance(layout, Shard):
         raise ValueError(f"tensor_parallel_plan leaves the body's output {_whole(layout)} ({last!r} is "
-                         f"{_describe(resolved[last])}): the last stage would hand the loss a slice per tensor rank. "
+                         f"{describe(resolved[last])}): the last stage would hand the loss a slice per tensor rank. "
                          f"Gather it: 'colwise_rep' for {last!r}, or a 'rowwise' layer after it")
     return resolved

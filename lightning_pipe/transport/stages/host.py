@@ -123,10 +123,9 @@ class StageHost(StageState):
     def _grads(self, k: int, counted_only: bool = False) -> list[Tensor]:
         if k not in self.optimizers:
             return []
-        optimizer, names = self.optimizers[k]
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        params = [p for g in self.optimizers[k][0].param_groups for p in g["params"]]
         fsdp.settle(params)  # (partial sums summed: the gradients themselves)
-        return [p.grad for p, name in zip(params, names)
+        return [p.grad for p, name in zip(params, self.optimizers[k][1])
                 if p.grad is not None and (not counted_only or self.tied.counted(name))]
 
     def sum_tied_gradients(self) -> None:
