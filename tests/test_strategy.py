@@ -418,7 +418,8 @@ def test_grad_norm_refuses_a_norm_that_is_not_positive(norm_type):
 def test_placeholders_refuse_the_functions_that_would_see_stage_0_alone():
     """On the driver, remote layers are placeholders without gradients: clip_grad_norm_, clip_grad_value_ and
     Lightning's grad_norm over the whole model would silently cover stage 0 alone, so they are refused with
-    what to use instead; everything else that reads .grad (zeroing, optimizers) sees None, as before."""
+    what to use instead; zeroing sees None, as before, and an optimizer the strategy did not set up is refused at
+    its step."""
     from pytorch_lightning.utilities import grad_norm as lightning_grad_norm
     from torch import nn
 
@@ -453,8 +454,13 @@ def test_placeholders_refuse_the_functions_that_would_see_stage_0_alone():
     # Without the remote stages at hand (no hosts here), lightning_pipe.grad_norm says so rather than guess.
     with pytest.raises(ValueError, match=r"grad_norm cannot reach the stage that holds '1.1.weight'"):
         lightning_pipe.grad_norm(module, 2)
+    # An optimizer the strategy did not set up (built over the placeholders afterwards) would step stage 0 alone:
+    # refused at its step (it was taken, and the remote layers never trained); zeroing sees None.
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    optimizer.step()
+    with pytest.raises(RuntimeError, match=r"SGD holds parameters of layers in other pipeline stages "
+                                           r"\(sequential_module.1.1.weight, .*: stages 1\).* update this process's "
+                                           r"layers alone. Set the optimizer up with the model"):
+        optimizer.step()
     optimizer.zero_grad()
     module.zero_grad()
     assert module[0].weight.grad is None and placeholder.grad is None
@@ -466,6 +472,7 @@ def test_placeholders_refuse_the_functions_that_would_see_stage_0_alone():
     ours, theirs = lightning_pipe.grad_norm(module, 2), lightning_grad_norm(module, 2)
     assert list(ours) == list(theirs) == ["grad_2.0_norm/0.weight", "grad_2.0_norm/0.bias", "grad_2.0_norm_total"]
     torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    optimizer.step()  # (the remote layers frozen, nothing of theirs would step anywhere: taken)
 
 
 @pytest.mark.filterwarnings("ignore:.*copying from a non-meta parameter")  # no stages here to take them

@@ -117,20 +117,23 @@ def _zero_remote(p: Placeholder, frame: Any) -> None:
                 body.hosts.call_stage(j, "zero_named", stage_names, set_to_none)
 
 
-#: Optimizers checked by :func:`_refuse_unmirrored`: how many parameters each held when it was (a change rechecks).
+#: Optimizers found holding no placeholder by :func:`_refuse_unmirrored`: how many parameters each held then (a
+#: change rechecks).
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _step_hook: Any = None
 
 
 def _refuse_unmirrored(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before any optimizer's step: refuse one holding placeholders that no pipeline mirrors on its stages (built
-    after the split, never set up by the strategy): its step would update this process's stages alone."""
+    """Before any optimizer's step: refuse one holding trainable placeholders that no pipeline mirrors on its
+    stages (built after the split, never set up by the strategy): its step would update this process's stages
+    alone. (Frozen ones have no gradient in their stages either: stepping them does nothing, as on one device.)"""
     if hasattr(optimizer, "_lp_index"):
         return
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _CHECKED.get(optimizer) == count:
         return
-    remote = [p for group in optimizer.param_groups for p in group["params"] if isinstance(p, Placeholder)]
+    held = [p for group in optimizer.param_groups for p in group["params"] if isinstance(p, Placeholder)]
+    remote = [p for p in held if p.requires_grad]
     if remote:
         stages = sorted({p.stage for p in remote})
         raise RuntimeError(
@@ -139,7 +142,8 @@ def _refuse_unmirrored(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
             "holds as placeholders: its step would update this process's layers alone. Set the optimizer up with "
             "the model, model, optimizer = fabric.setup(model, optimizer) in a Fabric loop (not setup_module), or "
             "return it from configure_optimizers under the Trainer: then every stage steps with it")
-    _CHECKED[optimizer] = count
+    if not held:
+        _CHECKED[optimizer] = count
 
 
 def wrap_placeholders(layer: nn.Module, prefix: str, stage: int, process: int,
