@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 from filelock import FileLock
+from jobs import config as case_config
 from scripts import fabric_loop
 from strategy_utils import assert_same_weights, run_script
 
@@ -36,6 +37,11 @@ JOBS: dict[str, dict[str, Any]] = {
                                    "own_state": True},
         "bf16-mixed": {"precision": "bf16-mixed", "microbatches": 1},
         "bf16-true": {"precision": "bf16-true", "microbatches": 1},
+        "64-true": {"precision": "64-true"},
+        "16-true": {"precision": "16-true", "microbatches": 1},
+        # A CheckpointIO of the user's takes the whole checkpoint (nothing streamed), and fabric.save's filter keeps
+        # the module's weights alone: the remote stages' were written as their placeholders (meta tensors).
+        "custom-checkpoint-io-filter": {"checkpoint_io": "custom", "save_filter": True},
         "interleaved-1f1b": {"schedule": "interleaved-1f1b", "virtual_stages": 2, "last_stage_loss": True,
                              "balance": [1, 1, 1, 2], "optimizer": "adamw", "clip": 0.1},
         # fp16 with a gradient scaler (GPUs' 16-mixed, here on CPU): every stage unscaled before clipping, steps
@@ -143,7 +149,7 @@ def job_directory(root: Path, job: str) -> Path:
 def plain(config: dict[str, Any], replicas: int, out: Path) -> dict[str, Any]:
     """The same loop on one device (a Fabric of one CPU), with the global batch; its saved state."""
     config = {**config, "batch_size": config.get("batch_size", 8) * replicas}
-    fabric = L.Fabric(accelerator="cpu", devices=1, **fabric_loop.precision({**fabric_loop.DEFAULTS, **config}))
+    fabric = L.Fabric(accelerator="cpu", devices=1, **fabric_loop.fabric_arguments({**fabric_loop.DEFAULTS, **config}))
     fabric_loop.run(fabric, config, str(out))
     return torch.load(out / "final.pt", weights_only=True)
 
@@ -188,6 +194,10 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
     expected = plain(config, replicas, tmp_path / "plain")
     saved = saved_state(out / "final.pt", tmp_path)
     assert saved["step"] == expected["step"] > 0
+    assert not any(t.is_meta for t in saved["model"].values()), "placeholders written for the remote stages"
+    if config.get("save_filter"):  # the filter kept the weights alone, every stage's
+        assert sorted(saved["model"]) == sorted(k for k in expected["model"] if k.endswith("weight")) == [
+            "0.weight", "2.weight", "4.weight"]
     assert_same_weights(saved["model"], expected["model"], rtol=1e-4, atol=2e-5)
     assert saved["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
     assert sorted(saved["optimizer"]["state"]) == sorted(expected["optimizer"]["state"])
@@ -209,7 +219,7 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
         assert result["all_reduce"] == sum(range(1, replicas + 1))
         assert result["broadcast"] == "from 0"
     plain_model = fabric_loop.model({**fabric_loop.DEFAULTS, **config})
-    plain_model.load_state_dict(saved["model"])  # the file loads into the plain model, no strategy at all
+    plain_model.load_state_dict(saved["model"], strict=not config.get("save_filter"))  # no strategy at all
     if config.get("own_state"):
         check_own_state(out, config, result, expected, replicas * tensor)
 
@@ -351,3 +361,27 @@ def test_tensor_ranks_given_different_batches_are_refused_at_the_first_step(fabr
     error = json.loads((out / "result.json").read_text())["error"]
     assert re.search(r"received different inputs in run 1 of the pipeline .*distributed_sampler_kwargs", error), error
     assert not (out / "final.pt").exists()
+
+
+@pytest.mark.timeout(900)
+def test_a_fabric_loop_reads_a_trainers_sharded_directory(jobs, tmp_path):
+    """A Fabric loop given the sharded directory a Trainer wrote (its LightningModule and the optimizer of its own
+    ``configure_optimizers``, at another balance) reads each stage's entries into its processes: saved again as one
+    file, the weights and AdamW's state are the Trainer's at that epoch (its one-file twin's, to the bit)."""
+    from scripts import train
+
+    directory = jobs.directory("sharded-resume-full") / "ckpts" / "epoch=0.ckpt"
+    twin = torch.load(jobs.directory("full-twin-of-sharded") / "ckpts" / "epoch=0.ckpt", weights_only=False)
+    config = {**train.DEFAULTS, **case_config("sharded-resume-full")}
+    case = {"trainer_module": config, "balance": [1, 3], "epochs": 0, "optimizer": config["optimizer"],
+            "load": str(directory), "package": "lightning", "start_method": "fork"}
+    run_script("fabric_loop.py", json.dumps({"devices": 2, "cases": {"from-trainer": case}}), str(tmp_path),
+               timeout=300)
+    saved = torch.load(tmp_path / "from-trainer" / "final.pt", weights_only=True)
+    assert_same_weights(saved["model"], twin["state_dict"], rtol=0, atol=0)
+    expected = twin["optimizer_states"][0]
+    assert saved["optimizer"]["param_groups"] == expected["param_groups"]
+    assert sorted(saved["optimizer"]["state"]) == sorted(expected["state"]) and expected["state"]
+    for i, state in expected["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(saved["optimizer"]["state"][i][key], value, rtol=0, atol=0, msg=f"{i} {key}")

@@ -39,19 +39,30 @@ DEFAULTS: dict[str, Any] = {
     "load": None, "launch_fn": False, "collectives": False, "package": "lightning", "init_scale": 2.0 ** 4,
     "sharding": "NO_SHARD", "virtual_stages": 1, "state_dict_type": "full", "nodes": 1, "tensor_parallel_size": 1,
     "start_method": "popen", "own_state": False, "load_own": None, "load_with": "load_state_dict",
-    "shard_by_rank": False,
+    "shard_by_rank": False, "checkpoint_io": None, "save_filter": False, "trainer_module": None,
 }
 
 
-def precision(config: dict[str, Any]) -> dict[str, Any]:
-    """Fabric's precision arguments: ``"16-mixed-scaler"`` is fp16 with a gradient scaler, as on GPUs, here on CPU
-    (``init_scale`` small enough that steps are taken, ``growth_interval`` short enough that the scale moves)."""
+class CustomIO(L.plugins.TorchCheckpointIO if L.__name__ == "lightning_fabric" else L.fabric.plugins.TorchCheckpointIO):
+    """A ``CheckpointIO`` of the user's: it takes the whole checkpoint in hand (nothing streamed)."""
+
+
+def keep_weights(key: str, value: Any) -> bool:
+    """``fabric.save``'s filter of ``"save_filter"``: the module's weights alone."""
+    return key.endswith("weight")
+
+
+def fabric_arguments(config: dict[str, Any]) -> dict[str, Any]:
+    """Fabric's precision and plugin arguments: ``"16-mixed-scaler"`` is fp16 with a gradient scaler, as on GPUs,
+    here on CPU (``init_scale`` small enough that steps are taken, ``growth_interval`` short enough that the scale
+    moves); ``"checkpoint_io": "custom"`` a :class:`CustomIO`."""
+    plugins: list[Any] = [CustomIO()] if config["checkpoint_io"] == "custom" else []
     if config["precision"] != "16-mixed-scaler":
-        return {"precision": config["precision"]}
+        return {"precision": config["precision"], "plugins": plugins}
     from lightning.fabric.plugins.precision import MixedPrecision
 
     scaler = torch.amp.GradScaler("cpu", init_scale=config["init_scale"], growth_interval=2)
-    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler), *plugins]}
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -90,7 +101,12 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def model(config: dict[str, Any]) -> nn.Module:
-    """The model of ``config``, seeded."""
+    """The model of ``config``, seeded (``"trainer_module"``: tests/scripts/train.py's LightningModule of that
+    config, built as its Trainer runs build it)."""
+    if config["trainer_module"] is not None:
+        import train
+
+        return train.Model(config["trainer_module"])
     torch.manual_seed(config["seed"])
     if config["model"] in ("litgpt", "litgpt-plain"):
         import litgpt
@@ -113,7 +129,11 @@ def data(config: dict[str, Any]) -> TensorDataset:
 
 
 def optimizer_of(config: dict[str, Any], module: nn.Module) -> torch.optim.Optimizer:
-    """SGD with momentum, or AdamW with weight decay on the weights only (groups built from names)."""
+    """SGD with momentum, or AdamW with weight decay on the weights only (groups built from names); a LightningModule's
+    own (``configure_optimizers``) for ``"trainer_module"``."""
+    if config["trainer_module"] is not None:
+        configured = module.configure_optimizers()
+        return configured["optimizer"] if isinstance(configured, dict) else configured
     if config["optimizer"] == "adamw":
         decay = [p for n, p in module.named_parameters() if n.endswith("weight")]
         rest = [p for n, p in module.named_parameters() if not n.endswith("weight")]
@@ -171,8 +191,8 @@ def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
     state: dict[str, Any] = {"model": net, "optimizer": optimizer, "step": 0}
     if scheduler is not None:
         state["scheduler"] = scheduler
-    if config["load"]:
-        fabric.load(config["load"], state)
+    if config["load"]:  # (a Trainer's directory holds no "step": not strict)
+        fabric.load(config["load"], state, strict=config["trainer_module"] is None)
     if config["load_own"]:  # the loop's own files of an earlier run (own_state), by the module's and optimizer's own
         model_file, optimizer_file = (os.path.join(config["load_own"], f"own-{what}-0.pt")
                                       for what in ("model", "optimizer"))
@@ -190,7 +210,7 @@ def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
         if not config["shard_by_rank"]:
             raise
         return {"error": str(exc)}  # refused (tensor ranks that received different inputs)
-    fabric.save(os.path.join(out, "final.pt"), state)
+    fabric.save(os.path.join(out, "final.pt"), state, filter={"model": keep_weights} if config["save_filter"] else None)
     own_error = None
     if config["own_state"]:  # the script's own calls, as many end (an EMA, an evaluation, torch.save of them)
         try:
@@ -226,7 +246,7 @@ def main(config: dict[str, Any], out: str) -> None:
                                            tensor_parallel_plan={"0": "colwise", "2": "rowwise", "4": "colwise_rep"}
                                            if config["tensor_parallel_size"] > 1 else None)
     fabric = L.Fabric(accelerator="cpu", devices=config["devices"], num_nodes=config["nodes"], strategy=strategy,
-                      **precision(config))
+                      **fabric_arguments(config))
     os.makedirs(out, exist_ok=True)
 
     def loop(fabric: Any) -> dict[str, Any]:
