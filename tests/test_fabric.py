@@ -47,7 +47,7 @@ JOBS: dict[str, dict[str, Any]] = {
         # fp16 with a gradient scaler (GPUs' 16-mixed, here on CPU): every stage unscaled before clipping, steps
         # taken and the scale moved as on one device (one micro-batch: fp16 rounds smaller products otherwise).
         "fp16-scaler-clip": {"precision": "16-mixed-scaler", "microbatches": 1, "clip": 0.5, "optimizer": "adamw"},
-        "init-module": {"build": "init_module", "optimizer": "adamw"},
+        "init-module": {"build": "init_module", "optimizer": "adamw", "own_state": True},
         # A second program's loop: the first case's file loaded (model, optimizer, scheduler, step), at another
         # balance, then one more epoch.
         "load-other-balance": {"clip": 0.05, "scheduler": "step", "balance": [1, 4],
@@ -87,6 +87,9 @@ JOBS: dict[str, dict[str, Any]] = {
                                          "load": "../2-processes/sgd-clip-scheduler/final.pt"},
         # The 2-process job's sharded directory read into shards (each process reads its shard's rows), and saved
         # as one: every replica writes its shards at once.
+        # The 2-process job's own files loaded by the module's and optimizer's load_state_dict into shards.
+        "2replicas-full-shard-load-own": {"sharding": "FULL_SHARD", "clip": 0.05, "batch_size": 4,
+                                          "load_own": "../2-processes/sgd-clip-scheduler"},
         "2replicas-full-shard-sharded": {"sharding": "FULL_SHARD", "clip": 0.05, "scheduler": "step",
                                          "batch_size": 4, "state_dict_type": "sharded",
                                          "load": "../2-processes/sharded-save/final.pt"},
@@ -104,11 +107,14 @@ JOBS: dict[str, dict[str, Any]] = {
     "4 processes, tensor parallel": {"devices": 4, "start_method": "fork", "cases": {
         "tensor-parallel-1f1b-adamw-clip": {"tensor_parallel_size": 2, "optimizer": "adamw", "schedule": "1f1b",
                                             "last_stage_loss": True, "clip": 0.1, "own_state": True},
+        # The 2-process job's own files loaded by load_state_dict into split stages.
+        "tensor-parallel-load-own": {"tensor_parallel_size": 2, "clip": 0.05,
+                                     "load_own": "../2-processes/sgd-clip-scheduler"},
         # The data sharded by hand by fabric.global_rank, which counts tensor ranks: refused at the first step.
         "tensor-parallel-data-by-process": {"tensor_parallel_size": 2, "shard_by_rank": True},
     }},
 }
-NEEDS = {"4 processes": "2 processes"}
+NEEDS = {"4 processes": "2 processes", "4 processes, tensor parallel": "2 processes"}
 CASES = [(job, case) for job, spec in JOBS.items() for case, config in spec["cases"].items()
          if config.get("model") != "litgpt" and not config.get("shard_by_rank")]  # (tested on their own)
 
