@@ -181,7 +181,7 @@ def pipeline_loss(pipeline: Any, input: TensorOrTensors, target: Any, loss_fn: L
     m, p = len(sizes), pipeline.processes
     v = pipeline.num_stages // p
     if not save:
-        step = pipeline.execute(run, forward_only(m, p, v), inputs=microbatches, save=False)
+        step = pipeline.execute(run, forward_only(m, p, v, pipeline.placement), inputs=microbatches, save=False)
         total = combine(step.losses, run.weights)
         return total.value if total.extras is None else {"loss": total.value, **total.extras}
     plan = gpipe(m, p, pipelined=pipeline.pipelined) if schedule == "gpipe" else schedule_plan(schedule, m, p, v)

@@ -35,7 +35,8 @@ from lightning_pipe.engine.partition import (
     split_module,
 )
 from lightning_pipe.engine.pipeline import LocalPipeline
-from lightning_pipe.engine.schedule import check_schedule, schedule_plan
+from lightning_pipe.engine.plan import Plan, plan_from_actions
+from lightning_pipe.engine.schedule import check_schedule, placement_of, schedule_plan
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.skip.skippable import verify_skippables
 from lightning_pipe.engine.stage import Stage
@@ -99,10 +100,12 @@ class Pipe(nn.Module):
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, as the unsplit
             batch would.
         schedule: the order of the micro-batches' forwards and backwards (:mod:`lightning_pipe.engine.schedule`):
-            ``'gpipe'``, ``'1f1b'``, ``'zero-bubble'``, ``'interleaved-1f1b'``; all but GPipe need the loss
-            on the last stage (:func:`loss_on_last_stage`).
-        virtual_stages: partitions per device (``'interleaved-1f1b'``): partition ``s`` on
-            ``devices[s % (len(balance) // virtual_stages)]``.
+            ``'gpipe'``, ``'1f1b'``, ``'zero-bubble'``, ``'interleaved-1f1b'``, ``'interleaved-zero-bubble'``,
+            ``'looped-bfs'``, ``'zbv'``, ``'dualpipev'``; all but GPipe need the loss on the last stage
+            (:func:`loss_on_last_stage`).
+        virtual_stages: partitions per device (the schedules of several stages per process): partition ``s`` on
+            ``devices[s % (len(balance) // virtual_stages)]``, or, for ``'zbv'`` and ``'dualpipev'`` (exactly 2), in
+            a V: partitions ``r`` and ``2p - 1 - r`` on device ``r`` (the first and the last on the first device).
 
     Each partition runs on its own worker thread, so partitions overlap even on CPU. Output and
     gradients equal those of ``module`` (dropout draws per-micro-batch masks from its own generators,
@@ -111,12 +114,15 @@ class Pipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int] | None = None, *,
                  devices: Sequence[Device] | None = None, chunks: int = 1,
-                 checkpoint: str = "except_last", deferred_batch_norm: bool = False, schedule: str = "gpipe",
+                 checkpoint: str = "except_last", deferred_batch_norm: bool = False,
+                 schedule: str | list[list[str]] | Plan = "gpipe",
                  virtual_stages: int = 1) -> None:
         super().__init__()
         check_sequential(module)
         check_chunks(chunks)
         check_checkpoint(checkpoint)
+        if not isinstance(schedule, (str, Plan)) or schedule.endswith(".csv"):  # a schedule given as data
+            schedule = plan_from_actions(schedule, chunks)
         check_schedule(schedule)
         balance = check_balance(module, balance)
         verify_skippables(module)
@@ -126,6 +132,7 @@ class Pipe(nn.Module):
                              f"(virtual_stages: {virtual_stages!r}, partitions: {len(balance)})")
         processes = len(balance) // virtual_stages
         schedule_plan(schedule, chunks, processes, virtual_stages)  # refuses what the schedule cannot run
+        self.placement = placement_of(schedule, processes, virtual_stages)  # a V, or partition s on s % processes
         if devices is None:
             devices = _default_devices(processes)
         devices = [normalize_device(d) for d in devices]
@@ -137,7 +144,7 @@ class Pipe(nn.Module):
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
         self.balance = balance
-        self.devices = devices[:processes]  # partition s on devices[s % len(devices)]
+        self.devices = devices[:processes]  # partition s on devices[self._process(s)]
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
@@ -146,7 +153,7 @@ class Pipe(nn.Module):
         parts = split_module(module, balance)
         self._tied = TiedCopies(parts)  # before the moves: a shared parameter would follow the last partition
         for s, part in enumerate(parts):
-            part.to(self.devices[s % processes])
+            part.to(self.devices[self._process(s)])
         self.partitions = nn.ModuleList(parts)
         self._pipeline: LocalPipeline | None = None
         if self._tied:
@@ -231,6 +238,10 @@ class Pipe(nn.Module):
         state["_pipeline"] = None  # worker threads are not copied; a copy starts its own
         return state
 
+    def _process(self, partition: int) -> int:
+        """The device (worker) of ``partition``: ``placement``'s, else ``partition % devices``."""
+        return self.placement[partition] if self.placement else partition % len(self.devices)
+
     # ------------------------------------------------------------------ forward
     @property
     def pipeline(self) -> LocalPipeline:
@@ -240,11 +251,11 @@ class Pipe(nn.Module):
             offsets = [sum(self.balance[:j]) for j in range(len(self.balance))]
             p = len(self.devices)
             stages = [
-                Stage(j, part, self.devices[j % p], offset=o, exports=layout.exports[j].keys(),
+                Stage(j, part, self.devices[self._process(j)], offset=o, exports=layout.exports[j].keys(),
                       imports=layout.imports[j].keys())
                 for j, (part, o) in enumerate(zip(self.partitions, offsets))
             ]
-            self._pipeline = LocalPipeline(stages, layout, processes=p)
+            self._pipeline = LocalPipeline(stages, layout, processes=p, placement=self.placement)
             if self._tied:
                 self._pipeline.after_backward = self._tied.gather
         return self._pipeline

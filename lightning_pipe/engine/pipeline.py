@@ -133,12 +133,14 @@ class Step(NamedTuple):
 
 
 class LocalPipeline:
-    """Stages of one process on worker threads: stage ``s`` on worker ``s % processes``."""
+    """Stages of one process on worker threads: stage ``s`` on worker ``s % processes``, or ``placement[s]``."""
 
-    def __init__(self, stages: Sequence[Stage], layout: SkipLayout, processes: int | None = None) -> None:
+    def __init__(self, stages: Sequence[Stage], layout: SkipLayout, processes: int | None = None,
+                 placement: tuple[int, ...] = ()) -> None:
         self.stages = list(stages)
         self.layout = layout
         self.processes = processes or len(self.stages)
+        self.placement = placement  # stage s on worker placement[s] (empty: s % processes), as a Plan's
         self.workers = [Worker(f"lightning_pipe.stage{r}") for r in range(self.processes)]
         self.pipelined = True  # backward micro-batch by micro-batch (False: one backward per stage)
         #: Called once a step's gradients are all in the stages' ``.grad`` (after :meth:`backward` or
@@ -153,7 +155,7 @@ class LocalPipeline:
     # ------------------------------------------------------------------ the plan's parts
     def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
         """Every forward (GPipe's first half, or evaluation); return the last stage's outputs."""
-        plan = forward_only(len(microbatches), self.processes, len(self.stages) // self.processes)
+        plan = forward_only(len(microbatches), self.processes, len(self.stages) // self.processes, self.placement)
         return self.execute(run, plan, inputs=microbatches, save=save).outputs  # type: ignore[return-value]
 
     def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
@@ -187,6 +189,7 @@ class LocalPipeline:
         ``run.loss_scale``). Backwards that start from the loss run ahead of the caller's backward: every stage
         sets the gradients they make aside, for :meth:`commit`."""
         m, n = plan.microbatches, len(self.stages)
+        check_placement(plan, self.placement, self.processes)
         table: dict[Any, Any] = {("x", i, -1): mb for i, mb in enumerate(inputs or ())}
         table.update({("g", i, n): g for i, g in enumerate(output_grads or ())})
         losses: dict[int, MicroLoss] = {}
@@ -244,16 +247,16 @@ class LocalPipeline:
                 raise
 
         def begin(r: int) -> None:
-            for stage in self.stages[r::self.processes]:
-                stage.aside.defer(run.id)
+            for s in plan.stages_of(r):
+                self.stages[s].aside.defer(run.id)
 
         def end(r: int) -> None:
             for (s, _), finish in list(later.items()):  # W actions that never ran (a failure): drop their graphs
-                if s % self.processes == r:
+                if plan.process_of(s) == r:
                     finish(False)
             if aside:
-                for stage in self.stages[r::self.processes]:
-                    stage.aside.keep(run.id)
+                for s in plan.stages_of(r):
+                    self.stages[s].aside.keep(run.id)
             if run.failed:
                 raise _Skipped()
 
@@ -291,6 +294,17 @@ class LocalPipeline:
                     [losses[i] for i in range(m)] if forwards and run.loss is not None else None,
                     [table.pop(("g", i, 0)) for i in range(m)] if backwards else None)
 
+
+
+def check_placement(plan: Plan, placement: tuple[int, ...], processes: int) -> None:
+    """Refuse ``plan`` where it puts the stages elsewhere than the pipeline that runs it holds them."""
+    if plan.processes == processes and (plan.placement or ()) == (placement or ()):
+        return
+    held = Plan("", 0, plan.stages, processes, (), placement)
+    raise ValueError(f"the plan of schedule {plan.schedule!r} places its {plan.stages} stages on processes "
+                     f"{[plan.process_of(s) for s in range(plan.stages)]}, and this pipeline holds them on "
+                     f"{[held.process_of(s) for s in range(plan.stages)]}: build the pipeline with the schedule it "
+                     "runs")
 
 
 def ahead(run: Run, plan: Plan, output_grads: Any) -> bool:

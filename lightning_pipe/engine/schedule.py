@@ -28,70 +28,21 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+
+from lightning_pipe.engine.multistage import dualpipev, interleaved_zero_bubble, looped_bfs, zbv
+from lightning_pipe.engine.plan import Action, Plan, check_shape, v_placement
 
 __all__ = ["Action", "Plan", "SCHEDULES", "Simulation", "schedule_plan", "simulate"]
 
 
-class Action(NamedTuple):
-    """Stage ``stage`` runs ``kind`` (``"F"``, ``"B"``, ``"I"`` or ``"W"``) of micro-batch ``microbatch``
-    (``-1``: of every micro-batch at once, in one autograd call)."""
-
-    stage: int
-    kind: str
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch if self.microbatch >= 0 else '*'}"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What each of ``processes`` processes runs in one step of ``schedule``, in order: ``actions[r]``.
-
-    Stage ``s`` is held by process ``s % processes``; ``stages`` is a multiple of ``processes``.
-    """
-
-    schedule: str
-    microbatches: int
-    stages: int
-    processes: int
-    actions: tuple[tuple[Action, ...], ...]
-
-    def process_of(self, stage: int) -> int:
-        """The process that holds ``stage``."""
-        return stage % self.processes
-
-    def split(self, process: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
-        """``process``'s actions before its first non-forward one, and from there on."""
-        mine = self.actions[process]
-        cut = next((k for k, a in enumerate(mine) if a.kind != "F"), len(mine))
-        return mine[:cut], mine[cut:]
-
-    @property
-    def eager(self) -> bool:
-        """Whether some process runs a backward before its last forward: the step's backward cannot wait for
-        the caller's (the loss must be on the last stage)."""
-        return any(a.kind == "F" for r in range(self.processes) for a in self.split(r)[1])
-
-    def render(self) -> str:
-        """One line per process, its actions in order: ``"0F0 0F1 0B1 0B0"``."""
-        return "\n".join(" ".join(map(str, actions)) for actions in self.actions)
-
-
-def _check(m: int, p: int, v: int) -> None:
-    for name, value in (("micro-batches", m), ("processes", p), ("stages per process", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"the number of {name} must be a positive integer (got: {value!r})")
-
-
 @functools.lru_cache(maxsize=64)  # a plan is immutable: built once per shape
-def forward_only(m: int, p: int, v: int = 1) -> Plan:
+def forward_only(m: int, p: int, v: int = 1, placement: tuple[int, ...] = ()) -> Plan:
     """Every forward and no backward (evaluation, or a forward whose backward comes later): each process
-    runs its stages in order, each on every micro-batch."""
-    _check(m, p, v)
-    actions = tuple(tuple(Action(s, "F", i) for s in range(r, p * v, p) for i in range(m)) for r in range(p))
-    return Plan("forward", m, p * v, p, actions)
+    runs its stages in order, each on every micro-batch. ``placement``: as :class:`Plan`'s (a V's)."""
+    check_shape(m, p, v)
+    shape = Plan("forward", m, p * v, p, (), placement)
+    actions = tuple(tuple(Action(s, "F", i) for s in shape.stages_of(r) for i in range(m)) for r in range(p))
+    return Plan("forward", m, p * v, p, actions, placement)
 
 
 @functools.lru_cache(maxsize=64)  # a plan is immutable: built once per shape
@@ -124,7 +75,7 @@ def one_f_one_b(m: int, p: int, v: int = 1) -> Plan:
     if v != 1:
         raise ValueError(f"1f1b runs one stage per process (stages per process: {v}); for several, use "
                          "schedule='interleaved-1f1b'")
-    _check(m, p, v)
+    check_shape(m, p, v)
     plans = []
     for j in range(p):
         warmup = min(m, p - j)
@@ -145,7 +96,7 @@ def zero_bubble(m: int, p: int, v: int = 1) -> Plan:
     micro-batches, as in 1F1B; the others hold their inputs of the ``W`` not yet run."""
     if v != 1:
         raise ValueError(f"zero-bubble runs one stage per process (stages per process: {v})")
-    _check(m, p, v)
+    check_shape(m, p, v)
     plans = []
     for j in range(p):
         warmup = min(m, p - 1 - j)
@@ -169,7 +120,7 @@ def interleaved_1f1b(m: int, p: int, v: int = 2) -> Plan:
     micro-batches in rounds of ``m / rounds`` (``rounds = max(1, m // p)``), depth first: a process's warmup
     runs ``(v - 1)`` rounds plus two forwards per process after it, then it alternates one forward and one
     backward. The bubble is about ``1 / v`` of 1F1B's."""
-    _check(m, p, v)
+    check_shape(m, p, v)
     if v < 2:
         raise ValueError(f"interleaved-1f1b needs at least 2 stages per process (stages per process: {v}); "
                          "with one, use schedule='1f1b'")
@@ -203,19 +154,45 @@ def interleaved_1f1b(m: int, p: int, v: int = 2) -> Plan:
 #: ``plan(micro-batches, processes, stages per process)``.
 SCHEDULES: dict[str, Callable[[int, int, int], Plan]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b, "zero-bubble": zero_bubble,
+    "interleaved-zero-bubble": interleaved_zero_bubble, "looped-bfs": looped_bfs, "zbv": zbv, "dualpipev": dualpipev,
 }
+#: The schedules that place their stages in a V (process ``r`` holds stages ``r`` and ``2p - 1 - r``).
+V_SHAPED = ("zbv", "dualpipev")
+#: The schedules that hold several stages per process (``virtual_stages`` > 1); the others hold one.
+MULTISTAGE = ("interleaved-1f1b", "interleaved-zero-bubble", "looped-bfs", *V_SHAPED)
 
 
-def check_schedule(name: object) -> str:
-    """Reject an unknown schedule name, naming the valid ones."""
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (got: {name!r})")
-    return name  # type: ignore[return-value]
+def check_schedule(name: object) -> str | Plan:
+    """Reject an unknown schedule name, naming the valid ones; a :class:`Plan` (a schedule given as data, made by
+    :func:`~lightning_pipe.engine.plan.plan_from_actions`) is taken as it is."""
+    if isinstance(name, Plan):
+        return name
+    if not isinstance(name, str) or name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, or a list of each process's "
+                         f"actions (got: {name!r})")
+    return name
 
 
-def schedule_plan(name: str, m: int, p: int, v: int = 1) -> Plan:
-    """The plan of schedule ``name`` for ``m`` micro-batches on ``p`` processes of ``v`` stages each."""
-    return SCHEDULES[check_schedule(name)](m, p, v)
+def schedule_plan(name: str | Plan, m: int, p: int, v: int = 1) -> Plan:
+    """The plan of schedule ``name`` for ``m`` micro-batches on ``p`` processes of ``v`` stages each; a schedule given
+    as data (a :class:`Plan`) is checked against them."""
+    name = check_schedule(name)
+    if isinstance(name, Plan):
+        if (name.microbatches, name.processes, name.stages) != (m, p, p * v):
+            raise ValueError(f"the schedule given as data runs {name.microbatches} micro-batches on {name.processes} "
+                             f"processes of {name.stages // name.processes} stages each, and the pipeline has {m} "
+                             f"micro-batches on {p} processes of {v} stages each: make them agree (a last batch "
+                             "smaller than the micro-batches is one: drop_last=True)")
+        return name
+    return SCHEDULES[name](m, p, v)
+
+
+def placement_of(name: str | Plan, p: int, v: int = 1) -> tuple[int, ...]:
+    """Where schedule ``name`` puts the stages of ``p`` processes of ``v`` stages each (see :class:`Plan`): a V for the
+    V-shaped schedules, a schedule given as data's own, else empty (stage ``s`` on process ``s % p``)."""
+    if isinstance(name, Plan):
+        return name.placement
+    return v_placement(p) if name in V_SHAPED and v == 2 else ()
 
 
 @dataclass(frozen=True)
@@ -301,10 +278,15 @@ def _held(plan: Plan, times: Mapping[Action, tuple[float, float]]) -> tuple[int,
     return tuple(peaks)
 
 
-def theory(name: str, m: int, p: int, v: int = 1) -> tuple[float, Sequence[int]]:
+def theory(name: str | Plan, m: int, p: int, v: int = 1) -> tuple[float, Sequence[int]]:
     """The textbook bubble fraction (forward 1, backward 2) and per-stage peak of micro-batches held by
     schedule ``name``: gpipe and 1f1b ``(p - 1) / (m + p - 1)``, with ``m`` and ``p - j`` held; interleaved
-    ``(p - 1) / (v m + p - 1)``; zero-bubble (I = W = 1) ``(p - 1) / (3 m + p - 1)``."""
+    ``(p - 1) / (v m + p - 1)``, and looped BFS, which holds every micro-batch; zero-bubble (I = W = 1)
+    ``(p - 1) / (3 m + p - 1)``; ZBV, DualPipeV (its pairs run in turn) and interleaved zero-bubble
+    ``(p - 1) / (3 v m + p - 1)``."""
+    if isinstance(name, Plan):  # a schedule given as data: its own simulation is its theory
+        simulation = simulate(name, {"F": 1, "B": 2, "I": 1, "W": 1})
+        return simulation.bubble, list(simulation.held)
     if name == "gpipe":
         return (p - 1) / (m + p - 1), [m] * p
     if name == "1f1b":
@@ -313,4 +295,9 @@ def theory(name: str, m: int, p: int, v: int = 1) -> tuple[float, Sequence[int]]
         return (p - 1) / (v * m + p - 1), []
     if name == "zero-bubble":
         return (p - 1) / (3 * m + p - 1), []
+    if name == "looped-bfs":
+        return (p - 1) / (v * m + p - 1), [m] * (p * v)
+    if name in ("zbv", "dualpipev", "interleaved-zero-bubble"):
+        # A process's 2m F, I and W of each of its stages, after the first micro-batch's way down (p - 1 slots).
+        return (p - 1) / (3 * v * m + p - 1), []
     raise ValueError(f"no theory for schedule {name!r}")

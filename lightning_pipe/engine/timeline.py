@@ -61,15 +61,20 @@ class Recorder:
 
 
 def write_chrome_trace(events: Sequence[Event], path: str, ranks: Sequence[int] | None = None,
-                       schedule: str = "gpipe", processes: int | None = None) -> None:
+                       schedule: Any = "gpipe", processes: int | None = None) -> None:
     """Write ``events`` as a Chrome trace (one track per stage), viewable in Perfetto or chrome://tracing;
-    ``schedule`` and ``processes`` (stage ``s`` ran in process ``s % processes``) are kept beside them, for
-    :func:`bubble_fraction`. ``ranks[r]``: the rank of process ``r``."""
+    ``schedule`` and ``processes`` (stage ``s`` ran in process ``s % processes``, or in a V for the V-shaped
+    schedules) are kept beside them, for :func:`bubble_fraction`. ``ranks[r]``: the rank of process ``r``."""
+    from lightning_pipe.engine.schedule import placement_of
+
     origin = min((e.start for e in events), default=0.0)
     trace: list[dict[str, Any]] = []
-    processes = processes or len({e.stage for e in events}) or 1
-    for stage in sorted({e.stage for e in events}):
-        rank = ranks[stage % processes] if ranks is not None else stage % processes
+    stages = sorted({e.stage for e in events})
+    processes = processes or len(stages) or 1
+    placement = placement_of(schedule, processes, len(stages) // processes) if len(stages) % processes == 0 else ()
+    for stage in stages:
+        process = placement[stage] if placement else stage % processes
+        rank = ranks[process] if ranks is not None else process
         trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage,
                       "args": {"name": f"stage {stage} (rank {rank})"}})
     for e in events:
@@ -77,9 +82,10 @@ def write_chrome_trace(events: Sequence[Event], path: str, ranks: Sequence[int] 
         trace.append({"name": f"{e.kind}{e.microbatch}" if e.kind != "R" else "all-reduce", "cat": category,
                       "ph": "X", "pid": 0, "tid": e.stage, "ts": (e.start - origin) * 1e6,
                       "dur": (e.end - e.start) * 1e6, "args": asdict(e)})
+    named = schedule if isinstance(schedule, str) else [[str(a) for a in row] for row in schedule.actions]
     with open(path, "w") as f:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms",
-                   "metadata": {"schedule": schedule, "processes": processes}}, f)
+                   "metadata": {"schedule": named, "processes": processes}}, f)
 
 
 def read_chrome_trace(path: str) -> list[Event]:
@@ -89,14 +95,20 @@ def read_chrome_trace(path: str) -> list[Event]:
     return [Event(**e["args"]) for e in trace["traceEvents"] if e.get("ph") == "X"]
 
 
-def read_trace_schedule(path: str) -> tuple[str, int | None]:
-    """The schedule and the number of processes a trace was recorded with (``("gpipe", None)`` if unsaid)."""
+def read_trace_schedule(path: str) -> tuple[Any, int | None]:
+    """The schedule (its name, or the plan of one given as data) and the number of processes a trace was recorded
+    with (``("gpipe", None)`` if unsaid)."""
     with open(path) as f:
         metadata = json.load(f).get("metadata", {})
-    return metadata.get("schedule", "gpipe"), metadata.get("processes")
+    schedule = metadata.get("schedule", "gpipe")
+    if not isinstance(schedule, str):
+        from lightning_pipe.engine.plan import plan_from_actions
+
+        schedule = plan_from_actions(schedule)
+    return schedule, metadata.get("processes")
 
 
-def bubble_fraction(events: Sequence[Event], schedule: str = "gpipe", processes: int | None = None
+def bubble_fraction(events: Sequence[Event], schedule: Any = "gpipe", processes: int | None = None
                     ) -> tuple[float, float]:
     """(measured, theoretical) idle fraction of the processes over the steps in ``events``.
 
@@ -124,7 +136,7 @@ def bubble_fraction(events: Sequence[Event], schedule: str = "gpipe", processes:
     return (sum(measured) / len(measured) if measured else 0.0), expected
 
 
-def render(events: Sequence[Event], path: str, title: str = "", schedule: str = "gpipe",
+def render(events: Sequence[Event], path: str, title: str = "", schedule: Any = "gpipe",
            processes: int | None = None) -> None:
     """Draw ``events`` as stages × time (forward blue, backward orange, parameters' gradients computed after
     the input gradients red, the averaging over replicas left after a stage's last backward green under its
@@ -148,7 +160,8 @@ def render(events: Sequence[Event], path: str, title: str = "", schedule: str = 
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     measured, expected = bubble_fraction(events, schedule, processes)
-    ax.set_title(f"{title} {schedule}; bubble: measured {measured:.0%}, theory {expected:.0%}".strip())
+    label = schedule if isinstance(schedule, str) else "a schedule given as data"
+    ax.set_title(f"{title} {label}; bubble: measured {measured:.0%}, theory {expected:.0%}".strip())
     from matplotlib.patches import Patch
 
     handles = [Patch(color=colors["F"], label="forward"), Patch(color=colors["B"], label="backward")]

@@ -1,0 +1,185 @@
+"""A step as data: the actions each process of a pipeline runs, in order, and which process holds each stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = ["Action", "Plan", "check_plan", "check_shape", "parse_action", "plan_from_actions", "v_placement"]
+
+
+class Action(NamedTuple):
+    """Stage ``stage`` runs ``kind`` (``"F"``, ``"B"``, ``"I"`` or ``"W"``) of micro-batch ``microbatch``
+    (``-1``: of every micro-batch at once, in one autograd call)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch if self.microbatch >= 0 else '*'}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What each of ``processes`` processes runs in one step of ``schedule``, in order: ``actions[r]``.
+
+    ``placement[s]`` is the process that holds stage ``s``; empty, stage ``s`` is held by process
+    ``s % processes`` (a loop: interleaved schedules). ``stages`` is a multiple of ``processes``.
+    """
+
+    schedule: str
+    microbatches: int
+    stages: int
+    processes: int
+    actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...] = ()
+
+    def process_of(self, stage: int) -> int:
+        """The process that holds ``stage``."""
+        return self.placement[stage] if self.placement else stage % self.processes
+
+    def stages_of(self, process: int) -> list[int]:
+        """The stages ``process`` holds, in order."""
+        return [s for s in range(self.stages) if self.process_of(s) == process]
+
+    def split(self, process: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+        """``process``'s actions before its first non-forward one, and from there on."""
+        mine = self.actions[process]
+        cut = next((k for k, a in enumerate(mine) if a.kind != "F"), len(mine))
+        return mine[:cut], mine[cut:]
+
+    @property
+    def eager(self) -> bool:
+        """Whether some process runs a backward before its last forward: the step's backward cannot wait for
+        the caller's (the loss must be on the last stage)."""
+        return any(a.kind == "F" for r in range(self.processes) for a in self.split(r)[1])
+
+    def render(self) -> str:
+        """One line per process, its actions in order: ``"0F0 0F1 0B1 0B0"``."""
+        return "\n".join(" ".join(map(str, actions)) for actions in self.actions)
+
+
+def check_shape(m: int, p: int, v: int) -> None:
+    """Refuse a number of micro-batches, processes or stages per process that is not a positive integer."""
+    for name, value in (("micro-batches", m), ("processes", p), ("stages per process", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"the number of {name} must be a positive integer (got: {value!r})")
+
+
+
+
+def v_placement(processes: int) -> tuple[int, ...]:
+    """The V of ``2 * processes`` stages: process ``r`` holds stage ``r`` and stage ``2 p - 1 - r``, so the first and
+    the last stage are both in process 0 (the batch and the loss in one place)::
+
+        process 0: stage 0 ............................ stage 2p-1
+        process 1:   stage 1 ...................... stage 2p-2
+        process p-1:       stage p-1 ── stage p          (one hand-off inside the process)
+    """
+    return tuple(s if s < processes else 2 * processes - 1 - s for s in range(2 * processes))
+
+
+#: The kinds of action a plan's computation takes; pipelining's communication and resharding actions
+#: (``SEND_F``, ``RECV_B``, ``UNSHARD``, ...) name what the runtime here does by itself, and are passed over.
+KINDS = ("F", "B", "I", "W")
+_PASSED_OVER = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
+
+
+def parse_action(text: str, where: str) -> Action | None:
+    """An action as torch.distributed.pipelining writes it (``"1F0"``: stage 1's forward of micro-batch 0; ``I``,
+    ``W``, ``B``), None for one of its communication actions; refused, saying ``where`` it is, otherwise."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+)([A-Z_]+)(\d+)\s*", text)
+    if match is None or match[2] not in (*KINDS, *_PASSED_OVER):
+        raise ValueError(f"{where}: {text!r} is not an action: write STAGE KIND MICROBATCH, as '1F0' (stage 1's "
+                         f"forward of micro-batch 0), with KIND one of F (forward), B (backward), I (input gradients) "
+                         f"and W (weight gradients of an earlier I)")
+    return None if match[2] in _PASSED_OVER else Action(int(match[1]), match[2], int(match[3]))
+
+
+def plan_from_actions(rows: object, microbatches: int | None = None) -> Plan:
+    """A schedule given as data: one list of actions per process, in the order the process runs them (each an
+    ``Action`` or its text, ``"1F0"``; pipelining's communication actions are passed over), or the path of a CSV file
+    of such rows (pipelining's ``_dump_csv`` form). The stages each process holds are those its actions name; stage
+    0 must be process 0's. Checked before any step (:func:`check_plan`), with an error naming the first action that
+    breaks a rule."""
+    import csv
+    import os
+
+    if isinstance(rows, (str, os.PathLike)):
+        with open(rows, newline="") as f:
+            rows = [[cell for cell in row if cell.strip()] for row in csv.reader(f)]
+    if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, (list, tuple)) for r in rows):
+        raise TypeError(f"a schedule as data is a list of lists of actions, one per process (as [['0F0', '0B0'], "
+                        f"['1F0', '1B0']]), or the path of a CSV file of them (got: {type(rows).__name__})")
+    actions = tuple(tuple(a for k, item in enumerate(row)
+                          if (a := item if isinstance(item, Action) else
+                              parse_action(str(item), f"process {r}, action {k}")) is not None)
+                    for r, row in enumerate(rows))
+    owner: dict[int, int] = {}
+    for r, row in enumerate(actions):
+        for a in row:
+            if owner.setdefault(a.stage, r) != r:
+                raise ValueError(f"process {r}'s action {a} is of stage {a.stage}, which process {owner[a.stage]} "
+                                 "runs too: a stage is held by one process")
+    stages = max(owner, default=-1) + 1
+    missing = [s for s in range(stages) if s not in owner]
+    if missing or owner.get(0, 0) != 0:
+        wrong = f"stages {missing} have no action" if missing else f"stage 0 is on process {owner[0]}"
+        raise ValueError(f"the schedule's stages must be 0 to {stages - 1}, each held by one process, stage 0 by "
+                         f"process 0 (where the batch is): {wrong}")
+    p = len(actions)
+    if stages % p or any(sum(1 for s in owner if owner[s] == r) != stages // p for r in range(p)):
+        raise ValueError(f"the schedule's {stages} stages must be spread evenly over its {p} processes (held: "
+                         f"{[sorted(s for s in owner if owner[s] == r) for r in range(p)]})")
+    m = max((a.microbatch for row in actions for a in row), default=-1) + 1
+    if microbatches is not None and m != microbatches:
+        raise ValueError(f"the schedule runs {m} micro-batches and microbatches={microbatches}: make them agree")
+    placement = tuple(owner[s] for s in range(stages))
+    plan = Plan("custom", m, stages, p, actions, () if placement == tuple(s % p for s in range(stages)) else placement)
+    check_plan(plan)
+    return plan
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse a plan that cannot run a step, naming the first action that breaks a rule: every action of a
+    stage its process holds; each stage's forwards in micro-batch order, each once; each micro-batch's forward
+    before its backward on its stage; one backward per micro-batch (a ``B``, or an ``I`` then its ``W``); and the
+    plan finishing (no process waiting forever for a hand-off another never sends: its simulation)."""
+    from lightning_pipe.engine.schedule import simulate
+
+    seen: set[Action] = set()
+    for r, row in enumerate(plan.actions):
+        done: set[tuple[int, str, int]] = set()
+        for a in row:
+            where = f"process {r}'s action {a}"
+            if a.kind not in KINDS or not 0 <= a.stage < plan.stages or not 0 <= a.microbatch < plan.microbatches:
+                raise ValueError(f"{where} names no action of this plan (stages 0-{plan.stages - 1}, micro-batches "
+                                 f"0-{plan.microbatches - 1}, kinds {', '.join(KINDS)})")
+            if plan.process_of(a.stage) != r:
+                raise ValueError(f"{where} is of stage {a.stage}, held by process {plan.process_of(a.stage)}")
+            if a in seen or (a.kind in "BI" and ((a.stage, "B", a.microbatch) in done or
+                                                 (a.stage, "I", a.microbatch) in done)):
+                raise ValueError(f"{where} runs a second time (each micro-batch has one forward and one backward "
+                                 "per stage)")
+            if a.kind == "F" and (a.stage, "F", a.microbatch - 1) not in done and a.microbatch > 0:
+                raise ValueError(f"{where} comes before stage {a.stage}'s forward of micro-batch {a.microbatch - 1}: "
+                                 "a stage runs its forwards in micro-batch order")
+            if a.kind in "BI" and (a.stage, "F", a.microbatch) not in done:
+                raise ValueError(f"{where} comes before that micro-batch's forward on stage {a.stage}")
+            if a.kind == "W" and (a.stage, "I", a.microbatch) not in done:
+                raise ValueError(f"{where} comes before its input gradients ({a.stage}I{a.microbatch}): a W follows "
+                                 "its I")
+            seen.add(a)
+            done.add(tuple(a))  # type: ignore[arg-type]
+    for s in range(plan.stages):
+        for i in range(plan.microbatches):
+            actions = [Action(s, k, i) for k in KINDS if Action(s, k, i) in seen]
+            kinds = "".join(a.kind for a in actions)
+            if kinds not in ("FB", "FIW"):
+                lacking = "its forward" if "F" not in kinds else "its W" if "I" in kinds else "its backward"
+                raise ValueError(f"stage {s}'s micro-batch {i} lacks {lacking} (it has: "
+                                 f"{', '.join(map(str, actions)) or 'nothing'})")
+    simulate(plan)  # raises, naming the actions every process waits at, if the plan cannot finish
