@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ __all__: list[str] = []
 class PipelinedSequential(nn.Module):
     """An ``nn.Sequential`` body split into stages: forward goes through ``pipeline``.
 
-    ``stage_of[name]`` is the stage of each layer (by child name), held by process ``stage % processes`` of the
+    ``stage_of[name]`` is the stage of each layer (by child name), held by process ``process_of[stage]`` of the
     pipeline (``owner[name]``); the layers of process 0 (this one) are real, the others placeholders on the
     meta device. ``hosts`` (the handle on the other processes) and ``balance`` stay with the module, so that a
     later Trainer's strategy takes over the same pipeline. ``schedule`` orders the micro-batches of a step;
@@ -45,12 +45,16 @@ class PipelinedSequential(nn.Module):
 
     def __init__(self, body: nn.Sequential, stage_of: dict[str, int], pipeline: Any, *, chunks: int,
                  checkpoint: str, hosts: Any = None, balance: list[int] | None = None,
-                 name: str = "sequential_module", processes: int | None = None, schedule: str = "gpipe") -> None:
+                 name: str = "sequential_module", processes: int | None = None, schedule: str = "gpipe",
+                 process_of: Sequence[int] | None = None) -> None:
         super().__init__()
         # The remote stages name their state as the LightningModule does: "<name>.3.weight".
         self.name = name
         self.processes = processes or max(stage_of.values()) + 1
-        owner = {child: s % self.processes for child, s in stage_of.items()}
+        # The process of each stage (a V's, for the V-shaped schedules), by default stage % processes.
+        self.process_of = list(process_of) if process_of is not None else \
+            [s % self.processes for s in range(max(stage_of.values()) + 1)]
+        owner = {child: self.process_of[s] for child, s in stage_of.items()}
         # A parameter tied to one of this process's layers stays real (and one parameter) in the remote layers
         # that share it, as in the plain model; their own copies are in their processes (lightning/tied.py).
         local = {id(p) for child, layer in body.named_children() if owner[child] == 0 for p in layer.parameters()}

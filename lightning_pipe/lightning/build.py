@@ -25,6 +25,7 @@ from lightning_pipe.engine.balance import balance_by_size, balance_by_time
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.deferred import Recording, materialize, named_tensors, recording_of
 from lightning_pipe.engine.partition import check_balance, split_module
+from lightning_pipe.engine.schedule import placement_of
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
@@ -103,43 +104,45 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     index = topology.pipeline_of(rank)
     key = f"r{index}p{next(_pipeline_ids)}"
     ranks = topology.pipeline(index)
-    p = strategy.pipeline_processes  # stage s in process ranks[s % p]
+    p = strategy.pipeline_processes  # stage s in process ranks[strategy.process_of(s)]
     parts = split_module(body, balance)
     n = len(parts)
-    peers = [worker_name(ranks[s % p]) for s in range(n)] + [worker_name(rank)]
+    where = [strategy.process_of(s) for s in range(n)]
+    held = [[s for s in range(n) if where[s] == r] for r in range(p)]  # each process's stages, in order
+    peers = [worker_name(ranks[where[s]]) for s in range(n)] + [worker_name(rank)]
     layout = inspect_skip_layout(parts)
     offsets = list(itertools.accumulate([0] + balance[:-1]))
     prefix = strategy.module_name + "."
     timeout = strategy.rpc_timeout_sec
     devices = strategy.parallel_devices
-    tied = find_tied(parts, p, ranks, prefix)
+    tied = find_tied(parts, where, ranks, prefix)
     if tied and p != n:
         raise ValueError(
             f"{type(module).__name__}.{strategy.module_name} has parameters shared by layers of different stages "
             f"({', '.join(tied[0].names)}), which an interleaved schedule (virtual_stages={n // p}) cannot split: "
             "use one stage per process (virtual_stages=1), or keep the layers that share them in one stage")
     split = tensor_split(strategy, module, body, parts)
-    programs = {s: recording.program(named_tensors(parts[s])) for s in range(n) if s % p} if recording else {}
+    programs = {s: recording.program(named_tensors(parts[s])) for s in range(n) if where[s]} if recording else {}
     setup_timeout = timeout + (strategy.setup_timeout() if strategy.world_size > 1 or recording else 0)
-    futures = [host.configure_async(worker_name(ranks[r]), key, {s: (parts[s], offsets[s]) for s in range(r, n, p)},
+    futures = [host.configure_async(worker_name(ranks[r]), key, {s: (parts[s], offsets[s]) for s in held[r]},
                                     str(devices[ranks[r] % strategy.num_processes] if devices else "cpu"),
                                     peers, layout, timeout, prefix, strategy.timeline is not None,
-                                    {s: programs[s] for s in range(r, n, p) if s in programs}, setup_timeout, tied,
+                                    {s: programs[s] for s in held[r] if s in programs}, setup_timeout, tied,
                                     getattr(strategy, "init_sync", True), split)
                for r in range(1, p)]
     # This process's copies of the tied parameters join their owners' group while the others set up theirs.
     local_tied = TiedCopies(key, tied, rank) if tied else None
-    remote = {name for s in range(n) if s % p for name, _ in parts[s].named_children()}
+    remote = {name for s in range(n) if where[s] for name, _ in parts[s].named_children()}
     # Materialising, and sharding over the replicas, replace the local parameters: the remote layers follow.
     retie = keep_ties(body, remote)
     cut_own = getattr(strategy, "init_sync", True)
     built = None  # built on the meta device and split: each local layer made, then split, before the next
     if recording is not None and split is not None:
-        own = {name for s in range(0, n, p) for name, _ in parts[s].named_children()}
+        own = {name for s in held[0] for name, _ in parts[s].named_children()}
         _materialize_local(module, strategy.module_name, remote | own, recording)  # the module's other tensors
         mesh = dtensors.make_mesh(split[0], strategy.root_device.type)
         stages = [(parts[s], recording.program({name: t for name, t in named_tensors(parts[s]).items() if t.is_meta}))
-                  for s in range(0, n, p)]
+                  for s in held[0]]
         built = building.materialize_split(stages, split[1], mesh["tensor"], device=strategy.root_device,
                                          src_data_rank=None if cut_own else 0,  # every replica from replica 0's:
                                          before_split=broadcast_from_replica0 if cut_own else None)
@@ -152,28 +155,30 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
         _broadcast_state(strategy, module, strategy.module_name, remote)  # every replica starts from replica 0's
         if split is not None:  # this process's stages split over their tensor ranks, as the remote ones split theirs
             mesh = dtensors.make_mesh(split[0], strategy.root_device.type)
-            for s in range(0, n, p):
+            for s in held[0]:
                 tensor.parallelize_stage(parts[s].to(strategy.root_device), split[1], mesh["tensor"],
                                          src_data_rank=None if cut_own else 0)
             retie()
-    local_params = {prefix + name: param for s in range(0, n, p) for name, param in parts[s].named_parameters()}
+    local_params = {prefix + name: param for s in held[0] for name, param in parts[s].named_parameters()}
     for r, future in enumerate(futures, start=1):
         try:
             future.wait()
         except Exception as exc:
-            exc.add_note(f"while setting up stages {list(range(r, n, p))} in process '{worker_name(ranks[r])}'")
+            exc.add_note(f"while setting up stages {held[r]} in process '{worker_name(ranks[r])}'")
             raise
     if recording is not None:
         recording.release()  # every stage is materialised: the recording has served
     stages = [Stage(s, parts[s], strategy.root_device, offset=offsets[s], exports=layout.exports[s].keys(),
-                    imports=layout.imports[s].keys()) for s in range(0, n, p)]
-    pipeline = RemotePipeline(StageRunner(key, stages, peers, layout, timeout), processes=p)
+                    imports=layout.imports[s].keys()) for s in held[0]]
+    pipeline = RemotePipeline(StageRunner(key, stages, peers, layout, timeout), processes=p,
+                              placement=placement_of(strategy.schedule, p, strategy.virtual_stages))
     connect(pipeline.runner, [worker_name(r) for r in ranks], strategy.data_plane)
     hosts = host.HostGroup(key, [worker_name(r) for r in ranks[1:]], timeout)
     stage_of = {name: s for s, part in enumerate(parts) for name, _ in part.named_children()}
     pipelined = PipelinedSequential(body, stage_of, pipeline, chunks=strategy.microbatches,
                                     checkpoint=strategy.checkpoint, hosts=hosts, balance=balance,
-                                    name=strategy.module_name, processes=p, schedule=strategy.schedule)
+                                    name=strategy.module_name, processes=p, schedule=strategy.schedule,
+                                    process_of=where)
     pipeline.pipelined = strategy.pipelined_backward
     pipeline.runner.modes_from_driver = True  # stage 0's layers are the body's: their modes are set
     pipelined.tied = tied

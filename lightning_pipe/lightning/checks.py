@@ -14,7 +14,8 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
 from lightning_pipe.engine.partition import check_checkpoint, check_chunks, check_sequential
-from lightning_pipe.engine.schedule import check_schedule, schedule_plan
+from lightning_pipe.engine.plan import Plan
+from lightning_pipe.engine.schedule import MULTISTAGE, V_SHAPED, check_schedule, schedule_plan
 from lightning_pipe.engine.skip.skippable import verify_skippables
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.transport.topology import Topology
@@ -49,11 +50,22 @@ def check_arguments(balance: Any, microbatches: Any, checkpoint: Any, balance_mo
     check_schedule(schedule)
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages must be a positive integer (got: {virtual_stages!r})")
-    if (schedule == "interleaved-1f1b") != (virtual_stages > 1):
-        runs = "several stages" if schedule == "interleaved-1f1b" else "one stage"
+    if isinstance(schedule, Plan):  # a schedule given as data: its stages per process are virtual_stages
+        if schedule.stages // schedule.processes != virtual_stages:
+            raise ValueError(f"the schedule given as data holds {schedule.stages // schedule.processes} stages per "
+                             f"process, and virtual_stages={virtual_stages}: pass "
+                             f"virtual_stages={schedule.stages // schedule.processes}")
+        if schedule.microbatches != microbatches:
+            raise ValueError(f"the schedule given as data runs {schedule.microbatches} micro-batches, and "
+                             f"microbatches={microbatches}: make them agree")
+    elif (schedule in MULTISTAGE) != (virtual_stages > 1):
+        runs = "several stages" if schedule in MULTISTAGE else "one stage"
         raise ValueError(f"schedule={schedule!r} runs {runs} per process (virtual_stages: {virtual_stages}): use "
-                         "schedule='interleaved-1f1b' with virtual_stages >= 2, or another schedule with "
-                         "virtual_stages=1")
+                         f"one of {', '.join(map(repr, MULTISTAGE))} with virtual_stages >= 2 ('zbv' and "
+                         "'dualpipev': exactly 2), or another schedule with virtual_stages=1")
+    if schedule in V_SHAPED and virtual_stages != 2:
+        raise ValueError(f"schedule={schedule!r} places 2 stages per process in a V (virtual_stages: "
+                         f"{virtual_stages}): use virtual_stages=2")
     if balance is not None:
         if len(balance) % virtual_stages:
             raise ValueError(f"balance must have processes x virtual_stages entries (balance: {len(balance)} "

@@ -20,6 +20,7 @@ from lightning_fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_pipe.engine.schedule import placement_of
 from lightning_pipe.lightning import checks, requeue
 from lightning_pipe.transport.topology import Topology
 from lightning_pipe.transport.wire.session import start_session
@@ -101,6 +102,12 @@ class PipelineLayout:
     def pipeline_processes(self) -> int:
         """The number of processes of one pipeline: each holds ``virtual_stages`` stages."""
         return self.stages // self.virtual_stages
+
+    def process_of(self, stage: int) -> int:
+        """The process of a pipeline (its index there) that holds ``stage``: in a V for the V-shaped schedules
+        (:func:`~lightning_pipe.engine.plan.v_placement`), else ``stage % pipeline_processes``."""
+        placement = placement_of(getattr(self, "schedule", "gpipe"), self.pipeline_processes, self.virtual_stages)
+        return placement[stage] if placement else stage % self.pipeline_processes
 
     @property
     def is_driver(self) -> bool:

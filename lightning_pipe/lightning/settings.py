@@ -31,6 +31,11 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
     subclass's own ``configure_ddp`` is refused with sharding), and return the attributes to set on it; ``kwargs``
     gets PipeStrategy's DDP defaults."""
     values = {**DEFAULTS, **given}
+    if not isinstance(values["schedule"], str) or values["schedule"].endswith(".csv"):  # a schedule given as data
+        from lightning_pipe.engine.plan import Plan, plan_from_actions
+
+        if not isinstance(values["schedule"], Plan):
+            values["schedule"] = plan_from_actions(values["schedule"], values["microbatches"])
     values["balance"] = checks.check_arguments(values["balance"], values["microbatches"], values["checkpoint"],
                                                values["balance_mode"], values["rpc_timeout_sec"],
                                                values["module_name"], values["schedule"], values["virtual_stages"],

@@ -23,16 +23,16 @@ from lightning_pipe.transport.stages.tied import TiedCopies, TiedParameter
 __all__: list[str] = []
 
 
-def find_tied(parts: Sequence[nn.Sequential], processes: int, ranks: Sequence[int], prefix: str
+def find_tied(parts: Sequence[nn.Sequential], process_of: Sequence[int], ranks: Sequence[int], prefix: str
               ) -> list[TiedParameter]:
-    """The parameters held by layers of more than one process (stage ``s`` in process ``s % processes``, global
-    rank ``ranks[s % processes]``), each named in every owning process as that process's ``named_parameters``
+    """The parameters held by layers of more than one process (stage ``s`` in process ``process_of[s]``, global
+    rank ``ranks[process_of[s]]``), each named in every owning process as that process's ``named_parameters``
     names it (``prefix`` + its name in the body), the first owner (lowest stage) first."""
     owners: dict[int, dict[int, str]] = {}  # parameter id -> process -> its first name there
     for s, part in enumerate(parts):
         for name, layer in part.named_children():
             for pname, p in layer.named_parameters():
-                owners.setdefault(id(p), {}).setdefault(s % processes, f"{prefix}{name}.{pname}")
+                owners.setdefault(id(p), {}).setdefault(process_of[s], f"{prefix}{name}.{pname}")
     return [TiedParameter(tuple(named.values()), tuple(ranks[j] for j in named), tuple(named))
             for named in owners.values() if len(named) > 1]
 

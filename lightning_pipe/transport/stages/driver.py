@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.partition import normalize_device, split_module
-from lightning_pipe.engine.pipeline import Run, Step, _Skipped, ahead, drain
+from lightning_pipe.engine.pipeline import Run, Step, _Skipped, ahead, check_placement, drain
 from lightning_pipe.engine.schedule import Plan, forward_only, gpipe
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Grads, Stage, _move
@@ -115,13 +115,14 @@ class RemotePipeline:
     GPipe halves :meth:`forward` and :meth:`backward`, and :meth:`commit`.
     """
 
-    def __init__(self, runner: StageRunner, processes: int | None = None) -> None:
+    def __init__(self, runner: StageRunner, processes: int | None = None, placement: tuple[int, ...] = ()) -> None:
         if runner.index != 0:
             raise ValueError(f"the driver must hold stage 0 (got stage {runner.index})")
         self.runner = runner
         self.key = runner.key
         self.n = runner.n
         self.processes = processes or self.n
+        self.placement = placement  # stage s in process placement[s] (empty: s % processes), as a Plan's
         # The process of each process index: the one holding stage r.
         self.peers = [runner.peers[r] for r in range(self.processes)]
         self._settled = _Settled()
@@ -140,7 +141,7 @@ class RemotePipeline:
 
     def _stages(self, r: int) -> str:
         """The stages of process ``r``, for messages: ``"1"``, or ``"1, 3"`` (interleaved)."""
-        return ", ".join(map(str, range(r, self.n, self.processes)))
+        return ", ".join(map(str, Plan("", 0, self.n, self.processes, (), self.placement).stages_of(r)))
 
     def _describe(self, r: int) -> Callable[[], str]:
         return lambda: f"in stage {self._stages(r)} of pipeline '{self.key}' ({where(self.peers[r])})"
@@ -148,7 +149,7 @@ class RemotePipeline:
     # ------------------------------------------------------------------ the plan's parts
     def forward(self, run: Run, microbatches: list[Batch], *, save: bool) -> list[Batch]:
         """Every forward (GPipe's first half, or evaluation); return the last stage's outputs."""
-        plan = forward_only(len(microbatches), self.processes, self.n // self.processes)
+        plan = forward_only(len(microbatches), self.processes, self.n // self.processes, self.placement)
         return self.execute(run, plan, inputs=microbatches, save=save).outputs  # type: ignore[return-value]
 
     def backward(self, run: Run, grad_outputs: list[Grads], *, pipelined: bool | None = None,
@@ -196,6 +197,7 @@ class RemotePipeline:
         finished another micro-batch) before they are reported as not answering.
         """
         m, n, p, key = plan.microbatches, self.n, self.processes, self.key
+        check_placement(plan, self.placement, p)
         spec = StepSpec(m, save, run.checkpoint_stop, run.training, run.autocast, run.anomaly, run.dtype,
                         eager=ahead(run, plan, output_grads), loss=run.loss, weights=run.weights,
                         loss_scale=run.loss_scale, reduce=save and self.reduce())
