@@ -218,3 +218,32 @@ def test_a_malformed_action_list_is_refused_naming_the_first_action_that_breaks_
 
     with pytest.raises(ValueError, match=message):
         plan_from_actions(rows)
+
+
+@pytest.mark.parametrize("name,v", [(name, v) for name, v in (("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1),
+                                                               ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2),
+                                                               ("looped-bfs", 2), ("zbv", 2), ("dualpipev", 2))])
+@pytest.mark.parametrize("m,p", [(4, 2), (8, 4)])
+def test_each_stage_has_one_last_backward_for_its_replicas_to_average_on(name, v, m, p):
+    """With replicas, a stage's gradients are averaged as its last backward of the step computes them. DualPipeV
+    runs whole backwards after the W of its first, split ones: that W counted as last too, its reduction ran while
+    later backwards accumulated (DDP: "marked ready twice", now and then). Every stage of every schedule has one."""
+    from lightning_pipe.transport.parallel.averages import is_last_backward
+
+    plan = schedule_plan(name, m, p, v)
+    for actions in plan.actions:
+        later: dict[tuple[int, int], object] = {}  # the W left to run by each I (every backward split here)
+        used: dict[int, list[str]] = {}
+        for k, a in enumerate(actions):
+            if a.kind == "F":
+                continue
+            last = is_last_backward(actions, k, later)
+            if a.kind == "I":
+                later[(a.stage, a.microbatch)] = object()  # split: its W computes the parameters' gradients
+            else:
+                later.pop((a.stage, a.microbatch), None)
+                if last:  # (a split I's candidate goes unused: its W runs the reduction)
+                    used.setdefault(a.stage, []).append(str(a))
+        for s in {a.stage for a in actions}:
+            final = [str(a) for a in actions if a.stage == s and a.kind != "F"][-1]
+            assert used.get(s) == [final], (s, used.get(s))

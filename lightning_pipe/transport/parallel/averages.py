@@ -22,17 +22,18 @@ from lightning_pipe.transport.parallel import dtensors
 from lightning_pipe.transport.parallel.ddp import ReplicatedStage, _LastBackward, stage_group
 from lightning_pipe.transport.parallel.reduction import Reduction
 
-__all__: list[str] = []
+__all__ = ["is_last_backward"]
 
 
-def _is_last(actions: Sequence[Action], k: int, later: Mapping[tuple[int, int], Callable[..., None]]) -> bool:
+def is_last_backward(actions: Sequence[Action], k: int, later: Mapping[tuple[int, int], Callable[..., None]]) -> bool:
     """Whether ``actions[k]`` (a backward of stage ``s``) may be the last of ``s`` in the step that computes
     parameters' gradients: the last ``B`` or ``I`` of ``s`` (an ``I`` computes them if its backward is not split)
-    unless a later ``W`` of an ``I`` that was split computes them; or the last ``W`` of ``s``."""
+    unless a later ``W`` of an ``I`` that was split computes them; or a ``W`` of ``s`` with no backward of ``s``
+    after it (DualPipeV runs whole ``B`` after the ``W`` of its first, split, backwards)."""
     s, kind, _ = actions[k]
     rest = [a for a in actions[k + 1:] if a.stage == s]
     if kind == "W":
-        return not any(a.kind == "W" for a in rest)
+        return not any(a.kind in "BIW" for a in rest)
     if any(a.kind in "BI" for a in rest):
         return False
     return kind == "I" or all(later.get((s, a.microbatch), _nothing) is _nothing for a in rest if a.kind == "W")
@@ -187,7 +188,8 @@ class StepAverages:
         if replica is not None and ("B", s) not in self.started:
             replica.prepare_step()
         self.started.add(("B", s))
-        last = replica.last(self.run) if replica is not None and _is_last(self.actions, k, later) else None
+        last = replica.last(self.run) if replica is not None and s not in self.reduced and \
+            is_last_backward(self.actions, k, later) else None  # (once a step: what comes after is reduced at the end)
         stage = self.averages.stages[s]
         done = stage.produced
         yield last
