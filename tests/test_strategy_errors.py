@@ -28,6 +28,38 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
         PipeStrategy(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"schedule": "zbv", "virtual_stages": 3}, r"schedule='zbv' places 2 stages per process in a V \(virtual_stages: "
+                                               r"3\): use virtual_stages=2"),
+    ({"schedule": "looped-bfs"}, r"schedule='looped-bfs' runs several stages per process \(virtual_stages: 1\)"),
+    ({"schedule": "dualpipev", "balance": [1, 1, 1, 1], "microbatches": 3},
+     r"dualpipev needs at least as many micro-batches as stages \(micro-batches: 3, stages: 4\)"),
+    ({"schedule": [["0F0", "0B0"], ["1B0", "1F0"]], "microbatches": 1},
+     r"process 1's action 1B0 comes before that micro-batch's forward on stage 1"),
+    ({"schedule": [["0F0", "0B0"], ["1F0", "1B0"]], "microbatches": 2},
+     r"the schedule runs 1 micro-batches and microbatches=2: make them agree"),
+    ({"schedule": [["0F0", "2F0", "2B0", "0B0"], ["1F0", "3F0", "3B0", "1B0"]], "microbatches": 1,
+      "virtual_stages": 1}, r"holds 2 stages per process, and virtual_stages=1: pass virtual_stages=2"),
+])
+def test_schedules_that_cannot_run_fail_at_construction_naming_what_to_change(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PipeStrategy(**kwargs)
+
+
+def test_the_v_shapes_take_two_stages_per_process_and_a_schedule_as_data_its_own():
+    """``schedule='zbv'`` (or ``'dualpipev'``) with virtual_stages left out holds 2 stages per process in a V; a
+    schedule given as data (here ZBV's, as text) holds the stages its processes name."""
+    from lightning_pipe.engine.schedule import schedule_plan
+
+    strategy = PipeStrategy(balance=[1, 1, 1, 2], schedule="zbv")
+    assert strategy.virtual_stages == 2 and strategy.pipeline_processes == 2
+    assert [strategy.process_of(s) for s in range(4)] == [0, 1, 1, 0]
+    rows = [[str(a) for a in row] for row in schedule_plan("zbv", 8, 2, 2).actions]
+    given = PipeStrategy(balance=[1, 1, 1, 2], schedule=rows)
+    assert given.virtual_stages == 2 and [given.process_of(s) for s in range(4)] == [0, 1, 1, 0]
+    assert given.schedule.actions == schedule_plan("zbv", 8, 2, 2).actions
+
+
 def test_fork_is_refused_where_a_forked_process_could_not_work(monkeypatch):
     """start_method='fork' is refused before any fork: with CUDA initialised in the launching process, and with
     OMP_NUM_THREADS asking for more than the one thread a forked process computes with."""

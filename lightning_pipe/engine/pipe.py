@@ -36,7 +36,7 @@ from lightning_pipe.engine.partition import (
 )
 from lightning_pipe.engine.pipeline import LocalPipeline
 from lightning_pipe.engine.plan import Plan, plan_from_actions
-from lightning_pipe.engine.schedule import check_schedule, placement_of, schedule_plan
+from lightning_pipe.engine.schedule import V_SHAPED, check_schedule, placement_of, schedule_plan
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.skip.skippable import verify_skippables
 from lightning_pipe.engine.stage import Stage
@@ -103,7 +103,8 @@ class Pipe(nn.Module):
             ``'gpipe'``, ``'1f1b'``, ``'zero-bubble'``, ``'interleaved-1f1b'``, ``'interleaved-zero-bubble'``,
             ``'looped-bfs'``, ``'zbv'``, ``'dualpipev'``; all but GPipe need the loss on the last stage
             (:func:`loss_on_last_stage`).
-        virtual_stages: partitions per device (the schedules of several stages per process): partition ``s`` on
+        virtual_stages: partitions per device (the schedules of several stages per process; default: the schedule's
+            own, 2 for ``'zbv'`` and ``'dualpipev'``, 1 for the others): partition ``s`` on
             ``devices[s % (len(balance) // virtual_stages)]``, or, for ``'zbv'`` and ``'dualpipev'`` (exactly 2), in
             a V: partitions ``r`` and ``2p - 1 - r`` on device ``r`` (the first and the last on the first device).
 
@@ -116,7 +117,7 @@ class Pipe(nn.Module):
                  devices: Sequence[Device] | None = None, chunks: int = 1,
                  checkpoint: str = "except_last", deferred_batch_norm: bool = False,
                  schedule: str | list[list[str]] | Plan = "gpipe",
-                 virtual_stages: int = 1) -> None:
+                 virtual_stages: int | None = None) -> None:
         super().__init__()
         check_sequential(module)
         check_chunks(chunks)
@@ -124,6 +125,9 @@ class Pipe(nn.Module):
         if not isinstance(schedule, (str, Plan)) or schedule.endswith(".csv"):  # a schedule given as data
             schedule = plan_from_actions(schedule, chunks)
         check_schedule(schedule)
+        if virtual_stages is None:  # the schedule's own: 2 in a V, a schedule given as data's, else 1
+            virtual_stages = schedule.stages // schedule.processes if isinstance(schedule, Plan) else \
+                2 if schedule in V_SHAPED else 1
         balance = check_balance(module, balance)
         verify_skippables(module)
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1 \

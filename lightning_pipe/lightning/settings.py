@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from lightning_pipe.engine.schedule import V_SHAPED
 from lightning_pipe.lightning import checks, ddp
 from lightning_pipe.transport.wire.dataplane import DATA_PLANES
 
@@ -19,7 +20,7 @@ __all__: list[str] = []
 DEFAULTS: dict[str, Any] = {
     "balance": None, "microbatches": 8, "checkpoint": "except_last", "balance_mode": "balance_by_size",
     "pipelined_backward": True, "rpc_timeout_sec": 60.0, "module_name": "sequential_module",
-    "deferred_batch_norm": False, "timeline": None, "schedule": "gpipe", "virtual_stages": 1,
+    "deferred_batch_norm": False, "timeline": None, "schedule": "gpipe", "virtual_stages": None,
     "state_dict_type": "full", "sharding_strategy": "NO_SHARD", "hybrid_shard_size": None, "data_plane": "auto",
     "tensor_parallel_size": 1, "tensor_parallel_plan": None,
 }
@@ -36,6 +37,10 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
 
         if not isinstance(values["schedule"], Plan):
             values["schedule"] = plan_from_actions(values["schedule"], values["microbatches"])
+    if values["virtual_stages"] is None:  # the schedule's own: 2 in a V, a schedule given as data's, else 1
+        schedule = values["schedule"]
+        values["virtual_stages"] = schedule.stages // schedule.processes if not isinstance(schedule, str) else \
+            2 if schedule in V_SHAPED else 1
     values["balance"] = checks.check_arguments(values["balance"], values["microbatches"], values["checkpoint"],
                                                values["balance_mode"], values["rpc_timeout_sec"],
                                                values["module_name"], values["schedule"], values["virtual_stages"],

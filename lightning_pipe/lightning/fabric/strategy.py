@@ -107,7 +107,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
                  deferred_batch_norm: bool = False, timeline: str | None = None,
                  schedule: str | list[list[str]] = "gpipe",
-                 virtual_stages: int = 1, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
+                 virtual_stages: int | None = None, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
                  hybrid_shard_size: int | None = None, data_plane: str = "auto", tensor_parallel_size: int = 1,
                  tensor_parallel_plan: dict[str, Any] | Callable[..., None] | None = None, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,

@@ -81,11 +81,16 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         timeline: a path: record when each stage ran each micro-batch's forward and backward in training and
             write it there as a Chrome trace (replica 0, at the end of fit); ``python -m lightning_pipe
             timeline PATH out.png`` draws it and prints the bubble fraction.
-        schedule: the order of a step's forwards and backwards: ``'gpipe'``, ``'1f1b'``, ``'zero-bubble'`` or
-            ``'interleaved-1f1b'``. All but GPipe need the loss computed on the last stage
-            (:func:`lightning_pipe.loss_on_last_stage` in ``training_step``).
-        virtual_stages: stages per process (``'interleaved-1f1b'``): ``balance`` has processes x virtual_stages
-            entries, and stage ``s`` runs in the pipeline's process ``s % processes``.
+        schedule: the order of a step's forwards and backwards: ``'gpipe'``, ``'1f1b'``, ``'zero-bubble'``,
+            ``'interleaved-1f1b'``, ``'interleaved-zero-bubble'``, ``'looped-bfs'``, ``'zbv'`` or ``'dualpipev'``
+            (pipelining's orders, docs/schedules.md), or a list of each process's actions (``[['0F0', ...], ...]``,
+            pipelining's text form) or the path of a CSV file of them, checked before the first step. All but
+            GPipe need the loss computed on the last stage (:func:`lightning_pipe.loss_on_last_stage` in
+            ``training_step``).
+        virtual_stages: stages per process (the interleaved schedules, looped BFS, the V shapes; default: the
+            schedule's own, 2 for ``'zbv'`` and ``'dualpipev'``, 1 for the others): ``balance`` has processes x
+            virtual_stages entries, and stage ``s`` runs in the pipeline's process ``s % processes``, or, for
+            ``'zbv'`` and ``'dualpipev'``, in a V: stages ``r`` and ``2p - 1 - r`` in process ``r``.
         state_dict_type: ``'full'``: checkpoints are one file that loads into the plain model, written by the
             main process stage by stage; ``'sharded'``: a directory where each process writes its own stage
             (:func:`lightning_pipe.consolidate_checkpoint` makes the full file of it), as Lightning's
@@ -125,7 +130,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
                  deferred_batch_norm: bool = False, timeline: str | None = None,
                  schedule: str | list[list[str]] = "gpipe",
-                 virtual_stages: int = 1, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
+                 virtual_stages: int | None = None, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
                  hybrid_shard_size: int | None = None, data_plane: str = "auto", tensor_parallel_size: int = 1,
                  tensor_parallel_plan: dict[str, Any] | Callable[..., None] | None = None, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
