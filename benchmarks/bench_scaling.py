@@ -38,7 +38,7 @@ def _point(rank: int, port: int, args: argparse.Namespace) -> Any:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.processes,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
-    parts, ours, _ = _start_ours(rank, port, args)
+    parts, ours, _, _ = _start_ours(rank, port, args)
     part = halves(args)[rank]
     theirs = {name: their_schedule(part, rank, args, name) for name in args.schedules}
     x, y = batch(args)

@@ -4,7 +4,8 @@ Every stage is one layer that only sleeps: ``t_f`` in forward, ``t_i`` for its i
 for its parameter's gradient (declared ``pure_backward_layer``: a schedule may split its backward in two,
 input gradients first), so a step's ideal timeline is known exactly (:func:`~lightning_pipe.engine.schedule.simulate`
 with those times) and the measurement needs no cores. Each of ``p`` processes holds one stage (two for
-interleaved 1F1B: each then sleeps half as long, the same work per process); the loss is computed on the last
+the schedules of several stages per process: each then sleeps half as long, the same work per process; in a V
+for ZBV and DualPipeV); the loss is computed on the last
 stage. Every stage records when it ran what (the timeline); the bubble of a step is the idle fraction of the
 processes between its first start and its last end, printed beside the theory's, with the step time beside
 the simulated one. The driver's time between steps is what it spends outside the pipeline (the loss's
@@ -29,12 +30,13 @@ from torch import nn
 
 from lightning_pipe import pure_backward_layer
 from lightning_pipe.engine import pipeline_loss
-from lightning_pipe.engine.schedule import schedule_plan, simulate
+from lightning_pipe.engine.schedule import placement_of, schedule_plan, simulate
 from lightning_pipe.engine.timeline import Event, Recorder
 from lightning_pipe.transport import pipeline_over_rpc
 
 RPC_TIMEOUT = 60.0
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2),
+             ("looped-bfs", 2), ("zbv", 2), ("dualpipev", 2)]
 
 
 @pure_backward_layer
@@ -81,7 +83,8 @@ def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
         times = (args.t_fwd_ms / 1e3 * scale, args.t_in_ms / 1e3 * scale, args.t_w_ms / 1e3 * scale)
         body = nn.Sequential(*[SleepLayer(*times) for _ in range(world * v)])
         key = f"bench-{name}"
-        pipeline = pipeline_over_rpc(key, body, [1] * (world * v), peers, timeout=RPC_TIMEOUT, virtual_stages=v)
+        pipeline = pipeline_over_rpc(key, body, [1] * (world * v), peers, timeout=RPC_TIMEOUT, virtual_stages=v,
+                                     placement=placement_of(name, world, v))
         if pipeline is None:
             continue  # this process serves its stages until the driver is done
         x, y = torch.randn(args.chunks, 4), torch.randn(args.chunks, 4)
@@ -133,7 +136,8 @@ def _input_of(step: dict[tuple[int, str, int], Event], last_stage: int, e: Event
     return step.get((e.stage + 1, "B", e.microbatch)) or step.get((e.stage + 1, "I", e.microbatch))
 
 
-def critical_path(events: list[Event], processes: int) -> dict[str, tuple[float, float]]:
+def critical_path(events: list[Event], processes: int, placement: tuple[int, ...] = ()
+                  ) -> dict[str, tuple[float, float]]:
     """Per step, walked back from its last action: each action's wait after the later of its input's action
     (the previous stage's forward, the next stage's backward, its own input gradients for a ``W``) and the
     previous action of its process. Returns, over the steps (medians), the count and milliseconds of the waits
@@ -145,7 +149,8 @@ def critical_path(events: list[Event], processes: int) -> dict[str, tuple[float,
         last_stage = max(stage for stage, _, _ in step)
         previous: dict[tuple[int, str, int], Event] = {}
         for q in range(processes):
-            mine = sorted((e for e in step.values() if e.stage % processes == q), key=lambda e: e.start)
+            mine = sorted((e for e in step.values()
+                           if (placement[e.stage] if placement else e.stage % processes) == q), key=lambda e: e.start)
             previous.update({(b.stage, b.kind, b.microbatch): a for a, b in zip(mine, mine[1:])})
 
         waits = {name: [0, 0.0] for name in out}
@@ -220,7 +225,8 @@ def main() -> None:
               f"{theory.makespan:>8.1f}ms{real.makespan:>8.1f}ms{step / theory.makespan:>13.3f}"
               f"{step / real.makespan:>11.3f}{statistics.median(gaps) * 1e3 if gaps else float('nan'):>13.1f}ms")
         print(f"RESULT {name}_step_over_real={step / real.makespan:.3f}")
-        path = critical_path(events, p)
+        print(f"RESULT {name}_step_over_theory={step / theory.makespan:.3f}")
+        path = critical_path(events, p, placement_of(name, p, v))
         print("    on the critical path, the engine's waits between actions: " + "; ".join(
             f"{kind} {count:.0f} x {spent / count if count else 0:.2f} ms = {spent:.1f} ms"
             for kind, (count, spent) in path.items()))

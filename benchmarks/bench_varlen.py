@@ -132,7 +132,7 @@ def _varlen(rank: int, port: int, args: argparse.Namespace) -> Any:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.processes,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
-    parts, ours, _ = _start_ours(rank, port, args)  # the same port: tcp:// stores are multi-tenant in a process
+    parts, ours, _, _ = _start_ours(rank, port, args)  # the same port: tcp:// stores are multi-tenant in a process
     part = halves(args)[rank]  # theirs: its own copy of the same weights
     last = rank == args.processes - 1
     seqs, batches, lengths_of = sequences(args), orders(args), plan(args)

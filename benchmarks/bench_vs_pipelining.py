@@ -34,6 +34,7 @@ of every micro-batch, in a process of its own on one thread): no engine's step c
 ``RESULT <model>_p<processes>_lowest_possible_ours_over_theirs`` is the lowest ratio any engine of ours could reach.
 
     python benchmarks/bench_vs_pipelining.py --model lm [--paired 10 --jobs 1] [--schedules gpipe,1f1b]
+    python benchmarks/bench_vs_pipelining.py --model lm --schedules zbv,dualpipev   (2 x processes stages in a V)
     python benchmarks/bench_vs_pipelining.py [--width 1024] [--layers 8] [--batch 512] [--chunks 8]
                                              [--rounds 6] [--steps 6] [--transport default] [--loss last]
                                              [--paired 40 --jobs 5] [--pin]
@@ -56,7 +57,8 @@ from processes import run_processes
 from torch import nn
 
 RPC_TIMEOUT = 120.0
-THEIRS = ("gpipe", "1f1b")  # the schedules of theirs for one stage per process
+THEIRS = ("gpipe", "1f1b", "zbv", "dualpipev")  # the schedules of theirs compared with ours of the same name
+V_SHAPED = ("zbv", "dualpipev")  # 2 stages per process, in a V: both engines cut the model in 2 x processes stages
 
 
 def build(args: argparse.Namespace) -> nn.Sequential:
@@ -71,12 +73,13 @@ def build(args: argparse.Namespace) -> nn.Sequential:
     return nn.Sequential(*blocks)
 
 
-def halves(args: argparse.Namespace) -> list[nn.Sequential]:
-    """The model cut into ``args.processes`` stages of whole blocks (two halves by default)."""
+def halves(args: argparse.Namespace, per_process: int = 1) -> list[nn.Sequential]:
+    """The model cut into ``args.processes`` stages of whole blocks (two halves by default); ``per_process=2``:
+    twice as many (the V shapes)."""
     from lightning_pipe.engine import split_module
 
     model = build(args)
-    n, p = len(model), args.processes
+    n, p = len(model), args.processes * per_process
     blocks = [1 if isinstance(m, nn.Embedding) or m is model[-1] and args.model == "lm" else 2 for m in model
               if not isinstance(m, nn.ReLU)]
     per = [len(blocks) // p + (1 if j < len(blocks) % p else 0) for j in range(p)]
@@ -111,10 +114,10 @@ def _grad_norm(part: nn.Sequential) -> float:
 
 
 # ---------------------------------------------------------------------- ours: RemotePipeline over RPC
-def _start_ours(rank: int, port: int, args: argparse.Namespace) -> tuple[list[nn.Sequential], Any, Any]:
+def _start_ours(rank: int, port: int, args: argparse.Namespace) -> tuple[list[nn.Sequential], Any, Any, Any]:
     """Join RPC (rendezvous on ``port``) and set up our pipeline: the stages and, in process 0, the pipeline
-    over ``args.data_plane`` and one over RPC alone where that is another (None in the other processes, whose
-    threads serve their stages)."""
+    over ``args.data_plane``, one over RPC alone where that is another, and, for the V-shaped schedules, one of
+    2 x processes stages in a V (None in the other processes, whose threads serve their stages)."""
     import torch.distributed.rpc as rpc
 
     from lightning_pipe.transport import pipeline_over_rpc
@@ -128,11 +131,18 @@ def _start_ours(rank: int, port: int, args: argparse.Namespace) -> tuple[list[nn
     names = [f"worker{r}" for r in range(args.processes)]
     pipeline = pipeline_over_rpc("bench", nn.Sequential(*[m for part in parts for m in part]), [len(q) for q in parts],
                                  names, timeout=RPC_TIMEOUT, data_plane=args.data_plane)
-    over_rpc = None
+    over_rpc = v = None
     if args.data_plane != "rpc" and args.paired:  # the same weights, the other plane
         over_rpc = pipeline_over_rpc("bench-rpc", nn.Sequential(*[m for part in halves(args) for m in part]),
                                      [len(q) for q in parts], names, timeout=RPC_TIMEOUT, data_plane="rpc")
-    return parts, pipeline, over_rpc
+    if set(args.schedules) & set(V_SHAPED):
+        from lightning_pipe.engine.plan import v_placement
+
+        quarters = halves(args, 2)
+        v = pipeline_over_rpc("bench-v", nn.Sequential(*[m for part in quarters for m in part]),
+                              [len(q) for q in quarters], names, timeout=RPC_TIMEOUT, data_plane=args.data_plane,
+                              virtual_stages=2, placement=v_placement(args.processes))
+    return parts, pipeline, over_rpc, v
 
 
 def ours_step(pipeline: Any, parts: list[nn.Sequential], x: torch.Tensor, y: torch.Tensor,
@@ -143,7 +153,7 @@ def ours_step(pipeline: Any, parts: list[nn.Sequential], x: torch.Tensor, y: tor
 
     if args.loss == "last":
         loss = pipeline_loss(pipeline, x, y, loss_fn, chunks=args.chunks, checkpoint="never", training=True,
-                             parameters=parts[0].parameters(), schedule=schedule)
+                             parameters=pipeline.runner.stage.partition.parameters(), schedule=schedule)
     else:
         loss = loss_fn(run_pipeline(pipeline, x, chunks=args.chunks, checkpoint="never", training=True,
                                     parameters=parts[0].parameters()), y)
@@ -154,7 +164,7 @@ def ours_step(pipeline: Any, parts: list[nn.Sequential], x: torch.Tensor, y: tor
 def _ours(rank: int, port: int, args: argparse.Namespace) -> Any:
     import torch.distributed.rpc as rpc
 
-    parts, pipeline, _ = _start_ours(rank, port, args)
+    parts, pipeline, _, _ = _start_ours(rank, port, args)
     if pipeline is None:
         rpc.shutdown(timeout=args.timeout)  # serves this stage until the driver is done
         return None
@@ -216,11 +226,25 @@ def _theirs(rank: int, port: int, args: argparse.Namespace) -> Any:
 
 
 def their_schedule(part: nn.Sequential, rank: int, args: argparse.Namespace, schedule: str) -> Any:
-    """torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B over ``part`` (stage ``rank``), its loss on
-    the last stage, gradients scaled by 1 / micro-batches (the whole batch's mean loss)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B over ``part`` (stage ``rank``), or its
+    ScheduleZBVZeroBubble or ScheduleDualPipeV over stages ``rank`` and ``2p - 1 - rank`` of the model cut in 2p
+    (``part`` unused), its loss on the last stage, gradients scaled by 1 / micro-batches (the whole batch's mean
+    loss)."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleGPipe,
+        ScheduleZBVZeroBubble,
+    )
 
-    stage = PipelineStage(part, rank, args.processes, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    if schedule in V_SHAPED:
+        quarters, n = halves(args, 2), 2 * args.processes
+        stages = [PipelineStage(quarters[s], s, n, cpu) for s in (rank, n - 1 - rank)]
+        return {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[schedule](stages, args.chunks,
+                                                                                      loss_fn=loss_fn)
+    stage = PipelineStage(part, rank, args.processes, cpu)
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, args.chunks, loss_fn=loss_fn)
 
 
@@ -264,19 +288,27 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.processes,
                             timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
     # The same port as the gloo group: tcp:// rendezvous stores are multi-tenant within a process.
-    parts, ours, over_rpc = _start_ours(rank, port, args)
+    parts, ours, over_rpc, ours_v = _start_ours(rank, port, args)
     engines = ("ours", "ours-rpc", "theirs") if args.data_plane != "rpc" else ("ours", "theirs")
     part = halves(args)[rank]  # theirs: its own copy of the same weights
     theirs = {name: their_schedule(part, rank, args, name) for name in args.schedules if name in THEIRS}
     x, y = batch(args)
     losses: dict[str, list[float]] = {f"{engine} {name}": [] for engine in engines for name in args.schedules
-                                      if engine != "theirs" or name in theirs}
+                                      if (engine != "theirs" or name in theirs)
+                                      and (engine != "ours-rpc" or name not in V_SHAPED)}
 
     def step(engine: str, name: str) -> None:
         if engine.startswith("ours"):
-            pipeline = ours if engine == "ours" else over_rpc
+            pipeline = ours_v if name in V_SHAPED else ours if engine == "ours" else over_rpc
             if pipeline is not None:  # the other processes serve their stages from RPC threads meanwhile
                 losses[f"{engine} {name}"].append(ours_step(pipeline, parts, x, y, args, name))
+        elif name in V_SHAPED:  # the first and the last stage on process 0: the batch and the targets there
+            out: list[torch.Tensor] = []
+            if rank == 0:
+                theirs[name].step(x, target=y, losses=out)
+                losses[f"theirs {name}"].append(torch.stack(out).mean().item())
+            else:
+                theirs[name].step()
         elif rank == 0:
             theirs[name].step(x)
         elif rank == args.processes - 1:
@@ -319,7 +351,7 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
                         kind = _kind(tid, thread, compute(engine))
                         cpu[engine][kind] = cpu[engine].get(kind, 0.0) + used - before.get(tid, (thread, 0.0))[1]
     steps = args.paired * len(args.schedules)
-    for pipeline in (ours, over_rpc):
+    for pipeline in (ours, over_rpc, ours_v):
         if pipeline is not None:
             pipeline.close()
     rpc.shutdown(timeout=args.timeout)
@@ -363,6 +395,8 @@ def paired(args: argparse.Namespace) -> None:
                 if f"{engine} {name}" in times:
                     steps.setdefault(f"{engine} {name}", []).extend(times[f"{engine} {name}"])
             for engine in engines[:-1]:
+                if f"{engine} {name}" not in times:
+                    continue  # (ours over RPC alone runs one stage per process)
                 against = f"theirs {name if name in THEIRS else best}"
                 mine = [o / t for o, t in zip(times[f"{engine} {name}"], times[against])]
                 if engine == "ours" and name == ours_best:
@@ -409,7 +443,7 @@ def paired(args: argparse.Namespace) -> None:
     print(f"RESULT {args.model}_p{args.processes}_lowest_possible_ours_over_theirs={bound / theirs_best:.3f}")
     print(f"wall time of the benchmark: {time.perf_counter() - start:.1f} s")
     for name in args.schedules:
-        for engine in engines[:-1]:
+        for engine in (e for e in engines[:-1] if f"{e} {name}" in ratios):
             print(f"RESULT {args.model}_p{args.processes}_{name}_{engine.replace('-', '_')}_over_theirs="
                   f"{statistics.median(ratios[f'{engine} {name}']):.3f}")
     every_ratio = sorted(x for name in args.schedules for x in ratios[f"ours {name}"])
@@ -515,10 +549,11 @@ def main() -> None:
         args.paired = 10
     ours_only = set(args.schedules) - set(THEIRS)
     if set(args.schedules) - {*THEIRS, "zero-bubble"} or (args.loss == "driver" and args.schedules != ["gpipe"]) \
-            or (ours_only and not (args.paired and set(args.schedules) & set(THEIRS))):
-        parser.error(f"--schedules takes gpipe, 1f1b and zero-bubble (ours alone: with --paired and one of theirs, "
-                     f"compared with their fastest), and the loss on the driver runs gpipe alone (got --schedules "
-                     f"{','.join(args.schedules)}, --loss {args.loss})")
+            or (ours_only and not (args.paired and set(args.schedules) & set(THEIRS))) \
+            or (set(args.schedules) & set(V_SHAPED) and not args.paired):
+        parser.error(f"--schedules takes gpipe, 1f1b, zbv, dualpipev and zero-bubble (ours alone: with --paired and "
+                     f"one of theirs, compared with their fastest; zbv and dualpipev with --paired), and the loss on "
+                     f"the driver runs gpipe alone (got --schedules {','.join(args.schedules)}, --loss {args.loss})")
     if args.pin and len(os.sched_getaffinity(0)) < 2:
         parser.error(f"--pin needs 2 cores; this process may use {len(os.sched_getaffinity(0))}")
     if args.warmup < 1 or args.batch % args.chunks:
