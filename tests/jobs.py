@@ -147,6 +147,23 @@ for _name, _extra in SCHEDULES.items():
         "epochs": 1}
 
 
+# The schedules of several stages per process beyond interleaved 1F1B, the loss on the last stage: the V shapes (zbv,
+# dualpipev: process r holds stages r and 3 - r, the first and the last in the driver's), interleaved zero-bubble
+# and looped BFS; accumulation and clipping, 2 replicas averaged or sharded, and a run resumed under ZBV from 1F1B's
+# checkpoint at another balance.
+for _name in ("zbv", "dualpipev", "interleaved-zero-bubble", "looped-bfs"):
+    _two = {"schedule": _name, "last_stage_loss": True, "virtual_stages": 2, "balance": [1, 1, 1, 2], "epochs": 1}
+    GROUPS["2 processes"][f"{_name}-adamw-accumulate-clip"] = {**_two, "optimizer": "adamw", "accumulate": 2,
+                                                              "clip": 0.05, "log_metric": True}
+    if _name in ("zbv", "dualpipev"):
+        GROUPS["4 processes"][f"{_name}-2replicas"] = {**_two, "devices": 4, "batch_size": 4, "accumulate": 2,
+                                                       "optimizer": "adamw", "clip": 0.05}
+GROUPS["4 processes"]["zbv-2replicas-full-shard"] = {**GROUPS["4 processes"]["zbv-2replicas"], "sharding": "FULL_SHARD"}
+GROUPS["2 processes"]["zbv-resume-from-1f1b-epoch-0"] = {
+    **GROUPS["2 processes"]["1f1b-resume-full"], "schedule": "zbv", "virtual_stages": 2, "balance": [1, 1, 1, 2],
+    "save_every": None, "resume": "1f1b-resume-full/ckpts/epoch=0.ckpt"}
+
+
 # The data planes (data_plane): every hand-off by RPC, and every one point-to-point whatever its size (the
 # default, "auto", runs every other case).
 GROUPS["4 processes"]["rpc-plane-1f1b-2replicas"] = {**GROUPS["4 processes"]["1f1b-2replicas"], "data_plane": "rpc"}

@@ -60,6 +60,11 @@ JOBS: dict[str, dict[str, Any]] = {
         # The first case's own files (torch.save of model.state_dict() and optimizer.state_dict()) loaded by the
         # module's and optimizer's own load_state_dict, at another balance.
         "own-state-load-other-balance": {"clip": 0.05, "balance": [1, 4], "load_own": "sgd-clip-scheduler"},
+        # The V shapes: 2 stages per process, the first and the last in the driver's (the loss computed there).
+        "zbv-adamw-clip": {"schedule": "zbv", "virtual_stages": 2, "last_stage_loss": True, "balance": [1, 1, 1, 2],
+                           "optimizer": "adamw", "clip": 0.1},
+        "dualpipev-adamw-clip": {"schedule": "dualpipev", "virtual_stages": 2, "last_stage_loss": True,
+                                 "balance": [1, 1, 1, 2], "optimizer": "adamw", "clip": 0.1},
         # LitGPT's GPT as a body (to_sequential), in LitGPT's fine-tuning shape: against the plain GPT
         # (test_litgpts_gpt_through_a_fabric_loop_trains_the_plain_gpts_weights).
         "litgpt-1f1b-adamw-clip": {"model": "litgpt", "balance": [3, 3], "schedule": "1f1b", "last_stage_loss": True,
@@ -71,6 +76,10 @@ JOBS: dict[str, dict[str, Any]] = {
                                                  "accumulate": 2, "clip": 0.1, "batch_size": 4, "collectives": True,
                                                  "own_state": True},
         "2replicas-sgd-head-outside": {"model": "module", "balance": [2, 3], "batch_size": 4, "clip": 0.05},
+        "2replicas-zbv": {"schedule": "zbv", "virtual_stages": 2, "last_stage_loss": True, "balance": [1, 1, 1, 2],
+                          "optimizer": "adamw", "clip": 0.1, "batch_size": 4},
+        "2replicas-dualpipev": {"schedule": "dualpipev", "virtual_stages": 2, "last_stage_loss": True,
+                                "balance": [1, 1, 1, 2], "optimizer": "adamw", "clip": 0.1, "batch_size": 4},
         # The 2-process job's checkpoint, loaded by two replicas.
         "2replicas-load": {"clip": 0.05, "scheduler": "step", "batch_size": 4,
                            "load": "../2-processes/sgd-clip-scheduler/final.pt"},

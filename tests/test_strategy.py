@@ -127,6 +127,33 @@ def test_every_schedule_with_the_loss_on_the_last_stage_trains_the_plain_models_
         assert {k: v for k, v in result["metrics"].items() if "grad_" in k} == pytest.approx(norms, rel=1e-5)
 
 
+MULTISTAGED = [*(f"{name}-adamw-accumulate-clip" for name in ("zbv", "dualpipev", "interleaved-zero-bubble",
+                                                               "looped-bfs")),
+               "zbv-2replicas", "dualpipev-2replicas", "zbv-2replicas-full-shard"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", MULTISTAGED)
+def test_the_v_shaped_and_the_other_multistage_schedules_train_the_plain_models_weights(name, jobs, tmp_path):
+    """ZBV and DualPipeV (2 stages per process in a V: the first and the last in the driver's process, the loss
+    computed there), interleaved zero-bubble and looped BFS, with accumulation and clipping by the global norm, and
+    the V shapes with 2 replicas averaged or sharded by FULL_SHARD: one device's weights (and logged loss)."""
+    config = case_config(name)
+    assert_same_weights(load(jobs.directory(name) / "final.ckpt"), plain_weights(config, tmp_path / "plain"))
+    if config.get("log_metric"):
+        plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
+        assert jobs.result(name)["metrics"]["train_loss"] == pytest.approx(plain["train_loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(900)
+def test_a_run_resumes_under_zbv_from_a_1f1b_checkpoint_at_another_balance(jobs):
+    """The checkpoint 1F1B wrote after its first epoch (2 processes, balance [2, 3]), resumed under ZBV (the same 2
+    processes holding 4 stages in a V): the second epoch ends where the uninterrupted 1F1B run ended."""
+    full = load(jobs.directory("1f1b-resume-full") / "final.ckpt")
+    resumed = load(jobs.directory("zbv-resume-from-1f1b-epoch-0") / "final.ckpt")
+    assert_same_weights(resumed, full, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b"])
 def test_every_schedule_resumes_exactly_and_scales_fp16_losses(schedule, jobs, tmp_path):
