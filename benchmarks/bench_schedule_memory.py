@@ -26,7 +26,8 @@ from torch import nn
 from lightning_pipe import Pipe, loss_on_last_stage
 from lightning_pipe.engine.schedule import schedule_plan, simulate
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2),
+             ("looped-bfs", 2), ("zbv", 2), ("dualpipev", 2)]
 
 
 class Counter:

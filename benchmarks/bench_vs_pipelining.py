@@ -322,10 +322,11 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
     # it to the barrier after it (read outside the timed part). Compute: where each engine runs its stage.
     from lightning_pipe.transport.stages.runner import _RUNNERS
 
-    def compute(engine: str) -> set[int]:
+    def compute(engine: str, name: str) -> set[int]:
         """The threads that run the stage: the worker's (steps by RPC), the step listener (steps on the data plane:
         it runs them), and the main thread (theirs; ours on the driver, where stage 0 runs on it with the plane)."""
-        runner = _RUNNERS.get({"ours": "bench", "ours-rpc": "bench-rpc"}.get(engine, ""))
+        ours_key = "bench-v" if name in V_SHAPED else "bench"
+        runner = _RUNNERS.get({"ours": ours_key, "ours-rpc": "bench-rpc"}.get(engine, ""))
         threads = [threading.current_thread()]
         if runner is not None:
             threads = [runner.worker._thread] + ([threading.current_thread()] if rank == 0 else [])
@@ -348,7 +349,7 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
                 dist.barrier()
                 if k >= args.warmup:
                     for tid, (thread, used) in _thread_cpu().items():
-                        kind = _kind(tid, thread, compute(engine))
+                        kind = _kind(tid, thread, compute(engine, name))
                         cpu[engine][kind] = cpu[engine].get(kind, 0.0) + used - before.get(tid, (thread, 0.0))[1]
     steps = args.paired * len(args.schedules)
     for pipeline in (ours, over_rpc, ours_v):
@@ -581,6 +582,10 @@ def main() -> None:
     print(f"theirs: torch.distributed.pipelining PipelineStage + {', '.join(n for n in args.schedules if n in THEIRS)} "
           "over gloo; loss on the "
           "last stage (process 1), grads scaled by 1/n_microbatches (= the whole batch's mean loss)")
+    if set(args.schedules) & set(V_SHAPED):
+        print(f"{', '.join(n for n in args.schedules if n in V_SHAPED)}: both engines cut the model in "
+              f"{2 * args.processes} stages, stages r and {2 * args.processes - 1} - r in process r (a V): the first "
+              "and the last stage, and so the loss, in process 0")
     if args.pin:
         print("pinned: process r runs on core r only, helper threads included")
     if args.paired:

@@ -129,7 +129,7 @@ def test_every_schedule_with_the_loss_on_the_last_stage_trains_the_plain_models_
 
 MULTISTAGED = [*(f"{name}-adamw-accumulate-clip" for name in ("zbv", "dualpipev", "interleaved-zero-bubble",
                                                                "looped-bfs")),
-               "zbv-2replicas", "dualpipev-2replicas", "zbv-2replicas-full-shard"]
+               "zbv-2replicas", "dualpipev-2replicas", "zbv-2replicas-full-shard", "zbv-bf16-mixed"]
 
 
 @pytest.mark.timeout(900)
@@ -143,6 +143,17 @@ def test_the_v_shaped_and_the_other_multistage_schedules_train_the_plain_models_
     if config.get("log_metric"):
         plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
         assert jobs.result(name)["metrics"]["train_loss"] == pytest.approx(plain["train_loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(900)
+def test_dualpipev_scales_fp16_losses_as_gpipe_on_the_same_micro_batches(jobs):
+    """16-mixed with a gradient scaler under DualPipeV: the scale reaches the loss on the last stage (in the
+    driver's process), the same steps are skipped, and the weights and the scale end as GPipe's do on the same
+    micro-batches."""
+    piped = torch.load(jobs.directory("dualpipev-fp16-scaler") / "final.ckpt", weights_only=False)
+    other = torch.load(jobs.directory("gpipe-fp16-scaler") / "final.ckpt", weights_only=False)
+    assert_same_weights(piped["state_dict"], other["state_dict"])
+    assert piped["MixedPrecision"]["scale"] == other["MixedPrecision"]["scale"] != 2.0**20
 
 
 @pytest.mark.timeout(900)
