@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -162,3 +163,26 @@ def test_a_checkpoint_reaches_the_disk_before_it_is_renamed_into_place(tmp_path,
     flushed = [k for k, e in enumerate(events) if e.endswith("__0_0.distcp") or e.endswith(".metadata")]
     assert len(flushed) == 2 and max(flushed) < min(renames)
     assert _which(tmp_path / "dir") == "new"
+
+
+def test_another_machines_staging_left_unchanged_for_a_day_is_cleared(tmp_path):
+    """A job requeued on other nodes left its dead saves' staging names (another machine's) beside the checkpoints
+    for good: nothing here can tell whether their process runs. One in which nothing has changed for a day is taken
+    for dead now (a save in progress keeps writing), its previous checkpoint put back where the target is missing;
+    a fresh one of another machine stays."""
+    other = "0123456789ab-4026531836"
+    old_partial = _checkpoint(tmp_path / _name("epoch=5.ckpt", placing.PARTIAL, 4242, other), "dead midway")
+    old_tmp = tmp_path / _name("epoch=6.ckpt", placing.TMP, 4243, other)
+    old_tmp.write_bytes(b"half a file")
+    old_old = _checkpoint(tmp_path / _name("last.ckpt", placing.OLD, 4244, other), "the last before the crash")
+    fresh = _checkpoint(tmp_path / _name("epoch=7.ckpt", placing.PARTIAL, 4245, other), "being written")
+    day_ago = time.time() - placing.STALE_SECONDS - 60
+    for path in (old_partial, old_tmp, old_old):
+        for inner in [path, *path.rglob("*")]:
+            os.utime(inner, (day_ago, day_ago))
+
+    done = placing.sweep(str(tmp_path))
+
+    assert sorted(os.listdir(tmp_path)) == sorted([fresh.name, "last.ckpt"]), done
+    assert _which(tmp_path / "last.ckpt") == "the last before the crash"
+    assert sum("of another machine, unchanged for a day" in line for line in done) == 2, done

@@ -16,10 +16,11 @@ and its pid namespace), so that what a dead save left can be told from a save in
 a folder of what processes that no longer run left behind (each crashed, restarted or requeued job leaves its
 staging directory), and puts a dead save's ``.old-`` back at its target when that target is missing: the
 checkpoint that was there before the interrupted save, which ``fit(ckpt_path="last")`` then finds. A staging
-name is cleared only when its process is provably gone: written on this machine in this boot and pid namespace,
-its pid no longer running. Another machine's, another container's or a running process's are never touched (a
-job on another node may be writing it), nor names without an owner of this form (earlier versions wrote the pid
-alone). A save never half happened: what it wrote is in place, or the previous checkpoint is, and a sweep puts
+name is cleared when its process is provably gone: written on this machine in this boot and pid namespace, its
+pid no longer running. Another machine's or another container's are cleared only once nothing in them has changed
+for a day (:data:`STALE_SECONDS`: a save in progress keeps writing; a job requeued on other nodes leaves its dead
+saves behind otherwise); a running process's here are never touched, nor names without an owner of this form
+(earlier versions wrote the pid alone). A save never half happened: what it wrote is in place, or the previous checkpoint is, and a sweep puts
 the previous one back rather than finishing a dead save.
 """
 
@@ -106,6 +107,27 @@ def dead(pid: int, where: str) -> bool:
     return bool(where) and where == machine() and not _running(pid)
 
 
+#: How long a staging name of another machine may go unchanged before a sweep takes its save for dead: no save
+#: writes nothing for a day (a file grows, a directory gains files), and a job requeued on other nodes would
+#: otherwise leave its dead saves' staging names beside the checkpoints for good.
+STALE_SECONDS = 24 * 3600.0
+
+
+def stale(path: str, where: str, now: float | None = None) -> bool:
+    """Whether ``path``, staged by a process of another machine ``where``, has not changed (nor anything under it)
+    for :data:`STALE_SECONDS`: its save is over, or dead."""
+    if where == machine():
+        return False  # this machine's are judged by their process
+    import time
+
+    try:
+        newest = max([os.lstat(path).st_mtime] + [os.lstat(os.path.join(top, name)).st_mtime
+                                                  for top, _, names in os.walk(path) for name in names])
+    except OSError:
+        return False
+    return (time.time() if now is None else now) - newest > STALE_SECONDS
+
+
 def _complete(path: str) -> bool:
     return os.path.isfile(path) or os.path.isfile(os.path.join(path, _META))
 
@@ -131,10 +153,11 @@ def sweep(folder: str) -> list[str]:
     done: list[str] = []
     for name in names:
         parsed = parse(name)
-        if parsed is None or not dead(parsed[2], parsed[3]):
+        path = os.path.join(folder, name)
+        if parsed is None or not (dead(parsed[2], parsed[3]) or stale(path, parsed[3])):
             continue
         target_name, kind, pid, _ = parsed
-        path, target = os.path.join(folder, name), os.path.join(folder, target_name)
+        target = os.path.join(folder, target_name)
         try:
             if kind == OLD and not os.path.lexists(target) and _complete(path):
                 os.rename(path, target)
@@ -145,7 +168,8 @@ def sweep(folder: str) -> list[str]:
             _remove(path)
         except OSError:  # another process swept it first
             continue
-        done.append(f"{path}: removed (left by process {pid}, which no longer runs)")
+        why = "which no longer runs" if parsed[3] == machine() else "of another machine, unchanged for a day"
+        done.append(f"{path}: removed (left by process {pid}, {why})")
         log.info("checkpoint staging %s", done[-1])
     return done
 
