@@ -161,9 +161,10 @@ for _name in ("zbv", "dualpipev", "interleaved-zero-bubble", "looped-bfs"):
 GROUPS["4 processes"]["zbv-2replicas-full-shard"] = {**GROUPS["4 processes"]["zbv-2replicas"], "sharding": "FULL_SHARD"}
 # Mixed precision: bf16 with one micro-batch (to the bit, as the other bf16 cases), fp16 with a gradient scaler against
 # GPipe's on the same micro-batches (as for the other schedules).
-GROUPS["2 processes"]["zbv-bf16-mixed"] = {"schedule": "zbv", "last_stage_loss": True, "balance": [1, 1, 1, 2],
-                                           "precision": "bf16-mixed", "microbatches": 1, "epochs": 1}
-GROUPS["2 processes"]["dualpipev-fp16-scaler"] = {"schedule": "dualpipev", "last_stage_loss": True,
+GROUPS["2 processes"]["zbv-bf16-mixed"] = {"schedule": "zbv", "virtual_stages": 2, "last_stage_loss": True,
+                                           "balance": [1, 1, 1, 2], "precision": "bf16-mixed", "microbatches": 1,
+                                           "epochs": 1}
+GROUPS["2 processes"]["dualpipev-fp16-scaler"] = {"schedule": "dualpipev", "virtual_stages": 2, "last_stage_loss": True,
                                                   "balance": [1, 1, 1, 2], "precision": "16-mixed-scaler",
                                                   "epochs": 1}
 GROUPS["2 processes"]["zbv-resume-from-1f1b-epoch-0"] = {
@@ -466,7 +467,8 @@ GROUPS["4 processes tensor parallel"] = {
                        "last_stage_loss": True, "balance": [1, 2, 2, 1],
                        "tensor_parallel_plan": {"0": "colwise_rep", "2": "rowwise_rep", "4": "colwise_rep"}},
     # ZBV over split stages: 2 processes x 2 tensor ranks, each process's 2 stages in a V.
-    "tp-zbv": {**_TP, "devices": 4, "schedule": "zbv", "last_stage_loss": True, "balance": [1, 2, 2, 1],
+    "tp-zbv": {**_TP, "devices": 4, "schedule": "zbv", "virtual_stages": 2, "last_stage_loss": True,
+               "balance": [1, 2, 2, 1],
                "optimizer": "adamw", "clip": 0.05,
                "tensor_parallel_plan": {"0": "colwise_rep", "2": "rowwise_rep", "4": "colwise_rep"}},
     # Autocast in split stages (one micro-batch, as the other bf16 cases).
