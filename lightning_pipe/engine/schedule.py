@@ -26,11 +26,10 @@ reports the bubble and each stage's peak of micro-batches held, for tests and be
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 from lightning_pipe.engine.multistage import dualpipev, interleaved_zero_bubble, looped_bfs, zbv
-from lightning_pipe.engine.plan import Action, Plan, check_shape, v_placement
+from lightning_pipe.engine.plan import Action, Plan, Simulation, check_shape, simulate, v_placement
 
 __all__ = ["Action", "Plan", "SCHEDULES", "Simulation", "schedule_plan", "simulate"]
 
@@ -193,89 +192,6 @@ def placement_of(name: str | Plan, p: int, v: int = 1) -> tuple[int, ...]:
     if isinstance(name, Plan):
         return name.placement
     return v_placement(p) if name in V_SHAPED and v == 2 else ()
-
-
-@dataclass(frozen=True)
-class Simulation:
-    """A plan run with fixed action times: when each action ran, the step's length, the idle fraction of
-    the processes (the bubble), and how many micro-batches each stage held at most (forward done, its
-    backward's parameter gradients not yet)."""
-
-    times: Mapping[Action, tuple[float, float]]
-    makespan: float
-    bubble: float
-    held: tuple[int, ...]
-
-
-def _needs(action: Action, stages: int, m: int, loss_on_last_stage: bool) -> list[Action]:
-    s, kind, i = action
-    if kind == "F":
-        return [Action(s - 1, "F", i)] if s > 0 else []
-    if kind == "W":
-        return [Action(s, "I", i)]
-    mbs = range(m) if i < 0 else [i]
-    if s == stages - 1:  # the loss: after this micro-batch's forward, or after every forward if it is not here
-        return [Action(s, "F", k) for k in (mbs if loss_on_last_stage else range(m))]
-    return [Action(s, "F", k) for k in mbs] + [Action(s + 1, "grad", k) for k in mbs]
-
-
-def simulate(plan: Plan, costs: Mapping[str, float] | None = None, *, loss_on_last_stage: bool = True) -> Simulation:
-    """Run ``plan`` with action times ``costs`` (default: forward 1, backward 2, each half of a split
-    backward 1); each process runs its actions in order, each as soon as its inputs are there. Raises
-    ``ValueError`` if the plan cannot finish (an action waits for one that comes after it)."""
-    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(costs or {})}
-    m, n = plan.microbatches, plan.stages
-    done: dict[Action, float] = {}  # also ("grad" of stage s, micro-batch i): its input gradients are out
-    times: dict[Action, tuple[float, float]] = {}
-    position = [0] * plan.processes
-    clock = [0.0] * plan.processes
-    remaining = sum(len(a) for a in plan.actions)
-    while remaining:
-        progressed = False
-        for r in range(plan.processes):
-            while position[r] < len(plan.actions[r]):
-                action = plan.actions[r][position[r]]
-                needs = _needs(action, n, m, loss_on_last_stage)
-                if any(need not in done for need in needs):
-                    break
-                start = max([clock[r], *(done[need] for need in needs)])
-                count = m if action.microbatch < 0 else 1
-                end = start + cost[action.kind] * count
-                times[action] = (start, end)
-                clock[r] = end
-                done[action] = end
-                if action.kind in ("B", "I"):
-                    for k in (range(m) if action.microbatch < 0 else [action.microbatch]):
-                        done[Action(action.stage, "grad", k)] = end
-                position[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [str(plan.actions[r][position[r]]) for r in range(plan.processes)
-                     if position[r] < len(plan.actions[r])]
-            raise ValueError(f"plan {plan.schedule!r} cannot finish: every process waits ({', '.join(stuck)})")
-    makespan = max(end for _, end in times.values())
-    busy = sum(end - start for start, end in times.values())
-    return Simulation(times, makespan, 1.0 - busy / (plan.processes * makespan), _held(plan, times))
-
-
-def _held(plan: Plan, times: Mapping[Action, tuple[float, float]]) -> tuple[int, ...]:
-    """Per stage, the most micro-batches between their forward's start and their backward's end."""
-    peaks = []
-    for s in range(plan.stages):
-        events: list[tuple[float, int]] = []
-        for i in range(plan.microbatches):
-            start = times[Action(s, "F", i)][0]
-            ends = [times[a][1] for a in (Action(s, "B", i), Action(s, "W", i), Action(s, "B", -1)) if a in times]
-            if not ends and Action(s, "I", i) in times:
-                ends = [times[Action(s, "I", i)][1]]
-            events += [(start, 1), (max(ends), -1)]
-        level = peak = 0
-        for _, change in sorted(events, key=lambda e: (e[0], e[1])):
-            level += change
-            peak = max(peak, level)
-        peaks.append(peak)
-    return tuple(peaks)
 
 
 def theory(name: str | Plan, m: int, p: int, v: int = 1) -> tuple[float, Sequence[int]]:

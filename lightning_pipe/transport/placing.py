@@ -20,8 +20,8 @@ name is cleared when its process is provably gone: written on this machine in th
 pid no longer running. Another machine's or another container's are cleared only once nothing in them has changed
 for a day (:data:`STALE_SECONDS`: a save in progress keeps writing; a job requeued on other nodes leaves its dead
 saves behind otherwise); a running process's here are never touched, nor names without an owner of this form
-(earlier versions wrote the pid alone). A save never half happened: what it wrote is in place, or the previous checkpoint is, and a sweep puts
-the previous one back rather than finishing a dead save.
+(earlier versions wrote the pid alone). A save never half happened: what it wrote is in place, or the previous
+checkpoint is, and a sweep puts the previous one back rather than finishing a dead save.
 """
 
 from __future__ import annotations

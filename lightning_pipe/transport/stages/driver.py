@@ -73,8 +73,7 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
                       virtual_stages: int = 1, data_plane: str = "auto",
                       placement: Sequence[int] = ()) -> RemotePipeline | None:
     """Split ``module`` by ``balance`` across the processes ``names``: stage ``s`` in process
-    ``names[s % len(names)]`` (``len(balance) == len(names) * virtual_stages``), or ``names[placement[s]]`` (a V:
-    :func:`~lightning_pipe.engine.schedule.placement_of`, for the schedules that need it).
+    ``names[s % len(names)]`` (``len(balance) == len(names) * virtual_stages``), or ``names[placement[s]]`` (a V).
 
     Call it in each of those processes after ``rpc.init_rpc``, with the same arguments. In the process of
     stage 0 it returns the pipeline to run with :func:`~lightning_pipe.engine.autograd.run_pipeline` or
@@ -91,8 +90,7 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
         raise ValueError(f"balance must have one entry per stage: processes x virtual_stages (balance: "
                          f"{len(balance)} entries, processes: {p}, virtual_stages: {virtual_stages})")
     r = list(names).index(me)
-    placement = tuple(placement)
-    where = list(placement) if placement else [s % p for s in range(len(balance))]
+    where = list(placement) or [s % p for s in range(len(balance))]
     parts = split_module(module, balance)
     layout = inspect_skip_layout(parts)
     device = normalize_device(device)  # "cuda" is cuda:N, as the tensors placed there say
@@ -105,7 +103,7 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
     if r != 0:
         register(runner)
         return None
-    pipeline = RemotePipeline(runner, processes=p, placement=placement)
+    pipeline = RemotePipeline(runner, processes=p, placement=tuple(placement))
     wait_registered(list(names[1:]), key, timeout)
     connect(runner, list(names), data_plane)
     return pipeline
