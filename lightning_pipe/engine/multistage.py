@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from lightning_pipe.engine.plan import Action, Plan, check_shape, v_placement
+from lightning_pipe.engine.plan import Action, Plan, check_shape, per_round, v_placement
 
 __all__ = ["dualpipev", "interleaved_zero_bubble", "looped_bfs", "zbv"]
 
@@ -172,23 +172,17 @@ def interleaved_zero_bubble(m: int, p: int, v: int = 2) -> Plan:
     micro-batches (``rounds = max(1, m // p)``), but with a warmup one forward per process shorter, each backward
     split into its input gradients (``I``) and its weight gradients (``W``), and process ``r`` holding its ``W``
     back by ``r`` backwards, so that the processes that wait longest for input gradients fill that time."""
-    check_shape(m, p, v)
-    rounds = max(1, m // p)
-    if m % rounds:
-        raise ValueError(f"interleaved-zero-bubble needs the number of micro-batches ({m}) to be a multiple of the "
-                         f"number of rounds ({rounds} = max(1, micro-batches // processes)); use "
-                         f"{rounds * (m // rounds)} or {rounds * (m // rounds + 1)} micro-batches")
-    per_round = m // rounds
+    size = per_round("interleaved-zero-bubble", m, p, v)
     plans = []
     for r in range(p):
-        warmup = min((v - 1) * per_round + (p - 1 - r), m * v)
+        warmup = min((v - 1) * size + (p - 1 - r), m * v)
         total = m * v  # forwards, and as many backwards
 
         def forward_stage(op: int, r: int = r) -> int:
-            return ((op // per_round) % v) * p + r
+            return ((op // size) % v) * p + r
 
         def backward_stage(op: int, r: int = r, warmup: int = warmup) -> int:
-            return (v - 1 - ((op - warmup) // per_round) % v) * p + r
+            return (v - 1 - ((op - warmup) // size) % v) * p + r
 
         taken: dict[tuple[str, int], int] = {}
         actions: list[Action] = []

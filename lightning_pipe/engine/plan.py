@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["Action", "Plan", "Simulation", "check_plan", "check_shape", "parse_action", "plan_from_actions", "simulate",
-           "v_placement"]
+__all__ = ["Action", "Plan", "Simulation", "check_plan", "check_shape", "parse_action", "per_round",
+           "plan_from_actions", "simulate", "v_placement"]
 
 
 class Action(NamedTuple):
@@ -70,6 +70,22 @@ def check_shape(m: int, p: int, v: int) -> None:
             raise ValueError(f"the number of {name} must be a positive integer (got: {value!r})")
 
 
+
+
+def per_round(name: str, m: int, p: int, v: int) -> int:
+    """The micro-batches of one round of an interleaved schedule ``name`` (``m / rounds``, ``rounds = max(1, m //
+    p)``, each process running a round through one of its ``v`` stages before the next); refused where a process
+    holds one stage, or ``m`` is not a multiple of the rounds."""
+    check_shape(m, p, v)
+    if v < 2:
+        raise ValueError(f"{name} needs at least 2 stages per process (stages per process: {v}); with one, use "
+                         f"schedule={'1f1b' if name == 'interleaved-1f1b' else 'zero-bubble'!r}")
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ValueError(f"{name} needs the number of micro-batches ({m}) to be a multiple of the number of rounds "
+                         f"({rounds} = max(1, micro-batches // processes)); use {rounds * (m // rounds)} or "
+                         f"{rounds * (m // rounds + 1)} micro-batches")
+    return m // rounds
 
 
 def v_placement(processes: int) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 from lightning_pipe.engine.multistage import dualpipev, interleaved_zero_bubble, looped_bfs, zbv
-from lightning_pipe.engine.plan import Action, Plan, Simulation, check_shape, simulate, v_placement
+from lightning_pipe.engine.plan import Action, Plan, Simulation, check_shape, per_round, simulate, v_placement
 
 __all__ = ["Action", "Plan", "SCHEDULES", "Simulation", "schedule_plan", "simulate"]
 
@@ -119,28 +119,19 @@ def interleaved_1f1b(m: int, p: int, v: int = 2) -> Plan:
     micro-batches in rounds of ``m / rounds`` (``rounds = max(1, m // p)``), depth first: a process's warmup
     runs ``(v - 1)`` rounds plus two forwards per process after it, then it alternates one forward and one
     backward. The bubble is about ``1 / v`` of 1F1B's."""
-    check_shape(m, p, v)
-    if v < 2:
-        raise ValueError(f"interleaved-1f1b needs at least 2 stages per process (stages per process: {v}); "
-                         "with one, use schedule='1f1b'")
-    rounds = max(1, m // p)
-    if m % rounds:
-        raise ValueError(f"interleaved-1f1b needs the number of micro-batches ({m}) to be a multiple of the "
-                         f"number of rounds ({rounds} = max(1, micro-batches // processes)); use "
-                         f"{rounds * (m // rounds)} or {rounds * (m // rounds + 1)} micro-batches")
-    per_round = m // rounds
+    size = per_round("interleaved-1f1b", m, p, v)
     total = v * m
     plans = []
     for r in range(p):
-        warmup = min((v - 1) * per_round + 2 * (p - 1 - r), total)
+        warmup = min((v - 1) * size + 2 * (p - 1 - r), total)
         taken: dict[tuple[str, int], int] = {}  # the next micro-batch of each (kind, stage)
         actions: list[Action] = []
         for step in range(total + warmup):
             due = []
             if step < total:  # forwards: v stages in turn, a round of micro-batches each
-                due.append(("F", ((step // per_round) % v) * p + r))
+                due.append(("F", ((step // size) % v) * p + r))
             if step >= warmup:  # backwards: the stages in reverse, a round each
-                due.append(("B", (v - 1 - ((step - warmup) // per_round) % v) * p + r))
+                due.append(("B", (v - 1 - ((step - warmup) // size) % v) * p + r))
             for kind, stage in due:
                 i = taken.get((kind, stage), 0)
                 taken[(kind, stage)] = i + 1
