@@ -12,11 +12,13 @@ the simulated one. The driver's time between steps is what it spends outside the
 backward commit, Python), from one step's last event to the next step's first.
 
     python benchmarks/bench_schedules.py [--stages 4] [--chunks 8] [--t-fwd-ms 10] [--t-in-ms 10] [--t-w-ms 10]
+                                         [--draw docs/timelines]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
@@ -31,7 +33,7 @@ from torch import nn
 from lightning_pipe import pure_backward_layer
 from lightning_pipe.engine import pipeline_loss
 from lightning_pipe.engine.schedule import placement_of, schedule_plan, simulate
-from lightning_pipe.engine.timeline import Event, Recorder
+from lightning_pipe.engine.timeline import Event, Recorder, render
 from lightning_pipe.transport import pipeline_over_rpc
 
 RPC_TIMEOUT = 60.0
@@ -198,6 +200,8 @@ def main() -> None:
     parser.add_argument("--t-w-ms", type=float, default=10.0, help="its parameters' gradients per micro-batch")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per schedule (after one warm-up)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before every process is killed")
+    parser.add_argument("--draw", default=None, metavar="DIR",
+                        help="draw each schedule's last timed step there, as DIR/<schedule>.png (the timeline)")
     args = parser.parse_args()
     p, m = args.stages, args.chunks
     costs = {"F": args.t_fwd_ms, "B": args.t_in_ms + args.t_w_ms, "I": args.t_in_ms, "W": args.t_w_ms}
@@ -227,6 +231,10 @@ def main() -> None:
         print(f"RESULT {name}_step_over_real={step / real.makespan:.3f}")
         print(f"RESULT {name}_step_over_theory={step / theory.makespan:.3f}")
         path = critical_path(events, p, placement_of(name, p, v))
+        if args.draw:
+            last = max(e.run for e in events)
+            render([e for e in events if e.run == last], os.path.join(args.draw, f"{name}.png"),
+                   title=f"{p} processes, {m} micro-batches:", schedule=name, processes=p)
         print("    on the critical path, the engine's waits between actions: " + "; ".join(
             f"{kind} {count:.0f} x {spent / count if count else 0:.2f} ms = {spent:.1f} ms"
             for kind, (count, spent) in path.items()))
