@@ -35,8 +35,14 @@ from lightning_pipe.engine.partition import (
     split_module,
 )
 from lightning_pipe.engine.pipeline import LocalPipeline
-from lightning_pipe.engine.plan import Plan, plan_from_actions
-from lightning_pipe.engine.schedule import V_SHAPED, check_schedule, placement_of, schedule_plan
+from lightning_pipe.engine.plan import Plan
+from lightning_pipe.engine.schedule import (
+    check_schedule,
+    placement_of,
+    schedule_from,
+    schedule_plan,
+    stages_per_process,
+)
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.skip.skippable import verify_skippables
 from lightning_pipe.engine.stage import Stage
@@ -122,12 +128,9 @@ class Pipe(nn.Module):
         check_sequential(module)
         check_chunks(chunks)
         check_checkpoint(checkpoint)
-        if not isinstance(schedule, (str, Plan)) or schedule.endswith(".csv"):  # a schedule given as data
-            schedule = plan_from_actions(schedule, chunks)
-        check_schedule(schedule)
-        if virtual_stages is None:  # the schedule's own: 2 in a V, a schedule given as data's, else 1
-            virtual_stages = schedule.stages // schedule.processes if isinstance(schedule, Plan) else \
-                2 if schedule in V_SHAPED else 1
+        schedule = check_schedule(schedule_from(schedule, chunks))
+        if virtual_stages is None:
+            virtual_stages = stages_per_process(schedule)
         balance = check_balance(module, balance)
         verify_skippables(module)
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1 \

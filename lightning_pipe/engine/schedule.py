@@ -29,7 +29,16 @@ import functools
 from collections.abc import Callable, Sequence
 
 from lightning_pipe.engine.multistage import dualpipev, interleaved_zero_bubble, looped_bfs, zbv
-from lightning_pipe.engine.plan import Action, Plan, Simulation, check_shape, per_round, simulate, v_placement
+from lightning_pipe.engine.plan import (
+    Action,
+    Plan,
+    Simulation,
+    check_shape,
+    per_round,
+    plan_from_actions,
+    simulate,
+    v_placement,
+)
 
 __all__ = ["Action", "Plan", "SCHEDULES", "Simulation", "schedule_plan", "simulate"]
 
@@ -175,6 +184,21 @@ def schedule_plan(name: str | Plan, m: int, p: int, v: int = 1) -> Plan:
                              "smaller than the micro-batches is one: drop_last=True)")
         return name
     return SCHEDULES[name](m, p, v)
+
+
+def schedule_from(value: object, microbatches: int | None = None) -> str | Plan:
+    """A ``schedule=`` argument as a schedule: a name as it is, a list of each process's actions or the path of a CSV
+    file of them as their checked :class:`Plan` (:func:`~lightning_pipe.engine.plan.plan_from_actions`)."""
+    if isinstance(value, Plan) or (isinstance(value, str) and not value.endswith(".csv")):
+        return value
+    return plan_from_actions(value, microbatches)
+
+
+def stages_per_process(schedule: str | Plan) -> int:
+    """The ``virtual_stages`` a schedule takes when none is given: 2 in a V, a schedule given as data's own, else 1."""
+    if isinstance(schedule, Plan):
+        return schedule.stages // schedule.processes
+    return 2 if schedule in V_SHAPED else 1
 
 
 def placement_of(name: str | Plan, p: int, v: int = 1) -> tuple[int, ...]:

@@ -197,14 +197,15 @@ class PipelinedSequential(nn.Module):
                 "traces the model at the start of fit): its layers run in other processes, outside the trace. Use "
                 "TensorBoardLogger(log_graph=False), or trace the plain model without PipeStrategy")
         self.check_placeholders()
+        batch = Batch.of(input, "input of the pipeline")
         self._runs += 1
         if self.tensor_group is not None:
-            tensors = [t for t in (*Batch.of(input, "input of the pipeline").tensors,
-                                   *([target] if isinstance(target, Tensor) else [])) if isinstance(t, Tensor)]
+            tensors = [t for t in (*batch.tensors, *([target] if isinstance(target, Tensor) else []))
+                       if isinstance(t, Tensor)]
             check_same_inputs(self.tensor_group, tensors, self._runs)
         if self.before_forward is not None:
             self.before_forward()
-        size = Batch.of(input, "input of the pipeline").tensors[0].size(0) if self.chunks > 1 else self.chunks
+        size = batch.tensors[0].size(0) if self.chunks > 1 else self.chunks
         if size < self.chunks and not self._warned_small:
             self._warned_small = True
             rank_zero_warn(f"a batch of {size} samples was split into {size} micro-batches, fewer than "

@@ -25,7 +25,6 @@ from lightning_pipe.engine.balance import balance_by_size, balance_by_time
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.deferred import Recording, materialize, named_tensors, recording_of
 from lightning_pipe.engine.partition import check_balance, split_module
-from lightning_pipe.engine.schedule import placement_of
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
@@ -171,7 +170,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     stages = [Stage(s, parts[s], strategy.root_device, offset=offsets[s], exports=layout.exports[s].keys(),
                     imports=layout.imports[s].keys()) for s in held[0]]
     pipeline = RemotePipeline(StageRunner(key, stages, peers, layout, timeout), processes=p,
-                              placement=placement_of(strategy.schedule, p, strategy.virtual_stages))
+                              placement=strategy.placement)
     connect(pipeline.runner, [worker_name(r) for r in ranks], strategy.data_plane)
     hosts = host.HostGroup(key, [worker_name(r) for r in ranks[1:]], timeout)
     stage_of = {name: s for s, part in enumerate(parts) for name, _ in part.named_children()}

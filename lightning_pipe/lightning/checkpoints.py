@@ -47,9 +47,7 @@ def save_atomically(save: Callable[[str], None], path: str, checkpoint_io: Any =
         save(temporary)
         if type(checkpoint_io).__name__ == "AsyncCheckpointIO":  # (either package's)
             checkpoint_io.teardown()  # the write finished (its executor made anew at the next save)
-        placing.flush(temporary)
-        os.replace(temporary, path)
-        placing.flush_folder(path)
+        placing.replace(temporary, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)

@@ -61,8 +61,7 @@ class PipePrecision:
         return None
 
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        hosts = getattr(optimizer, "_lp_hosts", None)
-        if hosts is None:
+        if getattr(optimizer, "_lp_hosts", None) is None:
             return super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
         clip_by_value(optimizer, clip_val)
         return None

@@ -103,10 +103,15 @@ class PipelineLayout:
         """The number of processes of one pipeline: each holds ``virtual_stages`` stages."""
         return self.stages // self.virtual_stages
 
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """Where the schedule puts each stage (a :class:`~lightning_pipe.engine.plan.Plan`'s ``placement``): a V for
+        the V-shaped schedules, a schedule given as data's own, empty for stage ``s`` on ``s % pipeline_processes``."""
+        return placement_of(getattr(self, "schedule", "gpipe"), self.pipeline_processes, self.virtual_stages)
+
     def process_of(self, stage: int) -> int:
-        """The process of a pipeline (its index there) that holds ``stage``: in a V for the V-shaped schedules
-        (:func:`~lightning_pipe.engine.plan.v_placement`), else ``stage % pipeline_processes``."""
-        placement = placement_of(getattr(self, "schedule", "gpipe"), self.pipeline_processes, self.virtual_stages)
+        """The process of a pipeline (its index there) that holds ``stage`` (see :attr:`placement`)."""
+        placement = self.placement
         return placement[stage] if placement else stage % self.pipeline_processes
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from lightning_pipe.engine.schedule import V_SHAPED
+from lightning_pipe.engine.schedule import schedule_from, stages_per_process
 from lightning_pipe.lightning import checks, ddp
 from lightning_pipe.transport.wire.dataplane import DATA_PLANES
 
@@ -32,15 +32,9 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
     subclass's own ``configure_ddp`` is refused with sharding), and return the attributes to set on it; ``kwargs``
     gets PipeStrategy's DDP defaults."""
     values = {**DEFAULTS, **given}
-    if not isinstance(values["schedule"], str) or values["schedule"].endswith(".csv"):  # a schedule given as data
-        from lightning_pipe.engine.plan import Plan, plan_from_actions
-
-        if not isinstance(values["schedule"], Plan):
-            values["schedule"] = plan_from_actions(values["schedule"], values["microbatches"])
-    if values["virtual_stages"] is None:  # the schedule's own: 2 in a V, a schedule given as data's, else 1
-        schedule = values["schedule"]
-        values["virtual_stages"] = schedule.stages // schedule.processes if not isinstance(schedule, str) else \
-            2 if schedule in V_SHAPED else 1
+    values["schedule"] = schedule_from(values["schedule"], values["microbatches"])
+    if values["virtual_stages"] is None:
+        values["virtual_stages"] = stages_per_process(values["schedule"])
     values["balance"] = checks.check_arguments(values["balance"], values["microbatches"], values["checkpoint"],
                                                values["balance_mode"], values["rpc_timeout_sec"],
                                                values["module_name"], values["schedule"], values["virtual_stages"],

@@ -263,9 +263,7 @@ def consolidate_checkpoint(path: str, output: str) -> None:
     temporary = shards.staging(output, ".tmp")
     try:
         torch.save(meta, temporary)
-        placing.flush(temporary)
-        os.replace(temporary, output)
-        placing.flush_folder(output)
+        placing.replace(temporary, output)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)

@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 __all__: list[str] = []
 
@@ -113,19 +114,17 @@ def dead(pid: int, where: str) -> bool:
 STALE_SECONDS = 24 * 3600.0
 
 
-def stale(path: str, where: str, now: float | None = None) -> bool:
+def stale(path: str, where: str) -> bool:
     """Whether ``path``, staged by a process of another machine ``where``, has not changed (nor anything under it)
     for :data:`STALE_SECONDS`: its save is over, or dead."""
     if where == machine():
         return False  # this machine's are judged by their process
-    import time
-
     try:
         newest = max([os.lstat(path).st_mtime] + [os.lstat(os.path.join(top, name)).st_mtime
                                                   for top, _, names in os.walk(path) for name in names])
     except OSError:
         return False
-    return (time.time() if now is None else now) - newest > STALE_SECONDS
+    return time.time() - newest > STALE_SECONDS
 
 
 def _complete(path: str) -> bool:
@@ -224,6 +223,14 @@ def flush(path: str) -> None:
         for name in names:
             _fsync(os.path.join(top, name))
     _fsync(path)
+
+
+def replace(staged: str, path: str) -> None:
+    """Rename the file ``staged`` over ``path`` (``os.replace``: atomic), its data on the disk before and the
+    folder's entry after (:func:`flush`, :func:`flush_folder`)."""
+    flush(staged)
+    os.replace(staged, path)
+    flush_folder(path)
 
 
 def flush_folder(path: str) -> None:

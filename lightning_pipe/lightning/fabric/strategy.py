@@ -344,8 +344,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
         optimizer = raw(optimizer)
-        hosts = getattr(optimizer, "_lp_hosts", None)
-        if hosts is None:
+        if getattr(optimizer, "_lp_hosts", None) is None:
             return super().clip_gradients_value(module, optimizer, clip_val)
         self.unscale(optimizer)
         clip_by_value(optimizer, float(clip_val))
