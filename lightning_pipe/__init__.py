@@ -29,6 +29,7 @@ from lightning_pipe.engine import (
     pure_backward_layer,
     run_pipeline,
 )
+from lightning_pipe.engine.planning import plan_layout
 from lightning_pipe.transport import pipeline_over_rpc
 
 if TYPE_CHECKING:
@@ -40,8 +41,8 @@ packages.install()  # strategy="pipe" in whichever Lightning package is (or will
 _LIGHTNING_NAMES = ("PipeStrategy", "PipelineReport", "consolidate_checkpoint", "grad_norm")
 
 __all__ = ["Pipe", "PipeStrategy", "PipelineReport", "consolidate_checkpoint", "deferred_init", "grad_norm",
-           "is_checkpointing", "is_recomputing", "loss_on_last_stage", "pipeline_over_rpc", "pure_backward_layer",
-           "run_pipeline"]
+           "is_checkpointing", "is_recomputing", "loss_on_last_stage", "pipeline_over_rpc", "plan_layout",
+           "pure_backward_layer", "run_pipeline"]
 __version__ = "0.1.0"
 
 

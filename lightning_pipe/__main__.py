@@ -1,7 +1,8 @@
 """Command line: ``python -m lightning_pipe COMMAND ...`` (``--help`` for the commands, ``COMMAND --help`` for one).
 
 - ``timeline TRACE PNG``: draw a recorded pipeline timeline and print its bubble fraction;
-- ``consolidate DIR FILE``: make one checkpoint file of a sharded checkpoint.
+- ``consolidate DIR FILE``: make one checkpoint file of a sharded checkpoint;
+- ``plan MODEL --devices N --memory-per-device 8GiB``: the layouts that fit, predicted before any process starts.
 
 Nothing here imports Lightning: ``consolidate`` loads it when it runs, ``--help`` and the refusals never do.
 """
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_pipe.engine import timeline
+from lightning_pipe.engine.planning import command
 
 PROG = "python -m lightning_pipe"
 
@@ -41,12 +43,23 @@ example:
   {PROG} consolidate lightning_logs/version_0/checkpoints/epoch=3-step=400.ckpt model.ckpt
 """
 
+PLAN = f"""\
+Measure a model's body once on this process and predict every layout of it on N devices: each process's peak
+memory (parameters, gradients, optimizer state, activations per the schedule, hand-off buffers, the runtime's own)
+and the step time. Prints the best layouts that fit, and why the first was chosen; where none fits, what is
+largest and what would make it fit (docs/planning.md).
+
+example:
+  {PROG} plan mypackage.models:MyModel --devices 4 --memory-per-device 16GiB --init-args '{{"layers": 24}}'
+"""
+
 OVERVIEW = f"""\
 Command-line tools of lightning_pipe, pipeline parallelism for PyTorch Lightning.
 
 examples:
   {PROG} timeline trace.json timeline.png
   {PROG} consolidate lightning_logs/version_0/checkpoints/epoch=3-step=400.ckpt model.ckpt
+  {PROG} plan mypackage.models:MyModel --devices 4 --memory-per-device 16GiB
 
 Run '{PROG} COMMAND --help' for a command's arguments.
 """
@@ -90,6 +103,10 @@ def parser() -> argparse.ArgumentParser:
                          help='the sharded checkpoint: a directory written by PipeStrategy(state_dict_type="sharded")')
     merging.add_argument("output", metavar="FILE", help="where to write the one-file checkpoint")
     merging.set_defaults(run=lambda args: consolidate(args, merging))
+    planning = commands.add_parser("plan", help="the layouts of a model that fit, predicted before any process starts",
+                                   description=PLAN, formatter_class=raw)
+    command.add_arguments(planning)
+    planning.set_defaults(run=command.run)
     return main
 
 

@@ -3,7 +3,7 @@ plan run with given action times (its simulation)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -226,11 +226,14 @@ def _needs(action: Action, stages: int, m: int, loss_on_last_stage: bool) -> lis
     return [Action(s, "F", k) for k in mbs] + [Action(s + 1, "grad", k) for k in mbs]
 
 
-def simulate(plan: Plan, costs: Mapping[str, float] | None = None, *, loss_on_last_stage: bool = True) -> Simulation:
-    """Run ``plan`` with action times ``costs`` (default: forward 1, backward 2, each half of a split
-    backward 1); each process runs its actions in order, each as soon as its inputs are there. Raises
+def simulate(plan: Plan, costs: Mapping[str, float] | Callable[[Action], float] | None = None, *,
+             loss_on_last_stage: bool = True, handoff: float = 0.0) -> Simulation:
+    """Run ``plan`` with action times ``costs`` (by kind, default: forward 1, backward 2, each half of a split
+    backward 1; or a function of the action, the time of one micro-batch's); each process runs its actions in
+    order, each as soon as its inputs are there, an input from another process ``handoff`` later. Raises
     ``ValueError`` if the plan cannot finish (an action waits for one that comes after it)."""
-    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(costs or {})}
+    kinds = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(costs if isinstance(costs, Mapping) else {})}
+    cost: Callable[[Action], float] = costs if callable(costs) else lambda action: kinds[action.kind]
     m, n = plan.microbatches, plan.stages
     done: dict[Action, float] = {}  # also ("grad" of stage s, micro-batch i): its input gradients are out
     times: dict[Action, tuple[float, float]] = {}
@@ -245,9 +248,10 @@ def simulate(plan: Plan, costs: Mapping[str, float] | None = None, *, loss_on_la
                 needs = _needs(action, n, m, loss_on_last_stage)
                 if any(need not in done for need in needs):
                     break
-                start = max([clock[r], *(done[need] for need in needs)])
+                start = max([clock[r], *(done[need] + (handoff if plan.process_of(need.stage) != r else 0.0)
+                                         for need in needs)])
                 count = m if action.microbatch < 0 else 1
-                end = start + cost[action.kind] * count
+                end = start + cost(action) * count
                 times[action] = (start, end)
                 clock[r] = end
                 done[action] = end

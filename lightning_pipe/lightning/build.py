@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import logging
 import weakref
-from collections.abc import Mapping
 from typing import Any, Protocol
 
 import pytorch_lightning as pl
@@ -25,6 +24,7 @@ from lightning_pipe.engine.balance import balance_by_size, balance_by_time
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.deferred import Recording, materialize, named_tensors, recording_of
 from lightning_pipe.engine.partition import check_balance, split_module
+from lightning_pipe.engine.planning import body_and_input
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
@@ -242,29 +242,14 @@ def _infer_balance(strategy: PipeStrategy, module: pl.LightningModule, body: nn.
     """The balance found by ``balance_mode`` on replica 0 from ``example_input_array``, given to every replica."""
     balance: list[int] | None = None
     if strategy.is_global_zero:
-        example = module.example_input_array
-        captured: list[Any] = []
-        handle = body.register_forward_pre_hook(lambda _, args: captured.append(args[0]))
-        was_training = module.training
         try:
-            module.eval()
-            with torch.no_grad():
-                if isinstance(example, Mapping):
-                    module(**example)
-                elif isinstance(example, tuple):
-                    module(*example)
-                else:
-                    module(example)
-        finally:
-            handle.remove()
-            module.train(was_training)
-        if not captured:
-            raise ValueError(f"{type(module).__name__}.forward(example_input_array) did not call "
-                             f"self.{strategy.module_name}; pass balance=[...] explicitly")
+            _, sample = body_and_input(module, module.example_input_array, strategy.module_name)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; pass balance=[...] explicitly") from None
         if strategy.balance_mode == "balance_by_time":
-            balance = balance_by_time(strategy.stages, body, captured[0], device=strategy.root_device)
+            balance = balance_by_time(strategy.stages, body, sample, device=strategy.root_device)
         else:
-            balance = balance_by_size(strategy.stages, body, captured[0], chunks=strategy.microbatches,
+            balance = balance_by_size(strategy.stages, body, sample, chunks=strategy.microbatches,
                                       device=strategy.root_device)
         rank_zero_info(f"PipeStrategy: inferred balance {balance} ({strategy.balance_mode}); pass balance=... "
                        "to fix it")

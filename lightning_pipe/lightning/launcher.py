@@ -42,6 +42,8 @@ class Launching(Protocol):
 
     def check_model(self, module: pl.LightningModule) -> None: ...
 
+    def plan_auto(self, module: pl.LightningModule, trainer: pl.Trainer | None) -> None: ...
+
     def start_session(self) -> None: ...
 
     def share_cores(self) -> None: ...
@@ -181,6 +183,8 @@ class PipeLauncher(Serving, _SubprocessScriptLauncher):
         model = args[0] if args and isinstance(args[0], pl.LightningModule) else None
         model = model or getattr(trainer, "lightning_module", None)
         # Before any process starts (here) or on every rank (torchrun).
+        if model is not None:
+            self._strategy.plan_auto(model, trainer)
         self._strategy.check_settings(trainer)
         if model is not None:
             self._strategy.check_model(model)

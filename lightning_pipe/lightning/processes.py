@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_pipe.engine.schedule import placement_of
 from lightning_pipe.lightning import checks, requeue
+from lightning_pipe.transport.stages import resident
 from lightning_pipe.transport.topology import Topology
 from lightning_pipe.transport.wire.session import start_session
 
@@ -170,6 +171,7 @@ class PipelineLayout:
         self.set_world_ranks()
         self.share_cores()
         assert self.cluster_environment is not None
+        resident.remember_base()
         start_session(self.topology, self._rank, self.cluster_environment.main_address,
                       self.cluster_environment.main_port, backend=self._get_process_group_backend(),
                       pg_timeout=self._timeout or default_pg_timeout, rpc_timeout=self.rpc_timeout_sec,

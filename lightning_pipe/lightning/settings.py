@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from lightning_pipe.engine.planning import parse_bytes
 from lightning_pipe.engine.schedule import schedule_from, stages_per_process
 from lightning_pipe.lightning import checks, ddp
 from lightning_pipe.transport.wire.dataplane import DATA_PLANES
@@ -22,8 +23,13 @@ DEFAULTS: dict[str, Any] = {
     "pipelined_backward": True, "rpc_timeout_sec": 60.0, "module_name": "sequential_module",
     "deferred_batch_norm": False, "timeline": None, "schedule": "gpipe", "virtual_stages": None,
     "state_dict_type": "full", "sharding_strategy": "NO_SHARD", "hybrid_shard_size": None, "data_plane": "auto",
-    "tensor_parallel_size": 1, "tensor_parallel_plan": None,
+    "tensor_parallel_size": 1, "tensor_parallel_plan": None, "memory_per_device": None,
 }
+
+#: The arguments that take ``"auto"`` (chosen by the planner before the processes start), and what each is checked
+#: as meanwhile.
+AUTO = {"balance": None, "microbatches": 8, "schedule": "gpipe", "checkpoint": "except_last", "tensor_parallel_size": 1,
+        "sharding_strategy": "NO_SHARD"}
 
 
 def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -32,6 +38,10 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
     subclass's own ``configure_ddp`` is refused with sharding), and return the attributes to set on it; ``kwargs``
     gets PipeStrategy's DDP defaults."""
     values = {**DEFAULTS, **given}
+    auto = tuple(name for name in AUTO if isinstance(values[name], str) and values[name] == "auto")
+    values.update({name: AUTO[name] for name in auto})
+    if values["memory_per_device"] is not None:
+        values["memory_per_device"] = parse_bytes(values["memory_per_device"])
     values["schedule"] = schedule_from(values["schedule"], values["microbatches"])
     if values["virtual_stages"] is None:
         values["virtual_stages"] = stages_per_process(values["schedule"])
@@ -60,6 +70,8 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
     ddp.defaults(kwargs)
     values["rpc_timeout_sec"] = float(values["rpc_timeout_sec"])
     values["_ddp_explicit"] = explicit
+    values["_auto"] = auto
+    values["_given_virtual_stages"] = given.get("virtual_stages")
     return values
 
 

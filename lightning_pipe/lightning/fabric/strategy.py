@@ -109,12 +109,19 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
                  schedule: str | list[list[str]] = "gpipe",
                  virtual_stages: int | None = None, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
                  hybrid_shard_size: int | None = None, data_plane: str = "auto", tensor_parallel_size: int = 1,
-                 tensor_parallel_plan: dict[str, Any] | Callable[..., None] | None = None, accelerator: Any = None,
+                 tensor_parallel_plan: dict[str, Any] | Callable[..., None] | None = None,
+                 memory_per_device: int | str | None = None, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         given = {k: v for k, v in locals().items() if k in settings.DEFAULTS}
         values = settings.pipeline_settings(PipeStrategy, type(self), given, kwargs)
+        if values["_auto"]:
+            raise ValueError(
+                f"Fabric starts its processes at fabric.launch(), before any model exists, so PipeStrategy("
+                f"{', '.join(f'{n}=auto' for n in values['_auto'])}) cannot plan the layout there: plan it first with "
+                "lightning_pipe.plan_layout(model, example_input, devices=..., memory_per_device=...) and pass "
+                "PipeStrategy(**plan.layout.arguments()) (docs/planning.md)")
         self._ddp_comm_hook = kwargs.pop("ddp_comm_hook", None)
         self._ddp_comm_state = kwargs.pop("ddp_comm_state", None)
         self._ddp_comm_wrapper = kwargs.pop("ddp_comm_wrapper", None)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_pipe.lightning import ddp, requeue
+from lightning_pipe.lightning import ddp, observe, planned, requeue
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.processes import PipelineLayout
@@ -47,6 +47,9 @@ class PipelineProcesses(PipelineLayout, DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if self._requeue is not None:
             self._requeue.at_batch_start(self, self.lightning_module.trainer)
+        if batch_idx == 2 and getattr(self, "_predicted", None) and getattr(self, "_body", None) is not None:
+            # Two steps taken (the optimizer's state is there): each process's peak against the plan's.
+            planned.check_peaks(self, observe.memory(self._body))
 
     @override
     def on_train_end(self) -> None:

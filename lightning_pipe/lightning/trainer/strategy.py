@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_pipe import packages
 from lightning_pipe.engine.deferred import deferred_init
-from lightning_pipe.lightning import checkpoints, checks, ddp, observe, settings
+from lightning_pipe.lightning import checkpoints, checks, ddp, observe, planned, settings
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build, deferred_recording
 from lightning_pipe.lightning.layers import LayerSync
@@ -115,6 +115,10 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
             Face's style names (``'colwise'``, ``'rowwise'``, ``'colwise_rep'``, ``'sequence_parallel'``, ...), or
             a function ``(stage_module, tp_mesh) -> None``; None: the body's own (a ``to_sequential`` body of a
             Hugging Face model carries the model's plan).
+        memory_per_device: what each process may hold (bytes, or ``'8GiB'``; default: a GPU's, or this machine's
+            share) where ``balance``, ``microbatches``, ``schedule``, ``checkpoint``, ``tensor_parallel_size`` or
+            ``sharding_strategy`` is ``'auto'``: chosen before any process starts by :func:`lightning_pipe.plan_layout`
+            from ``example_input_array``, the fastest layout that fits, logged; ``docs/planning.md``.
         **kwargs: the rest goes to :class:`~pytorch_lightning.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``cluster_environment``, ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``) and
             on to the ``DistributedDataParallel`` of every stage (``find_unused_parameters``, ``bucket_cap_mb``,
@@ -125,14 +129,16 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
 
     strategy_name = "pipe"
 
-    def __init__(self, balance: list[int] | None = None, microbatches: int = 8, checkpoint: str = "except_last",
+    def __init__(self, balance: list[int] | str | None = None, microbatches: int | str = 8,
+                 checkpoint: str = "except_last",
                  balance_mode: str = "balance_by_size", pipelined_backward: bool = True,
                  rpc_timeout_sec: float = 60.0, module_name: str = "sequential_module",
                  deferred_batch_norm: bool = False, timeline: str | None = None,
                  schedule: str | list[list[str]] = "gpipe",
                  virtual_stages: int | None = None, state_dict_type: str = "full", sharding_strategy: str = "NO_SHARD",
-                 hybrid_shard_size: int | None = None, data_plane: str = "auto", tensor_parallel_size: int = 1,
-                 tensor_parallel_plan: dict[str, Any] | Callable[..., None] | None = None, accelerator: Any = None,
+                 hybrid_shard_size: int | None = None, data_plane: str = "auto", tensor_parallel_size: int | str = 1,
+                 tensor_parallel_plan: dict[str, Any] | Callable[..., None] | None = None,
+                 memory_per_device: int | str | None = None, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -174,6 +180,11 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
     def _sharding(self) -> Any:
         """How each stage is sharded over its replicas (None: DDP, ``NO_SHARD``)."""
         return settings.sharding_of(self)
+
+    def plan_auto(self, module: pl.LightningModule, trainer: pl.Trainer | None) -> None:
+        """Choose the arguments left to ``"auto"`` (before any process starts, in the launching process; the same in
+        those it starts)."""
+        planned.resolve(self, module, trainer)
 
     def check_model(self, module: pl.LightningModule) -> None:
         """Reject a LightningModule this strategy cannot split, with what to change (run before any process

@@ -9,7 +9,6 @@ replicas, state for checkpoints).
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -26,11 +25,11 @@ from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
 from lightning_pipe.transport.parallel import building, dtensors, fsdp, tensor
-from lightning_pipe.transport.stages import optim
+from lightning_pipe.transport.stages import optim, resident
 from lightning_pipe.transport.stages.runner import StageRunner, register, unregister
 from lightning_pipe.transport.stages.stagestate import StageState, broadcast_from_replica0
 from lightning_pipe.transport.stages.tied import TiedCopies, TiedParameter
-from lightning_pipe.transport.wire.messages import MAILBOX, settle_commits, to_concurrent, where
+from lightning_pipe.transport.wire.messages import settle_commits, to_concurrent, where
 from lightning_pipe.transport.wire.session import SESSION
 
 __all__: list[str] = []
@@ -273,23 +272,9 @@ class StageHost(StageState):
 
 
 def process_memory(runner: StageRunner) -> dict[str, int]:
-    """Resident memory of this process (bytes: ``rss`` now, ``peak`` the most it has held, Linux's ``VmHWM``)
-    and the pipeline's bookkeeping for ``runner``'s stages:
-    saved micro-batches, undelivered messages, outputs held for the driver, per-step seeds and gradients set
-    aside for a step's commit (all 0 between steps), and how many remote stages this process hosts (of every
-    pipeline still in use)."""
-    rss = peak = 0
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        with open("/proc/self/status") as f:
-            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):  # not Linux: the bookkeeping alone
-        pass
-    stages = runner.stages.values()
-    return {"rss": rss, "peak": peak, "saved": sum(len(st._saved) for st in stages),
-            "mailbox": MAILBOX.pending() + len(runner._held), "seeds": len(runner._seeds),
-            "aside": sum(st.aside.pending() for st in stages), "stages": len(_HOSTS)}
+    """This process's resident memory and the pipeline's bookkeeping for ``runner``'s stages
+    (:func:`~lightning_pipe.transport.stages.resident.process_memory`)."""
+    return resident.process_memory(runner, len(_HOSTS))
 
 
 def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, device: str, peers: Sequence[str],

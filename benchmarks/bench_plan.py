@@ -1,0 +1,291 @@
+"""The planner against itself: each layout of a grid trained by the Trainer, every process's measured peak and the
+step beside what :func:`lightning_pipe.plan_layout` predicted for it, and the planner's choice against the best
+layout measured.
+
+Two bodies: an MLP (``--layers`` x (Linear(``--width``) + ReLU), a regression loss) and a small language model
+(``--model lm``: an embedding, ``--layers`` transformer-like blocks, a head; the token loss), both trained by AdamW
+with the loss on the last stage. The grid: stages 1-4 (and 2 per process in a V or interleaved), tensor-parallel size
+1-2 (the MLP's layers split colwise, rowwise in turn), replicas 1-2 (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD), each
+schedule, recomputation on and off. Each layout is one job (``MALLOC_MMAP_THRESHOLD_=1048576``, as the other memory
+benchmarks: the peaks are what the processes hold, not what glibc's heap keeps) of ``--steps`` steps; every replica's
+driver reports the peak resident memory (``VmHWM``) of each process of its pipeline, above what the process held as it
+joined its session (``memory_per_process()``'s ``base``: torch and Lightning imported, no stage yet). The prediction
+is made here, in this process, from the body
+measured once per number of processes (each process computes on ``cores / processes`` threads), before any job runs.
+
+Printed: per layout, each process's predicted and measured peak, their error, the step predicted and measured (median
+over the steps after the first two); then ``RESULT plan_memory_error_max=`` (the largest |predicted - measured| /
+measured peak over every process of every layout), ``RESULT plan_step_error_max=`` (the same for the step, layouts of
+2 processes) and ``RESULT plan_choice_over_best=`` (the planner's choice among the 2-process layouts of the grid, its
+measured step over the best measured).
+
+    python benchmarks/bench_plan.py [--model mlp|lm] [--steps 6] [--only 3,5]
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+MiB = 2**20
+#: (processes, virtual stages, tensor size, replicas, sharding, micro-batches, schedule, checkpoint)
+GRID = [
+    (1, 1, 1, 1, "NO_SHARD", 4, "gpipe", "never"),
+    (2, 1, 1, 1, "NO_SHARD", 4, "gpipe", "never"),
+    (2, 1, 1, 1, "NO_SHARD", 4, "1f1b", "never"),
+    (2, 1, 1, 1, "NO_SHARD", 8, "1f1b", "never"),
+    (2, 1, 1, 1, "NO_SHARD", 4, "1f1b", "always"),
+    (2, 1, 1, 1, "NO_SHARD", 4, "zero-bubble", "never"),
+    (2, 2, 1, 1, "NO_SHARD", 4, "zbv", "never"),
+    (2, 2, 1, 1, "NO_SHARD", 4, "interleaved-1f1b", "except_last"),
+    (1, 1, 2, 1, "NO_SHARD", 4, "gpipe", "never"),
+    (1, 1, 1, 2, "NO_SHARD", 4, "gpipe", "never"),
+    (1, 1, 1, 2, "FULL_SHARD", 4, "gpipe", "never"),
+    (4, 1, 1, 1, "NO_SHARD", 8, "1f1b", "never"),
+    (4, 1, 1, 1, "NO_SHARD", 4, "gpipe", "always"),
+    (2, 1, 2, 1, "NO_SHARD", 4, "1f1b", "never"),
+    (2, 1, 1, 2, "NO_SHARD", 4, "1f1b", "never"),
+    (2, 1, 1, 2, "SHARD_GRAD_OP", 4, "1f1b", "never"),
+    (2, 1, 1, 2, "FULL_SHARD", 4, "gpipe", "except_last"),
+    (2, 2, 1, 2, "NO_SHARD", 4, "dualpipev", "never"),
+]
+
+
+def peak() -> int:
+    """This process's peak resident memory (bytes)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The MLP's loss."""
+    return nn.functional.mse_loss(output, target)
+
+
+def tokens(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The language model's loss."""
+    return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+class Block(nn.Module):
+    """A residual block of the language model: a feed-forward of 4x the width, layer-normed."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def body(args: argparse.Namespace) -> nn.Sequential:
+    """The benchmark's body."""
+    if args.model == "lm":
+        return nn.Sequential(nn.Embedding(args.vocab, args.width), *[Block(args.width) for _ in range(args.layers)],
+                             nn.Linear(args.width, args.vocab))
+    return nn.Sequential(*[nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU()) for _ in range(args.layers)])
+
+
+def tensor_plan(args: argparse.Namespace) -> dict[str, str]:
+    """The MLP's layers split colwise and rowwise in turn; the language model's blocks, up colwise, down rowwise."""
+    if args.model == "lm":
+        return {f"{k}.{name}": style for k in range(1, args.layers + 1)
+                for name, style in (("up", "colwise"), ("down", "rowwise"))}
+    return {f"{k}.0": "colwise" if k % 2 == 0 else "rowwise" for k in range(args.layers)}
+
+
+def data(args: argparse.Namespace, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` samples of inputs and targets."""
+    g = torch.Generator().manual_seed(0)
+    if args.model == "lm":
+        x = torch.randint(0, args.vocab, (rows, args.sequence), generator=g)
+        return x, torch.roll(x, -1, dims=1)
+    return torch.randn(rows, args.width, generator=g), torch.randn(rows, args.width, generator=g)
+
+
+class Model(pl.LightningModule):
+    """The body trained by AdamW, the loss on the last stage."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.sequential_module = body(args)
+        self.loss_fn = tokens if args.model == "lm" else mse
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        from lightning_pipe import loss_on_last_stage
+
+        x, y = batch
+        return loss_on_last_stage(self.sequential_module, x, y, self.loss_fn)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class StepTimes(pl.Callback):
+    """When each training batch ended."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def balance_of(args: argparse.Namespace, layout: tuple, profile: Any) -> list[int]:
+    """The layout's balance as the planner splits it (by time)."""
+    from lightning_pipe.engine.planning.layouts import _balances
+
+    p, v, t, d, _, m, _, _ = layout
+    return list(_balances(profile, p * v, args.batch / m)[0])
+
+
+def job(args: argparse.Namespace, layout: tuple, balance: list[int], out: str) -> None:
+    """One layout trained; every replica's driver writes its pipeline's peaks and step times to ``out``."""
+    from lightning_pipe import PipeStrategy
+
+    p, v, t, d, sharding, m, schedule, checkpoint = layout
+    pl.seed_everything(0)
+    strategy = PipeStrategy(balance=balance, microbatches=m, schedule=schedule, virtual_stages=v, checkpoint=checkpoint,
+                            tensor_parallel_size=t, tensor_parallel_plan=tensor_plan(args) if t > 1 else None,
+                            sharding_strategy=sharding)
+    times = StepTimes()
+    trainer = pl.Trainer(accelerator="cpu", devices=p * t * d, strategy=strategy, max_steps=args.steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[times])
+    with trainer.init_module():
+        model = Model(args)
+    x, y = data(args, args.batch * d * args.steps)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=args.batch))
+    reports = trainer.strategy.memory_per_process()
+    peaks = [q["peak"] - q["base"] for q in reports]  # above what each held as it joined its session
+    steps = [b - a for a, b in zip(times.ends[1:], times.ends[2:])]
+    with open(os.path.join(out, f"replica{trainer.global_rank}.json"), "w") as f:
+        json.dump({"held": peaks, "steps": steps}, f)
+
+
+def measure(args: argparse.Namespace, index: int, layout: tuple, balance: list[int]) -> list[dict[str, Any]]:
+    """Run layout ``index`` as a job of its own; every replica's report."""
+    out = tempfile.mkdtemp(prefix="lp-bench-plan-")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--job", str(index),
+               ",".join(map(str, balance)),
+               out]
+    try:
+        subprocess.run(command, env=env, timeout=args.timeout, check=True, stdout=subprocess.DEVNULL)
+        d = layout[3]
+        return [json.load(open(os.path.join(out, f"replica{r}.json"))) for r in range(d)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main() -> None:
+    """Predict every layout of the grid, run each, and print the errors."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("mlp", "lm"), default="mlp")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1536)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--sequence", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="rows per replica's batch")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--only", default=None, help="grid indices, comma-separated")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--job", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.model == "lm" and args.width == 1536:
+        args.width = 512
+    if args.job:
+        job(args, GRID[int(args.job[0])], [int(b) for b in args.job[1].split(",")], args.job[2])
+        return
+    from lightning_pipe.engine.planning import format_bytes, measure_body, plan_layout
+    from lightning_pipe.engine.planning.layouts import Costs, Layout, predict
+    from lightning_pipe.engine.planning.memory import optimizer_model
+
+    torch.manual_seed(0)
+    module = body(args)
+    sample = data(args, args.batch)[0]
+    cores = os.cpu_count() or 1
+    grid = [GRID[int(k)] for k in args.only.split(",")] if args.only else GRID
+    indices = [int(k) for k in args.only.split(",")] if args.only else list(range(len(GRID)))
+    print(f"body: {args.model}, {args.layers} layers of width {args.width}; {args.batch} rows per replica's batch; "
+          f"AdamW; "
+          f"{cores} cores\n")
+    optimizer = optimizer_model(torch.optim.AdamW, torch.device("cpu"))
+    profiles: dict[int, Any] = {}
+    plans: dict[int, Any] = {}
+    errors_memory: list[float] = []
+    errors_step: list[float] = []
+    measured_two: dict[Layout, float] = {}
+    for index, layout in zip(indices, grid):
+        p, v, t, d, sharding, m, schedule, checkpoint = layout
+        devices = p * t * d
+        if devices not in profiles:
+            profiles[devices] = measure_body(module, sample, threads=max(1, cores // devices))
+            plans[devices] = plan_layout(module, sample, devices=devices, memory_per_device=64 * 2**30,
+                                         optimizer=torch.optim.AdamW, tensor_parallel_plan=tensor_plan(args),
+                                         profile=profiles[devices])
+        profile = profiles[devices]
+        balance = balance_of(args, layout, profile)
+        mine = Layout(p, v, tuple(balance), t, d, sharding, m, schedule, checkpoint)
+        from lightning_pipe.engine.planning import _optimizer_time, _splittable
+
+        costs = Costs(optimizer_per_byte=_optimizer_time(torch.optim.AdamW, torch.device("cpu")))
+        predicted = predict(mine, profile, batch=args.batch, fixed_global=False, optimizer=optimizer, costs=costs,
+                            splittable=_splittable(module, tensor_plan(args) if t > 1 else None), cores=cores)
+        start = time.perf_counter()
+        reports = measure(args, index, layout, balance)
+        measured = [q for r in reports for q in r["held"]]
+        # The replicas' processes in the order of the pipeline's: each replica's pipeline, per process (every
+        # tensor rank of a process reports apart where it is its own process).
+        per_process = [mem.total for mem in predicted.memory]
+        errors = []
+        for r in reports:
+            held = r["held"]
+            ranks = len(held) // p if len(held) % p == 0 else 1
+            for k, h in enumerate(held):
+                want = per_process[min(k // ranks, p - 1)]
+                errors.append(abs(want - h) / h)
+        step = statistics.median(s for r in reports for s in r["steps"][1:])
+        errors_memory.append(max(errors))
+        if devices == 2:
+            errors_step.append(abs(predicted.step - step) / step)
+            measured_two[mine] = step
+        print(f"[{index:2}] {mine} ({time.perf_counter() - start:.0f} s)\n     peak predicted "
+              f"{' '.join(format_bytes(x) for x in per_process)}; measured "
+              f"{' '.join(format_bytes(x) for x in measured)}"
+              f"; largest error {max(errors):.1%}\n     step predicted {predicted.step * 1e3:.1f} ms, measured "
+              f"{step * 1e3:.1f} ms ({abs(predicted.step - step) / step:.1%})", flush=True)
+    print(f"\nRESULT plan_memory_error_max={max(errors_memory):.3f}")
+    if errors_step:
+        print(f"RESULT plan_step_error_max={max(errors_step):.3f}")
+    if measured_two:
+        # The planner's choice among the 2-process layouts run: the fastest predicted of them.
+        chosen = min(measured_two, key=lambda lay: predict(
+            lay, profiles[2], batch=args.batch, fixed_global=False, optimizer=optimizer, costs=Costs(
+                optimizer_per_byte=_optimizer_time(torch.optim.AdamW, torch.device("cpu"))),
+            splittable=_splittable(module, tensor_plan(args) if lay.tensor_parallel_size > 1 else None),
+            cores=cores).step)
+        best = min(measured_two.values())
+        print(f"the planner's choice of the {len(measured_two)} 2-process layouts: {chosen} "
+              f"(measured {measured_two[chosen] * 1e3:.1f} ms, best {best * 1e3:.1f} ms)")
+        print(f"RESULT plan_choice_over_best={measured_two[chosen] / best:.3f}")
+
+
+if __name__ == "__main__":
+    main()

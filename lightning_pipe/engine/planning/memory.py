@@ -1,0 +1,134 @@
+"""What one process of a layout holds at its peak, term by term: parameters, gradients, optimizer state, the
+activations its stages hold as the schedule runs (from the schedule's simulation), what a backward or the optimizer
+step holds for a moment, the hand-off receives posted ahead, and the runtime's own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from lightning_pipe.engine.plan import Action, Plan
+from lightning_pipe.engine.planning.measure import BodyProfile
+
+__all__ = ["Memory", "OptimizerModel", "optimizer_model", "process_memory"]
+
+#: Receives the data plane keeps posted per peer (CPU stages), each as large as the largest message from it, up
+#: to the size above which a hand-off goes by RPC.
+POSTED, PLANE_LIMIT = 8, 1.5 * 2**20
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one process holds at its peak, by term (:attr:`total` their sum)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    transient: float
+    buffers: float
+    runtime: float
+
+    @property
+    def total(self) -> float:
+        """Every term together: the predicted peak."""
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def largest(self) -> tuple[str, float]:
+        """The largest term and its bytes."""
+        return max(((f.name, getattr(self, f.name)) for f in fields(self)), key=lambda item: item[1])
+
+
+@dataclass(frozen=True)
+class OptimizerModel:
+    """What an optimizer keeps: ``states`` bytes of state per byte of trainable parameter (AdamW 2, SGD with
+    momentum 1), and whether its step works on every parameter at once (``foreach``: temporaries as large as the
+    parameters) or one at a time (as large as the largest)."""
+
+    states: float
+    foreach: bool
+
+
+def optimizer_model(optimizer: Any, device: torch.device) -> OptimizerModel:
+    """Measure ``optimizer`` (a ``torch.optim.Optimizer`` class, a function of the parameters making one, or None:
+    plain SGD) on a probe parameter: the state it keeps per parameter byte after one step, and its foreach choice
+    on ``device`` (torch's default: foreach on CUDA, one tensor at a time on the CPU)."""
+    if optimizer is None:
+        return OptimizerModel(0.0, False)
+    probe = torch.nn.Parameter(torch.zeros(4096, device=device))
+    probe.grad = torch.ones_like(probe)
+    made = optimizer([probe])
+    made.step()
+    state = made.state.get(probe, {})
+    nbytes = sum(t.numel() * t.element_size() for t in state.values()
+                 if isinstance(t, torch.Tensor) and t.numel() == probe.numel())
+    foreach = made.defaults.get("foreach")
+    if foreach is None:
+        foreach = device.type == "cuda" and not made.defaults.get("fused")
+    return OptimizerModel(nbytes / (probe.numel() * probe.element_size()), bool(foreach))
+
+
+def activation_peak(plan: Plan, times: Mapping[Action, tuple[float, float]], process: int,
+                    held: Callable[[int, int], float], recomputed: Callable[[int, int], float]) -> float:
+    """The most activation bytes ``process`` holds at once as the simulated ``plan`` runs: each micro-batch's
+    ``held(stage, i)`` from its forward's start to its backward's end (the W's, where split), and a recomputed
+    micro-batch's ``recomputed(stage, i)`` during its backward."""
+    events: list[tuple[float, int, float]] = []
+    for s in plan.stages_of(process):
+        for i in range(plan.microbatches):
+            start = times[Action(s, "F", i)][0]
+            ends = [times[a] for a in (Action(s, "B", i), Action(s, "W", i), Action(s, "B", -1), Action(s, "I", i))
+                    if a in times]
+            if not ends:
+                continue  # a forward-only plan
+            end = max(e for _, e in ends)
+            events += [(start, 1, held(s, i)), (end, 0, -held(s, i))]
+            extra = recomputed(s, i)
+            if extra:
+                back = times.get(Action(s, "B", i)) or times.get(Action(s, "I", i)) or times[Action(s, "B", -1)]
+                events += [(back[0], 1, extra), (back[1], 0, -extra)]
+    level = peak = 0.0
+    for _, _, change in sorted(events, key=lambda e: (e[0], e[1])):
+        level += change
+        peak = max(peak, level)
+    return peak
+
+
+def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, tensor: int, replicas: int,
+                   sharding: str, optimizer: OptimizerModel, activations: float, rows: float,
+                   incoming: Sequence[float], runtime: float, splittable: Callable[[int, int], float],
+                   bucket_view: bool = False, aside: bool = True) -> Memory:
+    """One process's peak: its stages' layers ``bounds`` (``(lo, hi)`` each), ``splittable(lo, hi)`` the bytes of
+    their parameters that tensor parallel splits over ``tensor`` processes, sharded over ``replicas`` by
+    ``sharding`` (Lightning's names), ``activations`` from :func:`activation_peak`, micro-batches of ``rows``
+    samples, ``incoming`` the largest message from each process that sends to it. ``aside``: the step's backward runs
+    inside ``training_step`` (the loss on the last stage), making its gradients aside while the previous step's are
+    still held (Lightning zeroes them after ``training_step``): two sets of gradients at the peak."""
+    whole = sum(profile.total("params", lo, hi) for lo, hi in bounds)
+    parted = min(whole, sum(splittable(lo, hi) for lo, hi in bounds))
+    kept = (whole - parted + parted / tensor) / whole if whole else 1.0  # what tensor parallel leaves here
+    params, trainable = whole * kept, sum(profile.total("trainable", lo, hi) for lo, hi in bounds) * kept
+    d = replicas if sharding != "NO_SHARD" else 1
+    stored = params / d if sharding in ("FULL_SHARD", "HYBRID_SHARD") else params
+    gradients = trainable / d * (2 if aside else 1)
+    states = optimizer.states * trainable / d
+    # A moment's extra: the backward's gradients flowing through the largest saved tensor and a stage's input
+    # gradient, or the optimizer's temporaries; FULL_SHARD gathers a stage's parameters (and their gradients) whole.
+    flowing = max(profile.largest_saved(lo, hi) + profile.boundary(lo) for lo, hi in bounds) * rows
+    gathered = 0.0
+    if sharding in ("FULL_SHARD", "HYBRID_SHARD") and d > 1:
+        largest = max(profile.total("params", lo, hi) / (tensor if splittable(lo, hi) else 1) for lo, hi in bounds)
+        gathered = 2 * largest * (1 - 1 / d)
+    step = (trainable / d if optimizer.foreach else
+            max(layer.largest_param for lo, hi in bounds for layer in profile.layers[lo:hi]) / tensor) \
+        if optimizer.states else 0.0
+    transient = max(flowing + gathered, 2 * step)
+    # Posted receives (CPU stages), and DDP's buckets: a copy of the gradients unless they are views of them.
+    buffers = sum(POSTED * min(b, PLANE_LIMIT) for b in incoming)
+    if replicas > 1 and sharding == "NO_SHARD" and not bucket_view:
+        buffers += trainable
+    return Memory(stored + sum(profile.total("buffers", lo, hi) for lo, hi in bounds), gradients, states,
+                  activations, transient, buffers, runtime)

@@ -1,0 +1,155 @@
+"""``PipeStrategy``'s ``"auto"`` arguments: chosen by the planner before any process starts, the same in every process,
+the choice and its prediction logged, and each process's measured peak compared with the prediction once training
+has taken its steps."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_info
+
+from lightning_pipe.engine.planning import LayoutPlan, format_bytes, plan_layout
+from lightning_pipe.engine.planning.layouts import Layout
+from lightning_pipe.engine.schedule import stages_per_process
+
+__all__: list[str] = []
+
+#: Where the launching process leaves its choice for the processes it starts (they run the script again).
+LAYOUT_ENV = "LIGHTNING_PIPE_LAYOUT"
+#: How far above its prediction a process's measured peak may be before a warning says so (and by at least
+#: :data:`FLOOR` bytes: the runtime's own memory varies by tens of MiB from one job to another).
+TOLERANCE, FLOOR = 0.10, 64 * 2**20
+
+
+def _machine_share(devices: int) -> int:
+    """This machine's memory divided by ``devices`` (the processes share it), for CPU processes."""
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return total // devices
+
+
+def _optimizer(module: Any) -> Any:
+    """The optimizer ``configure_optimizers`` makes, as a function of parameters (its class and settings); AdamW's
+    where it cannot be called before fit (it reads the Trainer), said in the log."""
+    try:
+        made = module.configure_optimizers()
+    except Exception as exc:  # noqa: BLE001 - a configure_optimizers that needs the Trainer: assume Adam's state
+        rank_zero_info(f"PipeStrategy: configure_optimizers() could not be called before fit ({type(exc).__name__}: "
+                       f"{exc}); the plan assumes an optimizer keeping two states per parameter (Adam's)")
+        return torch.optim.AdamW
+    while isinstance(made, (list, tuple)) and made:
+        made = made[0]
+    if isinstance(made, dict):
+        made = made.get("optimizer")
+    if not isinstance(made, torch.optim.Optimizer):
+        return None
+    defaults = {k: v for k, v in made.defaults.items() if k in inspect.signature(type(made)).parameters}
+    return lambda params: type(made)(params, **defaults)
+
+
+def _loss_on_last_stage(module: Any) -> bool:
+    """Whether ``training_step`` computes the loss on the last stage (every schedule but GPipe needs it), as its
+    source says (``loss_on_last_stage`` or ``pipeline_loss``); False where the source cannot be read."""
+    try:
+        source = inspect.getsource(type(module).training_step)
+    except (OSError, TypeError):
+        return False
+    return "loss_on_last_stage" in source or "pipeline_loss" in source
+
+
+def constraints(strategy: Any) -> Any:
+    """What the arguments not left to ``"auto"`` fix: a predicate on a :class:`Layout`."""
+    auto = set(strategy._auto)
+    fixed_v = getattr(strategy, "_given_virtual_stages", None)
+
+    def allowed(layout: Layout) -> bool:
+        return (layout.replicas == strategy.num_nodes  # as balance=None: a pipeline per node, a step's samples kept
+                and ("balance" in auto or list(layout.balance) == list(strategy.balance or layout.balance))
+                and ("microbatches" in auto or layout.microbatches == strategy.microbatches)
+                and ("schedule" in auto or layout.schedule == strategy.schedule)
+                and ("checkpoint" in auto or layout.checkpoint == strategy.checkpoint)
+                and ("tensor_parallel_size" in auto or layout.tensor_parallel_size == strategy.tensor_parallel_size)
+                and ("sharding_strategy" in auto or layout.sharding_strategy == strategy.sharding_strategy)
+                and (fixed_v is None or layout.virtual_stages == fixed_v))
+
+    return allowed
+
+
+def plan(strategy: Any, module: Any, trainer: Any) -> LayoutPlan:
+    """The plan of ``module``'s body for ``strategy``'s devices, within its ``memory_per_device`` (on a GPU its
+    memory; on the CPU this machine's divided among the processes)."""
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        raise ValueError(f"PipeStrategy({', '.join(f'{n}=auto' for n in strategy._auto)}) plans the layout from "
+                         f"{type(module).__name__}.example_input_array (one batch as a replica's loader gives it), "
+                         "which is not set: set it in __init__, or pass those arguments")
+    devices = strategy.num_processes * strategy.num_nodes
+    device = strategy.root_device
+    budget = strategy.memory_per_device
+    if budget is None:
+        budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
+            _machine_share(strategy.num_processes)
+    last = _loss_on_last_stage(module)
+    auto = set(strategy._auto)
+    return plan_layout(
+        module, example, devices=devices, memory_per_device=budget, optimizer=_optimizer(module),
+        precision=str(getattr(trainer, "precision", "32-true")), device=device, module_name=strategy.module_name,
+        tensor_parallel_plan=strategy.tensor_parallel_plan if "tensor_parallel_size" in auto or
+        strategy.tensor_parallel_size > 1 else None, loss_on_last_stage=last, where=constraints(strategy),
+        balance=None if "balance" in auto else strategy.balance)
+
+
+def apply(strategy: Any, arguments: dict[str, Any]) -> None:
+    """Set the chosen layout's arguments on ``strategy`` (those it left to ``"auto"``, and the stages per process
+    the chosen schedule takes)."""
+    for name in strategy._auto:
+        setattr(strategy, name, arguments[name])
+    if getattr(strategy, "_given_virtual_stages", None) is None:
+        strategy.virtual_stages = arguments.get("virtual_stages") or stages_per_process(strategy.schedule)
+    strategy._predicted = arguments.get("_peaks")
+
+
+def resolve(strategy: Any, module: Any, trainer: Any) -> None:
+    """Choose what ``strategy`` left to ``"auto"``: in the launching process by the plan (its choice handed to the
+    processes it starts), in those by what it handed them. Processes started by another (torchrun, SLURM) cannot
+    agree on one measured plan: refused there, saying what to do."""
+    if not strategy._auto or getattr(strategy, "_planned", False):
+        return
+    handed = os.environ.get(LAYOUT_ENV)
+    if handed is not None:
+        apply(strategy, json.loads(handed))
+    elif strategy.cluster_environment is not None and strategy.cluster_environment.creates_processes_externally:
+        raise ValueError(
+            f"PipeStrategy({', '.join(f'{n}=auto' for n in strategy._auto)}) plans the layout in the process that "
+            "starts the others, and these processes were started by another launcher (torchrun, SLURM), where each "
+            "would measure its own plan: run `python -m lightning_pipe plan` (or lightning_pipe.plan_layout) once and "
+            "pass the layout it prints")
+    else:
+        found = plan(strategy, module, trainer)
+        arguments = {**found.layout.arguments(), "_peaks": [m.total for m in found.chosen.memory]}
+        apply(strategy, arguments)
+        os.environ[LAYOUT_ENV] = json.dumps(arguments)
+        rank_zero_info(f"PipeStrategy: the layout planned for {type(module).__name__} "
+                       f"({', '.join(strategy._auto)} chosen):\n{found.table(5)}")
+    strategy._planned = True
+
+
+def check_peaks(strategy: Any, measured: list[dict[str, int]]) -> None:
+    """Warn where a process of the driver's pipeline holds more than :data:`TOLERANCE` above its predicted peak
+    (``measured``: ``memory_per_process()``'s, each process's peak above what it held as its session started)."""
+    predicted = getattr(strategy, "_predicted", None)
+    if not predicted:
+        return
+    ranks = max(1, len(measured) // len(predicted))
+    for k, report in enumerate(measured):
+        held = report.get("peak", 0) - report.get("base", 0)
+        want = predicted[min(k // ranks, len(predicted) - 1)]
+        if report.get("base") and held > (1 + TOLERANCE) * want and held - want > FLOOR:
+            warnings.warn(f"PipeStrategy: process {k} of the pipeline holds {format_bytes(held)} at its peak, "
+                          f"{held / want - 1:.0%} above the planned {format_bytes(want)} (docs/planning.md says what "
+                          "the plan cannot see)", stacklevel=2)

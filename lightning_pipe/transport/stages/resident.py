@@ -1,0 +1,44 @@
+"""What a stage's process holds: its resident memory (now, at its peak, and as it joined its session) and the
+pipeline's bookkeeping between steps."""
+
+from __future__ import annotations
+
+import os
+
+from lightning_pipe.transport.stages.runner import StageRunner
+from lightning_pipe.transport.wire.messages import MAILBOX
+
+__all__ = ["BASE", "process_memory", "remember_base"]
+
+#: This process's resident memory as it joined its session, before any stage (see :func:`remember_base`).
+BASE = [0]
+
+
+def remember_base() -> None:
+    """Note this process's resident memory now (as it joins its session): ``process_memory``'s ``base``."""
+    try:
+        with open("/proc/self/statm") as f:
+            BASE[0] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux
+        pass
+
+
+def process_memory(runner: StageRunner, hosted: int) -> dict[str, int]:
+    """Resident memory of this process (bytes: ``rss`` now, ``peak`` the most it has held, Linux's ``VmHWM``, ``base``
+    what it held as it joined its session)
+    and the pipeline's bookkeeping for ``runner``'s stages:
+    saved micro-batches, undelivered messages, outputs held for the driver, per-step seeds and gradients set
+    aside for a step's commit (all 0 between steps), and ``hosted``: how many remote stages this process hosts (of
+    every pipeline still in use)."""
+    rss = peak = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):  # not Linux: the bookkeeping alone
+        pass
+    stages = runner.stages.values()
+    return {"rss": rss, "peak": peak, "base": BASE[0], "saved": sum(len(st._saved) for st in stages),
+            "mailbox": MAILBOX.pending() + len(runner._held), "seeds": len(runner._seeds),
+            "aside": sum(st.aside.pending() for st in stages), "stages": hosted}

@@ -1,0 +1,188 @@
+"""The planner: what it measures of a body, what it predicts of a layout, what it refuses, and ``"auto"`` in the
+Trainer (chosen before the processes start, trained to one device's weights)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from strategy_utils import REPO, run_script
+from torch import nn
+
+from lightning_pipe import plan_layout
+from lightning_pipe.engine.planning import Costs, Layout, measure_body, parse_bytes
+from lightning_pipe.engine.planning.layouts import predict
+from lightning_pipe.engine.planning.memory import OptimizerModel, optimizer_model
+
+
+def body(layers: int = 6, width: int = 64) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
+
+
+def saved_bytes(module: nn.Sequential, x: torch.Tensor) -> int:
+    """What autograd saves running ``module`` on ``x`` (parameters left out), its input and output counted: what a
+    stage holds per micro-batch, counted directly."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+    seen[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 1), (0, 3), (2, 6), (0, 6)])
+def test_a_stages_activations_are_what_autograd_saves_there(lo, hi):
+    """Measured once per layer, a stage of any layers holds per sample exactly what running those layers saves."""
+    module, x = body(), torch.randn(16, 64)
+    profile = measure_body(module, x, repeats=1)
+    stage_input = x if lo == 0 else module[:lo](x).detach()
+    assert profile.activations(lo, hi) * 16 == saved_bytes(module[lo:hi], stage_input)
+
+
+def test_the_optimizers_state_is_measured():
+    cpu = torch.device("cpu")
+    assert optimizer_model(torch.optim.AdamW, cpu).states == 2.0
+    assert optimizer_model(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), cpu).states == 1.0
+    assert optimizer_model(lambda ps: torch.optim.SGD(ps, lr=0.1), cpu).states == 0.0
+
+
+ADAM = OptimizerModel(2.0, False)
+
+
+def predicted(layout: Layout, optimizer: OptimizerModel = ADAM, **kwargs):
+    module = body()
+    profile = measure_body(module, torch.randn(16, 64), repeats=1)
+    return predict(layout, profile, batch=16, fixed_global=False, optimizer=optimizer, costs=Costs(),
+                   splittable=kwargs.pop("splittable", lambda lo, hi: 0.0), cores=2, **kwargs), profile
+
+
+def test_each_term_follows_the_layout():
+    """Parameters by stage; Adam's state twice the trainable; sharding divides gradients and state (FULL_SHARD the
+    parameters too); DDP's buckets copy the gradients; tensor parallel divides what its plan splits."""
+    one, profile = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 4, "1f1b", "never"), aside=False)
+    stage = profile.total("params", 0, 3)
+    m = one.memory[0]
+    assert m.parameters == stage and m.gradients == stage and m.optimizer == 2 * stage and m.buffers > 0
+    ddp, _ = predicted(Layout(2, 1, (3, 3), 1, 2, "NO_SHARD", 4, "1f1b", "never"), aside=False)
+    assert ddp.memory[0].buffers - m.buffers == stage  # the buckets
+    grad_op, _ = predicted(Layout(2, 1, (3, 3), 1, 2, "SHARD_GRAD_OP", 4, "1f1b", "never"), aside=False)
+    assert grad_op.memory[0].gradients == stage / 2 and grad_op.memory[0].optimizer == stage
+    full, _ = predicted(Layout(2, 1, (3, 3), 1, 2, "FULL_SHARD", 4, "1f1b", "never"), aside=False)
+    assert full.memory[0].parameters == stage / 2
+    split, _ = predicted(Layout(2, 1, (3, 3), 2, 1, "NO_SHARD", 4, "1f1b", "never"), aside=False,
+                         splittable=lambda lo, hi: profile.total("params", lo, hi))
+    assert split.memory[0].parameters == stage / 2
+    aside, _ = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 4, "1f1b", "never"), aside=True)
+    assert aside.memory[0].gradients == 2 * stage  # the previous step's, and this one's made aside
+
+
+def test_activations_follow_the_schedule_and_recomputation():
+    """GPipe holds every micro-batch at stage 0, 1F1B as many as there are stages; recomputing holds each one's input
+    and output, and one micro-batch whole while it is recomputed."""
+    gpipe, profile = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 8, "gpipe", "never"))
+    one_f, _ = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 8, "1f1b", "never"))
+    every = profile.activations(0, 3) * 2  # one micro-batch of 2 rows at stage 0
+    assert gpipe.memory[0].activations == pytest.approx(8 * every)
+    assert one_f.memory[0].activations == pytest.approx(2 * every)
+    recomputed, _ = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 8, "gpipe", "always"))
+    inputs = (profile.boundary(0) + profile.boundary(3)) * 2  # what a recomputed micro-batch keeps: in and out
+    assert recomputed.memory[0].activations == pytest.approx(8 * inputs + every - inputs)
+    assert recomputed.memory[0].activations < gpipe.memory[0].activations
+
+
+def test_the_fastest_layout_that_fits_is_chosen_and_what_is_fixed_stays():
+    module, x = body(), torch.randn(32, 64)
+    plan = plan_layout(module, x, devices=2, memory_per_device="1GiB", optimizer=torch.optim.AdamW)
+    assert all(p.peak <= 2**30 for p in plan.ranked)
+    assert plan.ranked[0].per_sample <= min(p.per_sample for p in plan.ranked)
+    assert "chosen" in plan.table() and str(plan.layout) in plan.table()
+    fixed = plan_layout(module, x, devices=2, memory_per_device="1GiB", profile=plan.profile, balance=[2, 4],
+                        schedules=["1f1b"], where=lambda layout: layout.replicas == 1)
+    assert {(p.layout.balance, p.layout.schedule, p.layout.replicas) for p in fixed.ranked} == {((2, 4), "1f1b", 1)}
+
+
+def test_a_budget_no_layout_meets_is_refused_naming_the_largest_term():
+    with pytest.raises(ValueError, match=r"no layout fits memory_per_device=1.0 MiB on 2 devices.*largest term is "
+                                         r"\w+ .*fits with memory_per_device >="):
+        plan_layout(body(), torch.randn(32, 64), devices=2, memory_per_device="1MiB", optimizer=torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("value,expected", [("8GiB", 8 * 2**30), ("512 MiB", 512 * 2**20), ("16GB", 16 * 10**9),
+                                            (1000, 1000)])
+def test_sizes_are_read(value, expected):
+    assert parse_bytes(value) == expected
+
+
+@pytest.mark.parametrize("value", ["8 parsecs", "-1GiB", 0, "lots", True])
+def test_a_size_that_is_not_one_is_refused(value):
+    with pytest.raises(ValueError, match="memory_per_device must be"):
+        parse_bytes(value)
+
+
+def test_the_command_prints_the_table_and_refuses_a_budget_too_small(tmp_path):
+    (tmp_path / "plannable.py").write_text(
+        "import torch\nfrom torch import nn\n\nclass Model(nn.Module):\n    def __init__(self, width=64):\n"
+        "        super().__init__()\n        self.sequential_module = nn.Sequential(*[nn.Linear(width, width) for _ in "
+        "range(4)])\n        self.example_input_array = torch.randn(16, width)\n")
+    env = {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"}
+    command = [sys.executable, "-m", "lightning_pipe", "plan", "plannable:Model", "--devices", "2"]
+    ok = subprocess.run([*command, "--memory-per-device", "1GiB", "--init-args", '{"width": 32}'], env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "PipeStrategy(**{'balance'" in ok.stdout and "chosen: the fastest" in ok.stdout
+    refused = subprocess.run([*command, "--memory-per-device", "1KiB"], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 1 and "no layout fits" in refused.stderr
+
+
+def test_auto_everywhere_trains_one_devices_weights_within_the_budget(tmp_path):
+    """Every layout argument "auto" with 2 devices: planned before the processes start (the log shows the table), the
+    same weights as one device, and every process under the budget it was planned for."""
+    plain, auto = tmp_path / "plain.pt", tmp_path / "auto.pt"
+    run_script("auto_layout.py", "plain", "1", "0", str(plain), timeout=180)
+    result = run_script("auto_layout.py", "auto", "2", "512MiB", str(auto), timeout=240)
+    assert "the layout planned for Body" in result.stdout + result.stderr
+    chosen = json.loads((tmp_path / "auto.pt.json").read_text())
+    assert len(chosen["balance"]) == 2 and chosen["replicas"] == 1
+    assert all(held <= chosen["budget"] for held in chosen["held"])
+    want, got = torch.load(plain), torch.load(auto)
+    assert sorted(want) == sorted(got)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-5)
+
+
+def test_fabric_refuses_auto_saying_how_to_plan():
+    from lightning_pipe.lightning.fabric.strategy import PipeStrategy
+
+    with pytest.raises(ValueError, match=r"Fabric starts its processes at fabric.launch\(\).*plan_layout"):
+        PipeStrategy(balance="auto", memory_per_device="1GiB")
+
+
+def test_auto_arguments_parse_from_a_lightning_cli_config():
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    from lightning_pipe import PipeStrategy
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(PipeStrategy, "strategy")
+    config = parser.parse_string(yaml.safe_dump({"strategy": {
+        "balance": "auto", "microbatches": "auto", "schedule": "auto", "checkpoint": "auto",
+        "tensor_parallel_size": "auto", "sharding_strategy": "auto", "memory_per_device": "2GiB"}}))
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    strategy = instantiate(config).strategy
+    assert set(strategy._auto) == {"balance", "microbatches", "schedule", "checkpoint", "tensor_parallel_size",
+                                   "sharding_strategy"}
+    assert strategy.memory_per_device == 2 * 2**30
