@@ -6,8 +6,10 @@ Two bodies: an MLP (``--layers`` x (Linear(``--width``) + ReLU), a regression lo
 (``--model lm``: an embedding, ``--layers`` transformer-like blocks, a head; the token loss), both trained by AdamW
 with the loss on the last stage. The grid: stages 1-4 (and 2 per process in a V or interleaved), tensor-parallel size
 1-2 (the MLP's layers split colwise, rowwise in turn), replicas 1-2 (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD), each
-schedule, recomputation on and off. Each layout is one job (``MALLOC_MMAP_THRESHOLD_=1048576``, as the other memory
-benchmarks: the peaks are what the processes hold, not what glibc's heap keeps) of ``--steps`` steps; every replica's
+schedule, recomputation on and off. Each layout runs twice, as a job of ``--steps`` steps each: once for its memory
+(``MALLOC_MMAP_THRESHOLD_=1048576``, as the other memory benchmarks: the peaks are what the processes hold, not what
+glibc's heap keeps), once for its step (glibc's default: as a user runs it; the median over the steps after
+``--warmup``); every replica's
 driver reports the peak resident memory (``VmHWM``) of each process of its pipeline, above what the process held as it
 joined its session (``memory_per_process()``'s ``base``: torch and Lightning imported, no stage yet). The prediction
 is made here, in this process, from the body
@@ -179,10 +181,13 @@ def job(args: argparse.Namespace, layout: tuple, balance: list[int], out: str) -
         json.dump({"held": peaks, "steps": steps}, f)
 
 
-def measure(args: argparse.Namespace, index: int, layout: tuple, balance: list[int]) -> list[dict[str, Any]]:
-    """Run layout ``index`` as a job of its own; every replica's report."""
+def measure(args: argparse.Namespace, index: int, layout: tuple, balance: list[int], memory: bool
+            ) -> list[dict[str, Any]]:
+    """Run layout ``index`` as a job of its own; every replica's report. ``memory``: with glibc's mmap threshold
+    fixed (every large tensor its own mapping, given back when freed: the peaks are what the processes hold), else
+    as a user runs it (the step: a fixed threshold makes every large allocation fault its pages in afresh)."""
     out = tempfile.mkdtemp(prefix="lp-bench-plan-")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"} if memory else dict(os.environ)
     command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--job", str(index),
                ",".join(map(str, balance)),
                out]
@@ -203,19 +208,19 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--sequence", type=int, default=64)
     parser.add_argument("--batch", type=int, default=64, help="rows per replica's batch")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the step's median")
     parser.add_argument("--only", default=None, help="grid indices, comma-separated")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--job", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.model == "lm" and args.width == 1536:
-        args.width = 512
+    if args.model == "lm" and args.width == 1536:  # the MLP's defaults: the language model's own
+        args.width, args.batch = 512, 32 if args.batch == 64 else args.batch
     if args.job:
         job(args, GRID[int(args.job[0])], [int(b) for b in args.job[1].split(",")], args.job[2])
         return
     from lightning_pipe.engine.planning import format_bytes, measure_body, plan_layout
-    from lightning_pipe.engine.planning.layouts import Costs, Layout, predict
-    from lightning_pipe.engine.planning.memory import optimizer_model
+    from lightning_pipe.engine.planning.layouts import Layout
 
     torch.manual_seed(0)
     module = body(args)
@@ -226,33 +231,46 @@ def main() -> None:
     print(f"body: {args.model}, {args.layers} layers of width {args.width}; {args.batch} rows per replica's batch; "
           f"AdamW; "
           f"{cores} cores\n")
-    optimizer = optimizer_model(torch.optim.AdamW, torch.device("cpu"))
+    from dataclasses import replace
+
+    from lightning_pipe.engine.planning import Costs, _optimizer_time
+    from lightning_pipe.transport.parallel.measured import collective_costs
+
+    costs = Costs(**collective_costs(min(2, cores)))  # as plan_layout's callers measure them
+    print(f"collectives measured: {costs.collective * 1e3:.2f} ms fixed, all-reduce "
+          f"{costs.collective_bandwidth / 1e9:.2f} GB/s, all-gather {costs.gather_bandwidth / 1e9:.2f} GB/s per "
+          "process\n")
     profiles: dict[int, Any] = {}
-    plans: dict[int, Any] = {}
+    measured: dict[int, Any] = {}
     errors_memory: list[float] = []
     errors_step: list[float] = []
     measured_two: dict[Layout, float] = {}
+
+    def planned(devices: int, where: Any, balance: list[int] | None = None, tensor: bool = True) -> Any:
+        """What plan_layout predicts of the layouts ``where`` keeps (the body measured once per process count, as
+        the planner measures it for that many processes)."""
+        return plan_layout(module, sample, devices=devices, memory_per_device=2**50, optimizer=torch.optim.AdamW,
+                           tensor_parallel_plan=tensor_plan(args) if tensor else None, profile=profiles[devices],
+                           balance=balance, where=where, costs=measured[devices])
+
     for index, layout in zip(indices, grid):
         p, v, t, d, sharding, m, schedule, checkpoint = layout
         devices = p * t * d
-        if devices not in profiles:
-            profiles[devices] = measure_body(module, sample, threads=max(1, cores // devices))
-            plans[devices] = plan_layout(module, sample, devices=devices, memory_per_device=64 * 2**30,
-                                         optimizer=torch.optim.AdamW, tensor_parallel_plan=tensor_plan(args),
-                                         profile=profiles[devices])
-        profile = profiles[devices]
-        balance = balance_of(args, layout, profile)
+        if devices not in profiles:  # measured once per process count, as plan_layout measures them
+            profiles[devices] = measure_body(module, sample, threads=max(1, cores // devices),
+                                             concurrent=min(devices, cores))
+            torch.set_num_threads(max(1, cores // devices))
+            measured[devices] = replace(costs, optimizer_per_byte=_optimizer_time(
+                torch.optim.AdamW, torch.device("cpu"), min(devices, cores)))
+            torch.set_num_threads(cores)
+        balance = balance_of(args, layout, profiles[devices])
         mine = Layout(p, v, tuple(balance), t, d, sharding, m, schedule, checkpoint)
-        from lightning_pipe.engine.planning import _optimizer_time, _splittable
-
-        costs = Costs(optimizer_per_byte=_optimizer_time(torch.optim.AdamW, torch.device("cpu")))
-        predicted = predict(mine, profile, batch=args.batch, fixed_global=False, optimizer=optimizer, costs=costs,
-                            splittable=_splittable(module, tensor_plan(args) if t > 1 else None), cores=cores)
+        predicted = planned(devices, lambda lay, mine=mine: lay == mine, balance, t > 1).chosen
         start = time.perf_counter()
-        reports = measure(args, index, layout, balance)
+        reports = measure(args, index, layout, balance, memory=True)
+        timed = measure(args, index, layout, balance, memory=False)
         measured = [q for r in reports for q in r["held"]]
-        # The replicas' processes in the order of the pipeline's: each replica's pipeline, per process (every
-        # tensor rank of a process reports apart where it is its own process).
+        # Each replica's pipeline, per process (every tensor rank of a process reports apart: its own process).
         per_process = [mem.total for mem in predicted.memory]
         errors = []
         for r in reports:
@@ -261,11 +279,12 @@ def main() -> None:
             for k, h in enumerate(held):
                 want = per_process[min(k // ranks, p - 1)]
                 errors.append(abs(want - h) / h)
-        step = statistics.median(s for r in reports for s in r["steps"][1:])
+        step = statistics.median(s for r in timed for s in r["steps"][args.warmup:])
         errors_memory.append(max(errors))
         if devices == 2:
             errors_step.append(abs(predicted.step - step) / step)
-            measured_two[mine] = step
+            if d == 1:  # the choice among layouts of the same work per step (a replica more trains twice the rows)
+                measured_two[mine] = step
         print(f"[{index:2}] {mine} ({time.perf_counter() - start:.0f} s)\n     peak predicted "
               f"{' '.join(format_bytes(x) for x in per_process)}; measured "
               f"{' '.join(format_bytes(x) for x in measured)}"
@@ -275,17 +294,12 @@ def main() -> None:
     if errors_step:
         print(f"RESULT plan_step_error_max={max(errors_step):.3f}")
     if measured_two:
-        # The planner's choice among the 2-process layouts run: the fastest predicted of them.
-        chosen = min(measured_two, key=lambda lay: predict(
-            lay, profiles[2], batch=args.batch, fixed_global=False, optimizer=optimizer, costs=Costs(
-                optimizer_per_byte=_optimizer_time(torch.optim.AdamW, torch.device("cpu"))),
-            splittable=_splittable(module, tensor_plan(args) if lay.tensor_parallel_size > 1 else None),
-            cores=cores).step)
+        # The planner's choice among the 2-process layouts of one replica run: plan_layout's over them alone.
+        chosen = planned(2, lambda lay: lay in measured_two).layout
         best = min(measured_two.values())
-        print(f"the planner's choice of the {len(measured_two)} 2-process layouts: {chosen} "
+        print(f"the planner's choice of the {len(measured_two)} 2-process layouts of one replica: {chosen} "
               f"(measured {measured_two[chosen] * 1e3:.1f} ms, best {best * 1e3:.1f} ms)")
         print(f"RESULT plan_choice_over_best={measured_two[chosen] / best:.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,8 @@
 - ``consolidate DIR FILE``: make one checkpoint file of a sharded checkpoint;
 - ``plan MODEL --devices N --memory-per-device 8GiB``: the layouts that fit, predicted before any process starts.
 
-Nothing here imports Lightning: ``consolidate`` loads it when it runs, ``--help`` and the refusals never do.
+Nothing here imports Lightning: ``consolidate`` loads it when it runs, ``--help`` and the refusals never do; ``plan``
+loads torch when it runs.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from lightning_pipe.engine import timeline
-from lightning_pipe.engine.planning import command
 
 PROG = "python -m lightning_pipe"
 
@@ -51,6 +52,7 @@ largest and what would make it fit (docs/planning.md).
 
 example:
   {PROG} plan mypackage.models:MyModel --devices 4 --memory-per-device 16GiB --init-args '{{"layers": 24}}'
+  {PROG} plan Qwen/Qwen3-0.6B --hf --devices 4 --memory-per-device 4GiB --rows 8 --sequence 1024
 """
 
 OVERVIEW = f"""\
@@ -86,6 +88,75 @@ def consolidate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     print(f"wrote {args.output}")
 
 
+#: The optimizers ``plan --optimizer`` names.
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+
+
+def plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` command's arguments."""
+    parser.add_argument("model", metavar="MODEL", help="package.module:Class of a LightningModule (or nn.Module) "
+                        "holding an nn.Sequential body and an example_input_array; with --hf, a Hugging Face causal "
+                        "LM's config: a name, a folder, or a JSON object with its model_type")
+    parser.add_argument("--devices", type=int, required=True, help="processes of the job (every node's)")
+    parser.add_argument("--memory-per-device", required=True, help="what each may hold: bytes, or 8GiB, 512MiB, 16GB")
+    parser.add_argument("--init-args", default="{}", help="the class's arguments, as JSON")
+    parser.add_argument("--hf", action="store_true", help="MODEL is a Hugging Face config (pip install "
+                        "'lightning_pipe[hf]')")
+    parser.add_argument("--rows", type=int, default=8, help="--hf: samples per batch")
+    parser.add_argument("--sequence", type=int, default=128, help="--hf: tokens per sample")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="rows a step trains over every replica (default: each replica trains the example's)")
+    parser.add_argument("--device", default="cpu", help="where the layers are measured (cuda for a GPU's times)")
+    parser.add_argument("--module-name", default="sequential_module")
+    parser.add_argument("--top", type=int, default=8, help="layouts in the table")
+
+
+def _model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The model, its example input, and its tensor-parallel plan (its ``tensor_parallel_plan``, if any)."""
+    import importlib
+    import json
+
+
+    if args.hf:  # named by its class path: lightning_pipe.models stays an optional layer nothing imports
+        config = json.loads(args.model) if args.model.lstrip().startswith("{") else args.model
+        args.init_args = json.dumps({"config": config, "rows": args.rows, "sequence": args.sequence})
+        args.model = "lightning_pipe.models.planned:CausalLMBody"
+    if ":" not in args.model:
+        raise SystemExit(f"MODEL must be package.module:Class (got: {args.model!r})")
+    module, name = args.model.split(":", 1)
+    model = getattr(importlib.import_module(module), name)(**json.loads(args.init_args))
+    example = getattr(model, "example_input_array", None)
+    if example is None:
+        raise SystemExit(f"{args.model} has no example_input_array: set one batch of inputs in its __init__")
+    return model, example, getattr(model, "tensor_parallel_plan", None)
+
+
+def plan(args: argparse.Namespace) -> None:
+    """``plan MODEL``: measure the model's body, predict every layout, and print the table of the best that fit
+    (status 1 with what is largest where none fits)."""
+    import torch
+
+    from lightning_pipe.engine.planning import Costs, plan_layout
+    from lightning_pipe.transport.parallel.measured import collective_costs
+
+    model, example, tensor_plan = _model(args)
+    costs = None
+    if args.device == "cpu" and args.devices > 1:  # this machine's collectives, between processes started for it
+        costs = Costs(**collective_costs(min(args.devices, os.cpu_count() or 1)))
+    try:
+        found = plan_layout(model, example, devices=args.devices, memory_per_device=args.memory_per_device,
+                            optimizer={"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+                                       "none": None}[args.optimizer], precision=args.precision,
+                            global_batch=args.global_batch, device=args.device, tensor_parallel_plan=tensor_plan,
+                            module_name=args.module_name, costs=costs)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(found.table(args.top))
+    print(f"\nPipeStrategy(**{found.layout.arguments()})")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line: one subcommand per tool, each with its own ``--help``."""
     def raw(prog: str) -> argparse.HelpFormatter:  # the descriptions as written
@@ -105,8 +176,8 @@ def parser() -> argparse.ArgumentParser:
     merging.set_defaults(run=lambda args: consolidate(args, merging))
     planning = commands.add_parser("plan", help="the layouts of a model that fit, predicted before any process starts",
                                    description=PLAN, formatter_class=raw)
-    command.add_arguments(planning)
-    planning.set_defaults(run=command.run)
+    plan_arguments(planning)
+    planning.set_defaults(run=plan)
     return main
 
 

@@ -69,8 +69,9 @@ def predicted(layout: Layout, optimizer: OptimizerModel = ADAM, **kwargs):
 
 
 def test_each_term_follows_the_layout():
-    """Parameters by stage; Adam's state twice the trainable; sharding divides gradients and state (FULL_SHARD the
-    parameters too); DDP's buckets copy the gradients; tensor parallel divides what its plan splits."""
+    """Parameters by stage; Adam's state twice the trainable; sharding divides the state (FULL_SHARD the parameters
+    too; the gradients accumulate whole until the last backward); DDP's buckets copy the gradients; tensor parallel
+    divides what its plan splits."""
     one, profile = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 4, "1f1b", "never"), aside=False)
     stage = profile.total("params", 0, 3)
     m = one.memory[0]
@@ -78,7 +79,8 @@ def test_each_term_follows_the_layout():
     ddp, _ = predicted(Layout(2, 1, (3, 3), 1, 2, "NO_SHARD", 4, "1f1b", "never"), aside=False)
     assert ddp.memory[0].buffers - m.buffers == stage  # the buckets
     grad_op, _ = predicted(Layout(2, 1, (3, 3), 1, 2, "SHARD_GRAD_OP", 4, "1f1b", "never"), aside=False)
-    assert grad_op.memory[0].gradients == stage / 2 and grad_op.memory[0].optimizer == stage
+    assert grad_op.memory[0].gradients == stage and grad_op.memory[0].optimizer == stage  # whole until scattered
+    assert grad_op.memory[0].parameters == stage / 2 + stage  # its shard, and the whole it gathered for the step
     full, _ = predicted(Layout(2, 1, (3, 3), 1, 2, "FULL_SHARD", 4, "1f1b", "never"), aside=False)
     assert full.memory[0].parameters == stage / 2
     split, _ = predicted(Layout(2, 1, (3, 3), 2, 1, "NO_SHARD", 4, "1f1b", "never"), aside=False,
@@ -131,6 +133,16 @@ def test_a_size_that_is_not_one_is_refused(value):
         parse_bytes(value)
 
 
+def test_collectives_are_measured_between_processes_started_for_it():
+    from lightning_pipe.transport.parallel.measured import collective_costs
+
+    costs = collective_costs(2, nbytes=1 << 20, repeats=2)
+    assert set(costs) == {"collective", "collective_bandwidth", "gather_bandwidth", "sharded_per_byte",
+                          "tensor_action"}
+    assert all(costs[name] > 0 for name in ("collective", "collective_bandwidth", "gather_bandwidth"))
+    assert Costs(**costs).gather_bandwidth == costs["gather_bandwidth"]
+
+
 def test_the_command_prints_the_table_and_refuses_a_budget_too_small(tmp_path):
     (tmp_path / "plannable.py").write_text(
         "import torch\nfrom torch import nn\n\nclass Model(nn.Module):\n    def __init__(self, width=64):\n"
@@ -145,6 +157,18 @@ def test_the_command_prints_the_table_and_refuses_a_budget_too_small(tmp_path):
     refused = subprocess.run([*command, "--memory-per-device", "1KiB"], env=env, capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 1 and "no layout fits" in refused.stderr
+
+
+def test_the_command_plans_a_hugging_face_config():
+    """``--hf`` with a config as JSON: the model's body built from it and planned, its blocks a layer each."""
+    pytest.importorskip("transformers")
+    config = json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 100})
+    done = subprocess.run([sys.executable, "-m", "lightning_pipe", "plan", config, "--hf", "--devices", "2",
+                           "--memory-per-device", "1GiB", "--rows", "4", "--sequence", "16", "--top", "2"],
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "PipeStrategy(**{'balance'" in done.stdout
 
 
 def test_auto_everywhere_trains_one_devices_weights_within_the_budget(tmp_path):

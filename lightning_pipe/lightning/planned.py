@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info
 
-from lightning_pipe.engine.planning import LayoutPlan, format_bytes, plan_layout
+from lightning_pipe.engine.planning import Costs, LayoutPlan, format_bytes, plan_layout
 from lightning_pipe.engine.planning.layouts import Layout
 from lightning_pipe.engine.schedule import stages_per_process
+from lightning_pipe.transport.parallel.measured import collective_costs
 
 __all__: list[str] = []
 
@@ -96,12 +97,15 @@ def plan(strategy: Any, module: Any, trainer: Any) -> LayoutPlan:
             _machine_share(strategy.num_processes)
     last = _loss_on_last_stage(module)
     auto = set(strategy._auto)
+    costs = None
+    if device.type == "cpu" and devices > 1:  # this machine's collectives, between processes started for it
+        costs = Costs(**collective_costs(min(strategy.num_processes, os.cpu_count() or 1)))
     return plan_layout(
         module, example, devices=devices, memory_per_device=budget, optimizer=_optimizer(module),
         precision=str(getattr(trainer, "precision", "32-true")), device=device, module_name=strategy.module_name,
         tensor_parallel_plan=strategy.tensor_parallel_plan if "tensor_parallel_size" in auto or
         strategy.tensor_parallel_size > 1 else None, loss_on_last_stage=last, where=constraints(strategy),
-        balance=None if "balance" in auto else strategy.balance)
+        balance=None if "balance" in auto else strategy.balance, costs=costs)
 
 
 def apply(strategy: Any, arguments: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from lightning_pipe.engine.balance.blockpartition import solve
 from lightning_pipe.engine.plan import Action, Plan, check_shape, simulate
 from lightning_pipe.engine.planning.measure import BodyProfile
 from lightning_pipe.engine.planning.memory import Memory, OptimizerModel, activation_peak, process_memory
-from lightning_pipe.engine.schedule import MULTISTAGE, placement_of, schedule_plan, stages_per_process
+from lightning_pipe.engine.schedule import MULTISTAGE, placement_of, schedule_plan
 
 __all__ = ["Costs", "Layout", "Prediction", "candidates", "fits", "predict", "tensor_sizes"]
 
@@ -22,30 +22,39 @@ CHECKPOINTS = ("never", "except_last", "always")
 
 @dataclass(frozen=True)
 class Costs:
-    """What the measured layers do not show, in seconds and bytes: a hand-off's fixed cost and the bandwidth of
-    hand-offs and collectives, the runtime's cost per action and per step (and per process beyond the first),
-    a collective's fixed cost, FSDP's hooks per action of a sharded stage, the optimizer's time per byte of trainable
+    """What the measured layers do not show, in seconds and bytes: a hand-off's fixed cost and bandwidth, an
+    all-reduce's and an all-gather's bandwidth (per process: what it sends of a ring's), the runtime's cost per
+    action and per step (and per process beyond the first),
+    a collective's fixed cost, FSDP's hooks per action of a sharded stage, what FSDP adds per use of a layer per byte
+    of its weights, tensor parallel per split layer and action, the optimizer's time per byte of trainable
     parameter, and the memory each process holds beyond its tensors (the runtime: RPC, the process groups; the
-    driver's, Lightning's loop too). Defaults measured on a 2-vCPU CPU
-    machine (docs/planning.md); :meth:`for_device` gives a GPU's."""
+    driver's, Lightning's loop too; a tensor group's). Defaults measured on a 2-vCPU CPU machine (docs/planning.md):
+    the step's is Lightning's loop around a plain model's forward, backward and optimizer step; :meth:`for_device`
+    gives a GPU's."""
 
-    handoff: float = 0.35e-3
+    handoff: float = 0.6e-3
     bandwidth: float = 1.5e9
-    action: float = 0.12e-3
-    step: float = 1.5e-3
+    collective_bandwidth: float = 1.3e9
+    gather_bandwidth: float = 0.39e9
+    action: float = 0.3e-3
+    step: float = 15e-3
     per_process: float = 0.5e-3
     collective: float = 0.3e-3
     optimizer_per_byte: float = 0.0
     runtime_memory: float = 16 * 2**20
-    driver_memory: float = 16 * 2**20
+    driver_memory: float = 7 * 2**20
+    tensor_memory: float = 8 * 2**20
     sharded_action: float = 0.3e-3
+    sharded_per_byte: float = 1.75e-9
+    tensor_action: float = 0.6e-3
 
     @classmethod
     def for_device(cls, device_type: str) -> Costs:
         """The defaults for ``device_type``: on a GPU, NCCL's and the CUDA context's."""
         if device_type == "cuda":
-            return cls(handoff=0.1e-3, bandwidth=20e9, action=0.05e-3, step=1e-3, per_process=0.3e-3,
-                       collective=0.05e-3, runtime_memory=0.0, driver_memory=0.0)
+            return cls(handoff=0.1e-3, bandwidth=20e9, collective_bandwidth=20e9, gather_bandwidth=20e9,
+                       action=0.05e-3, step=1e-3, per_process=0.3e-3, collective=0.05e-3, runtime_memory=0.0,
+                       driver_memory=0.0, sharded_per_byte=1 / 20e9, tensor_action=0.05e-3)
         return cls()
 
 
@@ -142,7 +151,7 @@ def candidates(profile: BodyProfile, devices: int, *, batch: int, fixed_global: 
             continue
         counts = microbatches or [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= rows]
         for name in schedules:
-            v = stages_per_process(name) if name in MULTISTAGE else 1
+            v = 2 if name in MULTISTAGE else 1  # the interleaved, looped and V-shaped: 2 stages per process
             if p * v > len(profile) or (p == 1 and name != "gpipe") or (balance is not None and len(balance) != p * v):
                 continue
             for m in counts:
@@ -175,15 +184,17 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
     stop = {"never": 0, "except_last": m - 1, "always": m}[layout.checkpoint]
     crowd = max(1.0, layout.devices / max(1, cores * profile.threads))  # more processes than cores: they share
     share = [splittable(lo, hi) / max(1, profile.total("params", lo, hi)) for lo, hi in bounds]
-    gather = [(profile.total("params", lo, hi) * (1 - 1 / d) / costs.bandwidth + costs.collective)
-              if layout.sharding_strategy == "FULL_SHARD" and d > 1 else 0.0 for lo, hi in bounds]
+    # FULL_SHARD: each use of a stage's layers gathers them (what FSDP2 adds per byte, measured); t > 1: each split
+    # layer's DTensor dispatch and its output's all-reduce (measured per layer and action).
+    gather = [profile.total("params", lo, hi) / t * costs.sharded_per_byte
+              if layout.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD") and d > 1 else 0.0 for lo, hi in bounds]
+    split_layers = [sum(1 for k in range(lo, hi) if splittable(k, k + 1) > 0) for lo, hi in bounds]
 
     def compute(s: int, direction: str) -> float:
         lo, hi = bounds[s]
         seconds = profile.time(direction, lo, hi, rows) * crowd
         if t > 1 and share[s]:
-            seconds = seconds * (1 - share[s] + share[s] / t) + \
-                2 * (costs.collective + rows * profile.boundary(hi) / costs.bandwidth)
+            seconds = seconds * (1 - share[s] + share[s] / t) + split_layers[s] * costs.tensor_action
         return seconds
 
     forward = [compute(s, "forward") for s in range(n)]
@@ -203,8 +214,10 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
     sharded = d if layout.sharding_strategy != "NO_SHARD" else 1
     step = simulation.makespan + costs.step + costs.per_process * (p * t * (1 if d == 1 else 2) - 1)
     step += max(trainable) / t / sharded * costs.optimizer_per_byte
-    if d > 1:
-        step += 2 * (d - 1) / d * trainable[0] / t / costs.bandwidth + costs.collective
+    if d > 1 and layout.sharding_strategy == "NO_SHARD":  # stage 0's all-reduce, after the step's last backward
+        step += 2 * (d - 1) / d * trainable[0] / t / costs.collective_bandwidth + costs.collective
+    elif d > 1:  # its gradients reduced and scattered, and (SHARD_GRAD_OP) its parameters gathered once for the step
+        step += trainable[0] / t * costs.sharded_per_byte / (2 if layout.sharding_strategy != "SHARD_GRAD_OP" else 1)
     memory = []
     for r in range(p):
         mine = [bounds[s] for s in plan.stages_of(r)]
@@ -227,7 +240,8 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
         memory.append(process_memory(profile, mine, tensor=t, replicas=d, sharding=layout.sharding_strategy,
                                      optimizer=optimizer, activations=activations, rows=rows, incoming=incoming,
                                      runtime=0.0 if layout.devices == 1 else
-                                     costs.driver_memory if r == 0 else costs.runtime_memory,
+                                     (costs.driver_memory if r == 0 else costs.runtime_memory)
+                                     + (costs.tensor_memory if t > 1 else 0.0),
                                      splittable=splittable, bucket_view=bucket_view, aside=aside))
     samples = batch if fixed_global else batch * d
     return Prediction(layout, step, simulation.bubble, tuple(memory), samples)

@@ -4,9 +4,11 @@ sample leaves saved for backward, so that any stage's activations can be counted
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ from lightning_pipe.engine.balance.profile import (
     _tensors,
 )
 
-__all__ = ["BodyProfile", "LayerMeasure", "measure_body"]
+__all__ = ["BodyProfile", "LayerMeasure", "concurrently", "measure_body"]
 
 #: Precisions whose layers compute in half precision under autocast (the parameters stay as they are).
 AUTOCAST = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -98,11 +100,13 @@ class BodyProfile:
 
 
 def measure_body(module: nn.Sequential, sample: Any, *, device: torch.device | str = "cpu", precision: str = "32-true",
-                 threads: int | None = None, repeats: int = 5) -> BodyProfile:
+                 threads: int | None = None, repeats: int = 5, concurrent: int = 1) -> BodyProfile:
     """Measure every layer of ``module`` on ``sample`` (a batch of inputs, dimension 0 the samples): its forward and
     backward time at the batch's rows and at a quarter of them (a line through both: fixed and per-sample cost,
     the median of ``repeats`` runs, on ``threads`` intra-op threads), its parameter bytes, and which storages
-    autograd saves, per sample. ``module`` is left as it was (each layer runs in a throwaway copy)."""
+    autograd saves, per sample. ``concurrent``: the body's time is measured while as many copies of it run at once
+    (the processes of a job on one machine share its memory bandwidth and caches). ``module`` is left as it was
+    (each layer runs in a throwaway copy)."""
     device = torch.device(device)
     rows = _batch_size(sample)
     previous = torch.get_num_threads()
@@ -111,7 +115,8 @@ def measure_body(module: nn.Sequential, sample: Any, *, device: torch.device | s
     try:
         alone = _times(module, sample, device, precision, repeats)
         counts = sorted({max(1, rows >> k) for k in range(6)})
-        chain = tuple((r, *_chain(module, sample, r, device, precision, repeats)) for r in counts)
+        chain = tuple((r, *concurrently(functools.partial(_chain, module, sample, r, device, precision, repeats),
+                                        concurrent)) for r in counts)
         saved, inputs, outputs = _saved(module, sample, device, precision)
     finally:
         torch.set_num_threads(previous)
@@ -190,11 +195,31 @@ def _times(module: nn.Sequential, sample: Any, device: torch.device, precision: 
             for k in range(len(module))]
 
 
+def concurrently(work: Callable[[], tuple[float, ...]], copies: int) -> tuple[float, ...]:
+    """``work``'s result (seconds) while ``copies`` of it run at once on threads started together (their median)."""
+    if copies <= 1:
+        return work()
+    start = threading.Barrier(copies)
+    results: list[tuple[float, ...]] = []
+
+    def run() -> None:
+        start.wait()
+        results.append(work())
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(copies)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return tuple(statistics.median(r[k] for r in results) for k in range(len(results[0])))
+
+
 def _chain(module: nn.Sequential, sample: Any, rows: int, device: torch.device, precision: str,
            repeats: int) -> tuple[float, float]:
     """The whole body's forward and backward seconds per micro-batch of ``rows`` samples, as a stage runs them: the
     sample's micro-batches forward one after the other, its layers in one graph, then their backwards, the
-    gradients added up (the median of ``repeats`` passes after one to warm up)."""
+    gradients added up (the fastest of ``repeats`` passes after one to warm up: what the machine does undisturbed;
+    a median moves with whatever else runs)."""
     count = max(1, _batch_size(sample) // rows)
     forward, backward = [], []
     with contextlib.ExitStack() as stack:
@@ -224,7 +249,7 @@ def _chain(module: nn.Sequential, sample: Any, rows: int, device: torch.device, 
             forward.append((middle - tick) / count)
             backward.append((time.perf_counter() - middle) / count)
             del batches, batch, targets
-    return statistics.median(forward[1:]), statistics.median(backward[1:])
+    return min(forward[1:]), min(backward[1:])
 
 
 def _saved(module: nn.Sequential, sample: Any, device: torch.device, precision: str

@@ -112,15 +112,23 @@ def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, t
     kept = (whole - parted + parted / tensor) / whole if whole else 1.0  # what tensor parallel leaves here
     params, trainable = whole * kept, sum(profile.total("trainable", lo, hi) for lo, hi in bounds) * kept
     d = replicas if sharding != "NO_SHARD" else 1
-    stored = params / d if sharding in ("FULL_SHARD", "HYBRID_SHARD") else params
-    gradients = trainable / d * (2 if aside else 1)
+    # FULL_SHARD keeps its shard alone between uses; SHARD_GRAD_OP its shard and the whole parameters it gathered for
+    # the step (freed after the optimizer step); without sharding, the whole parameters.
+    stored = params / d if sharding in ("FULL_SHARD", "HYBRID_SHARD") else \
+        params / d + params if sharding == "SHARD_GRAD_OP" and d > 1 else params
+    if d > 1:  # a sharded stage's gradients accumulate whole until its last backward reduces and scatters them
+        gradients = trainable + (trainable / d if aside else 0.0)
+    else:
+        gradients = trainable * (2 if aside else 1)
     states = optimizer.states * trainable / d
     # A moment's extra: the backward's gradients flowing through the largest saved tensor and a stage's input
-    # gradient, or the optimizer's temporaries; FULL_SHARD gathers a stage's parameters (and their gradients) whole.
+    # gradient, or the optimizer's temporaries; under FULL_SHARD, a layer's parameters gathered whole for its use and
+    # the next one's prefetched (each layer is a unit of its own).
     flowing = max(profile.largest_saved(lo, hi) + profile.boundary(lo) for lo, hi in bounds) * rows
     gathered = 0.0
     if sharding in ("FULL_SHARD", "HYBRID_SHARD") and d > 1:
-        largest = max(profile.total("params", lo, hi) / (tensor if splittable(lo, hi) else 1) for lo, hi in bounds)
+        largest = max(profile.total("params", k, k + 1) / (tensor if splittable(k, k + 1) else 1)
+                      for lo, hi in bounds for k in range(lo, hi))
         gathered = 2 * largest * (1 - 1 / d)
     step = (trainable / d if optimizer.foreach else
             max(layer.largest_param for lo, hi in bounds for layer in profile.layers[lo:hi]) / tensor) \
