@@ -241,7 +241,7 @@ def main() -> None:
           f"{costs.collective_bandwidth / 1e9:.2f} GB/s, all-gather {costs.gather_bandwidth / 1e9:.2f} GB/s per "
           "process\n")
     profiles: dict[int, Any] = {}
-    measured: dict[int, Any] = {}
+    costs_of: dict[int, Any] = {}
     errors_memory: list[float] = []
     errors_step: list[float] = []
     measured_two: dict[Layout, float] = {}
@@ -251,7 +251,7 @@ def main() -> None:
         the planner measures it for that many processes)."""
         return plan_layout(module, sample, devices=devices, memory_per_device=2**50, optimizer=torch.optim.AdamW,
                            tensor_parallel_plan=tensor_plan(args) if tensor else None, profile=profiles[devices],
-                           balance=balance, where=where, costs=measured[devices])
+                           balance=balance, where=where, costs=costs_of[devices])
 
     for index, layout in zip(indices, grid):
         p, v, t, d, sharding, m, schedule, checkpoint = layout
@@ -260,7 +260,7 @@ def main() -> None:
             profiles[devices] = measure_body(module, sample, threads=max(1, cores // devices),
                                              concurrent=min(devices, cores))
             torch.set_num_threads(max(1, cores // devices))
-            measured[devices] = replace(costs, optimizer_per_byte=_optimizer_time(
+            costs_of[devices] = replace(costs, optimizer_per_byte=_optimizer_time(
                 torch.optim.AdamW, torch.device("cpu"), min(devices, cores)))
             torch.set_num_threads(cores)
         balance = balance_of(args, layout, profiles[devices])

@@ -124,9 +124,9 @@ def resolve(strategy: Any, module: Any, trainer: Any) -> None:
     agree on one measured plan: refused there, saying what to do."""
     if not strategy._auto or getattr(strategy, "_planned", False):
         return
-    handed = os.environ.get(LAYOUT_ENV)
-    if handed is not None:
-        apply(strategy, json.loads(handed))
+    handed = json.loads(os.environ.get(LAYOUT_ENV, "{}"))
+    if handed.get("_for") == type(module).__qualname__:  # the launching process's plan of this model
+        apply(strategy, handed)
     elif strategy.cluster_environment is not None and strategy.cluster_environment.creates_processes_externally:
         raise ValueError(
             f"PipeStrategy({', '.join(f'{n}=auto' for n in strategy._auto)}) plans the layout in the process that "
@@ -135,7 +135,8 @@ def resolve(strategy: Any, module: Any, trainer: Any) -> None:
             "pass the layout it prints")
     else:
         found = plan(strategy, module, trainer)
-        arguments = {**found.layout.arguments(), "_peaks": [m.total for m in found.chosen.memory]}
+        arguments = {**found.layout.arguments(), "_peaks": [m.total for m in found.chosen.memory],
+                     "_for": type(module).__qualname__}
         apply(strategy, arguments)
         os.environ[LAYOUT_ENV] = json.dumps(arguments)
         rank_zero_info(f"PipeStrategy: the layout planned for {type(module).__name__} "
