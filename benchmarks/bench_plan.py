@@ -43,7 +43,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-MiB = 2**20
 #: (processes, virtual stages, tensor size, replicas, sharding, micro-batches, schedule, checkpoint)
 GRID = [
     (1, 1, 1, 1, "NO_SHARD", 4, "gpipe", "never"),
@@ -65,12 +64,6 @@ GRID = [
     (2, 1, 1, 2, "FULL_SHARD", 4, "gpipe", "except_last"),
     (2, 2, 1, 2, "NO_SHARD", 4, "dualpipev", "never"),
 ]
-
-
-def peak() -> int:
-    """This process's peak resident memory (bytes)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -151,10 +144,10 @@ class StepTimes(pl.Callback):
 
 def balance_of(args: argparse.Namespace, layout: tuple, profile: Any) -> list[int]:
     """The layout's balance as the planner splits it (by time)."""
-    from lightning_pipe.engine.planning.layouts import _balances
+    from lightning_pipe.engine.planning.layouts import balances
 
     p, v, t, d, _, m, _, _ = layout
-    return list(_balances(profile, p * v, args.batch / m)[0])
+    return list(balances(profile, p * v, args.batch / m)[0])
 
 
 def job(args: argparse.Namespace, layout: tuple, balance: list[int], out: str) -> None:
@@ -233,13 +226,13 @@ def main() -> None:
           f"{cores} cores\n")
     from dataclasses import replace
 
-    from lightning_pipe.engine.planning import Costs, _optimizer_time
+    from lightning_pipe.engine.planning import Costs, optimizer_time
     from lightning_pipe.transport.parallel.measured import collective_costs
 
     costs = Costs(**collective_costs(min(2, cores)))  # as plan_layout's callers measure them
     print(f"collectives measured: {costs.collective * 1e3:.2f} ms fixed, all-reduce "
-          f"{costs.collective_bandwidth / 1e9:.2f} GB/s, all-gather {costs.gather_bandwidth / 1e9:.2f} GB/s per "
-          "process\n")
+          f"{costs.collective_bandwidth / 1e9:.2f} GB/s per process; FSDP {costs.sharded_per_byte * 1e9:.2f} ns per "
+          f"byte and use, tensor parallel {costs.tensor_action * 1e3:.2f} ms per split layer and action\n")
     profiles: dict[int, Any] = {}
     costs_of: dict[int, Any] = {}
     errors_memory: list[float] = []
@@ -260,7 +253,7 @@ def main() -> None:
             profiles[devices] = measure_body(module, sample, threads=max(1, cores // devices),
                                              concurrent=min(devices, cores))
             torch.set_num_threads(max(1, cores // devices))
-            costs_of[devices] = replace(costs, optimizer_per_byte=_optimizer_time(
+            costs_of[devices] = replace(costs, optimizer_per_byte=optimizer_time(
                 torch.optim.AdamW, torch.device("cpu"), min(devices, cores)))
             torch.set_num_threads(cores)
         balance = balance_of(args, layout, profiles[devices])

@@ -137,10 +137,9 @@ def test_collectives_are_measured_between_processes_started_for_it():
     from lightning_pipe.transport.parallel.measured import collective_costs
 
     costs = collective_costs(2, nbytes=1 << 20, repeats=2)
-    assert set(costs) == {"collective", "collective_bandwidth", "gather_bandwidth", "sharded_per_byte",
-                          "tensor_action"}
-    assert all(costs[name] > 0 for name in ("collective", "collective_bandwidth", "gather_bandwidth"))
-    assert Costs(**costs).gather_bandwidth == costs["gather_bandwidth"]
+    assert set(costs) == {"collective", "collective_bandwidth", "sharded_per_byte", "tensor_action"}
+    assert all(costs[name] > 0 for name in ("collective", "collective_bandwidth"))
+    assert Costs(**costs).collective_bandwidth == costs["collective_bandwidth"]
 
 
 def test_the_command_prints_the_table_and_refuses_a_budget_too_small(tmp_path):

@@ -3,12 +3,12 @@ plan run with given action times (its simulation)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["Action", "Plan", "Simulation", "check_plan", "check_shape", "parse_action", "per_round",
-           "plan_from_actions", "simulate", "v_placement"]
+__all__ = ["Action", "Plan", "Simulation", "check_plan", "check_shape", "held_span", "parse_action", "peak_level",
+           "per_round", "plan_from_actions", "simulate", "v_placement"]
 
 
 class Action(NamedTuple):
@@ -270,20 +270,28 @@ def simulate(plan: Plan, costs: Mapping[str, float] | Callable[[Action], float] 
     return Simulation(times, makespan, 1.0 - busy / (plan.processes * makespan), _held(plan, times))
 
 
+def held_span(times: Mapping[Action, tuple[float, float]], stage: int, microbatch: int) -> tuple[float, float] | None:
+    """When ``stage`` holds ``microbatch`` in a simulation's ``times``: from its forward's start to its backward's end
+    (its ``W``'s, where the backward is split); None where it has no backward (a forward-only plan)."""
+    ends = [times[a][1] for a in (Action(stage, "B", microbatch), Action(stage, "W", microbatch),
+                                  Action(stage, "B", -1), Action(stage, "I", microbatch)) if a in times]
+    return (times[Action(stage, "F", microbatch)][0], max(ends)) if ends else None
+
+
+def peak_level(events: Iterable[tuple[float, float]]) -> float:
+    """The highest running sum of ``(time, change)`` events taken in time order, at one time a release before a
+    take."""
+    level = peak = 0.0
+    for _, change in sorted(events):
+        level += change
+        peak = max(peak, level)
+    return peak
+
+
 def _held(plan: Plan, times: Mapping[Action, tuple[float, float]]) -> tuple[int, ...]:
     """Per stage, the most micro-batches between their forward's start and their backward's end."""
     peaks = []
     for s in range(plan.stages):
-        events: list[tuple[float, int]] = []
-        for i in range(plan.microbatches):
-            start = times[Action(s, "F", i)][0]
-            ends = [times[a][1] for a in (Action(s, "B", i), Action(s, "W", i), Action(s, "B", -1)) if a in times]
-            if not ends and Action(s, "I", i) in times:
-                ends = [times[Action(s, "I", i)][1]]
-            events += [(start, 1), (max(ends), -1)]
-        level = peak = 0
-        for _, change in sorted(events, key=lambda e: (e[0], e[1])):
-            level += change
-            peak = max(peak, level)
-        peaks.append(peak)
+        spans = [span for i in range(plan.microbatches) if (span := held_span(times, s, i)) is not None]
+        peaks.append(int(peak_level([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])))
     return tuple(peaks)

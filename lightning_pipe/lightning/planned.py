@@ -15,7 +15,6 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 
 from lightning_pipe.engine.planning import Costs, LayoutPlan, format_bytes, plan_layout
 from lightning_pipe.engine.planning.layouts import Layout
-from lightning_pipe.engine.schedule import stages_per_process
 from lightning_pipe.transport.parallel.measured import collective_costs
 
 __all__: list[str] = []
@@ -64,13 +63,13 @@ def _loss_on_last_stage(module: Any) -> bool:
 
 
 def constraints(strategy: Any) -> Any:
-    """What the arguments not left to ``"auto"`` fix: a predicate on a :class:`Layout`."""
+    """What the arguments not left to ``"auto"`` fix, but the balance (:func:`plan` passes it): a predicate on a
+    :class:`Layout`."""
     auto = set(strategy._auto)
     fixed_v = getattr(strategy, "_given_virtual_stages", None)
 
     def allowed(layout: Layout) -> bool:
         return (layout.replicas == strategy.num_nodes  # as balance=None: a pipeline per node, a step's samples kept
-                and ("balance" in auto or list(layout.balance) == list(strategy.balance or layout.balance))
                 and ("microbatches" in auto or layout.microbatches == strategy.microbatches)
                 and ("schedule" in auto or layout.schedule == strategy.schedule)
                 and ("checkpoint" in auto or layout.checkpoint == strategy.checkpoint)
@@ -114,7 +113,7 @@ def apply(strategy: Any, arguments: dict[str, Any]) -> None:
     for name in strategy._auto:
         setattr(strategy, name, arguments[name])
     if getattr(strategy, "_given_virtual_stages", None) is None:
-        strategy.virtual_stages = arguments.get("virtual_stages") or stages_per_process(strategy.schedule)
+        strategy.virtual_stages = arguments["virtual_stages"]
     strategy._predicted = arguments.get("_peaks")
 
 

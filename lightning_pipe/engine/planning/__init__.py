@@ -29,7 +29,8 @@ from lightning_pipe.engine.planning.memory import Memory, optimizer_model
 from lightning_pipe.engine.schedule import SCHEDULES
 
 __all__ = ["BodyProfile", "Costs", "Layout", "LayoutPlan", "Memory", "Prediction", "format_bytes", "measure_body",
-           "body_and_input", "parse_bytes", "plan_layout"]
+           "body_and_input", "optimizer_time", "parse_bytes",
+           "plan_layout"]
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -135,7 +136,7 @@ def _splittable(body: nn.Sequential, plan: Mapping[str, Any] | Callable[..., Any
     return lambda lo, hi: float(sum(sizes[lo:hi]))
 
 
-def _optimizer_time(optimizer: Any, device: torch.device, concurrent: int = 1) -> float:
+def optimizer_time(optimizer: Any, device: torch.device, concurrent: int = 1) -> float:
     """Seconds per byte of trainable parameter of ``optimizer``'s step, measured on a probe of 32 MiB (beyond the
     caches: a step streams its states from memory) while ``concurrent`` such steps run at once (the processes of a
     machine step together)."""
@@ -190,12 +191,10 @@ def plan_layout(module: nn.Module, example_input: Any, *, devices: int, memory_p
     local = min(devices, cores) if device.type == "cpu" else 1  # processes computing at once on this machine
     if profile is None:
         profile = measure_body(body, sample, device=device, precision=precision,
-                               threads=max(1, cores // devices) if device.type == "cpu" else None,
-                               concurrent=local if device.type == "cpu" else 1)
+                               threads=max(1, cores // devices) if device.type == "cpu" else None, concurrent=local)
     costs = costs or Costs.for_device(device.type)
     if costs.optimizer_per_byte == 0.0:
-        costs = replace(costs, optimizer_per_byte=_optimizer_time(optimizer, device,
-                                                                  local if device.type == "cpu" else 1))
+        costs = replace(costs, optimizer_per_byte=optimizer_time(optimizer, device, local))
     model = optimizer_model(optimizer, device)
     names = list(schedules or (SCHEDULES if loss_on_last_stage else ["gpipe"]))
     unknown = [n for n in names if n not in SCHEDULES]

@@ -14,7 +14,7 @@ from lightning_pipe.engine.planning.measure import BodyProfile
 from lightning_pipe.engine.planning.memory import Memory, OptimizerModel, activation_peak, process_memory
 from lightning_pipe.engine.schedule import MULTISTAGE, placement_of, schedule_plan
 
-__all__ = ["Costs", "Layout", "Prediction", "candidates", "fits", "predict", "tensor_sizes"]
+__all__ = ["Costs", "Layout", "Prediction", "balances", "candidates", "predict", "tensor_sizes"]
 
 SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 CHECKPOINTS = ("never", "except_last", "always")
@@ -23,7 +23,7 @@ CHECKPOINTS = ("never", "except_last", "always")
 @dataclass(frozen=True)
 class Costs:
     """What the measured layers do not show, in seconds and bytes: a hand-off's fixed cost and bandwidth, an
-    all-reduce's and an all-gather's bandwidth (per process: what it sends of a ring's), the runtime's cost per
+    all-reduce's bandwidth (per process: what it sends of a ring's), the runtime's cost per
     action and per step (and per process beyond the first),
     a collective's fixed cost, FSDP's hooks per action of a sharded stage, what FSDP adds per use of a layer per byte
     of its weights, tensor parallel per split layer and action, the optimizer's time per byte of trainable
@@ -35,7 +35,6 @@ class Costs:
     handoff: float = 0.6e-3
     bandwidth: float = 1.5e9
     collective_bandwidth: float = 1.3e9
-    gather_bandwidth: float = 0.39e9
     action: float = 0.3e-3
     step: float = 15e-3
     per_process: float = 0.5e-3
@@ -52,7 +51,7 @@ class Costs:
     def for_device(cls, device_type: str) -> Costs:
         """The defaults for ``device_type``: on a GPU, NCCL's and the CUDA context's."""
         if device_type == "cuda":
-            return cls(handoff=0.1e-3, bandwidth=20e9, collective_bandwidth=20e9, gather_bandwidth=20e9,
+            return cls(handoff=0.1e-3, bandwidth=20e9, collective_bandwidth=20e9,
                        action=0.05e-3, step=1e-3, per_process=0.3e-3, collective=0.05e-3, runtime_memory=0.0,
                        driver_memory=0.0, sharded_per_byte=1 / 20e9, tensor_action=0.05e-3)
         return cls()
@@ -122,7 +121,7 @@ def _factorizations(devices: int, tensor_sizes: Sequence[int], layers: int) -> I
                 yield p, t, devices // (p * t)
 
 
-def _balances(profile: BodyProfile, stages: int, rows: float) -> list[tuple[int, ...]]:
+def balances(profile: BodyProfile, stages: int, rows: float) -> list[tuple[int, ...]]:
     """The split by time (forward and backward) and by size (parameters and activations), each the smallest
     bottleneck (:func:`~lightning_pipe.engine.balance.blockpartition.solve`)."""
     times = [profile.time("forward", k, k + 1, rows) + profile.time("backward", k, k + 1, rows)
@@ -161,7 +160,7 @@ def candidates(profile: BodyProfile, devices: int, *, batch: int, fixed_global: 
                     schedule_plan(name, m, p, v)
                 except ValueError:
                     continue
-                for split in [tuple(balance)] if balance is not None else _balances(profile, p * v, rows / m):
+                for split in [tuple(balance)] if balance is not None else balances(profile, p * v, rows / m):
                     for checkpoint in checkpoints:
                         for sharding in (shardings if d > 1 else ("NO_SHARD",)):
                             yield Layout(p, v, split, t, d, sharding, m, name, checkpoint)
@@ -245,11 +244,6 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
                                      splittable=splittable, bucket_view=bucket_view, aside=aside))
     samples = batch if fixed_global else batch * d
     return Prediction(layout, step, simulation.bubble, tuple(memory), samples)
-
-
-def fits(prediction: Prediction, budget: float) -> bool:
-    """Whether every process of the layout stays within ``budget`` bytes."""
-    return prediction.peak <= budget
 
 
 def tensor_sizes(devices: int, plannable: bool) -> list[int]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.engine.plan import Action, Plan
+from lightning_pipe.engine.plan import Action, Plan, held_span, peak_level
 from lightning_pipe.engine.planning.measure import BodyProfile
 
 __all__ = ["Memory", "OptimizerModel", "optimizer_model", "process_memory"]
@@ -76,25 +76,18 @@ def activation_peak(plan: Plan, times: Mapping[Action, tuple[float, float]], pro
     """The most activation bytes ``process`` holds at once as the simulated ``plan`` runs: each micro-batch's
     ``held(stage, i)`` from its forward's start to its backward's end (the W's, where split), and a recomputed
     micro-batch's ``recomputed(stage, i)`` during its backward."""
-    events: list[tuple[float, int, float]] = []
+    events: list[tuple[float, float]] = []
     for s in plan.stages_of(process):
         for i in range(plan.microbatches):
-            start = times[Action(s, "F", i)][0]
-            ends = [times[a] for a in (Action(s, "B", i), Action(s, "W", i), Action(s, "B", -1), Action(s, "I", i))
-                    if a in times]
-            if not ends:
+            span = held_span(times, s, i)
+            if span is None:
                 continue  # a forward-only plan
-            end = max(e for _, e in ends)
-            events += [(start, 1, held(s, i)), (end, 0, -held(s, i))]
+            events += [(span[0], held(s, i)), (span[1], -held(s, i))]
             extra = recomputed(s, i)
             if extra:
                 back = times.get(Action(s, "B", i)) or times.get(Action(s, "I", i)) or times[Action(s, "B", -1)]
-                events += [(back[0], 1, extra), (back[1], 0, -extra)]
-    level = peak = 0.0
-    for _, _, change in sorted(events, key=lambda e: (e[0], e[1])):
-        level += change
-        peak = max(peak, level)
-    return peak
+                events += [(back[0], extra), (back[1], -extra)]
+    return peak_level(events)
 
 
 def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, tensor: int, replicas: int,

@@ -22,14 +22,7 @@ def _measure(rank: int, world: int, path: str, nbytes: int, repeats: int, out: A
     dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world)
     try:
         small, large = torch.zeros(1), torch.zeros(nbytes // 4)
-        shard = torch.zeros(nbytes // 4 // world)
-
-        gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-        def gather() -> None:
-            gather_into(large, shard)
-
-        runs = {"small": lambda: dist.all_reduce(small), "large": lambda: dist.all_reduce(large), "gather": gather}
+        runs = {"small": lambda: dist.all_reduce(small), "large": lambda: dist.all_reduce(large)}
         for run in runs.values():  # connections made, buffers touched
             run()
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -87,7 +80,7 @@ def collective_costs(processes: int = 2, nbytes: int = 16 << 20, repeats: int = 
                      ) -> dict[str, float]:
     """A collective's fixed cost (``collective``, seconds: an all-reduce of one number), an all-reduce's bandwidth
     (``collective_bandwidth``, bytes per second: an all-reduce of ``nbytes`` moves ``2 (p - 1) / p`` of them per
-    process) and an all-gather's (``gather_bandwidth``: ``(p - 1) / p`` of them); what FSDP2 adds to a layer's use
+    process); what FSDP2 adds to a layer's use
     per byte of its weights (``sharded_per_byte``) and tensor parallel per split layer and action
     (``tensor_action``), between ``processes`` processes of this machine started for it (a few seconds: each imports
     torch)."""
@@ -107,8 +100,6 @@ def collective_costs(processes: int = 2, nbytes: int = 16 << 20, repeats: int = 
                 if worker.is_alive():
                     worker.kill()
                     worker.join()
-    moved = (processes - 1) / processes * nbytes
-    return {"collective": found["small"], "sharded_per_byte": found["sharded_per_byte"],
-            "tensor_action": found["tensor_action"],
-            "collective_bandwidth": 2 * moved / max(1e-9, found["large"] - found["small"]),
-            "gather_bandwidth": moved / max(1e-9, found["gather"] - found["small"])}
+    moved = 2 * (processes - 1) / processes * nbytes
+    return {"collective": found["small"], "collective_bandwidth": moved / max(1e-9, found["large"] - found["small"]),
+            "sharded_per_byte": found["sharded_per_byte"], "tensor_action": found["tensor_action"]}

@@ -14,11 +14,16 @@ __all__ = ["BASE", "process_memory", "remember_base"]
 BASE = [0]
 
 
+def _resident() -> int:
+    """This process's resident memory now, in bytes (Linux's ``statm``; raises ``OSError`` elsewhere)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def remember_base() -> None:
     """Note this process's resident memory now (as it joins its session): ``process_memory``'s ``base``."""
     try:
-        with open("/proc/self/statm") as f:
-            BASE[0] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        BASE[0] = _resident()
     except OSError:  # not Linux
         pass
 
@@ -32,8 +37,7 @@ def process_memory(runner: StageRunner, hosted: int) -> dict[str, int]:
     every pipeline still in use)."""
     rss = peak = 0
     try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        rss = _resident()
         with open("/proc/self/status") as f:
             peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     except (OSError, StopIteration):  # not Linux: the bookkeeping alone
