@@ -1,5 +1,5 @@
-"""What a stage's process holds: its resident memory (now, at its peak, and as it joined its session) and the
-pipeline's bookkeeping between steps."""
+"""What a stage's process holds: its resident memory (now, at its peak since it joined its session, and as it joined)
+and the pipeline's bookkeeping between steps."""
 
 from __future__ import annotations
 
@@ -20,27 +20,42 @@ def _resident() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak() -> int:
+    """The most resident memory this process has held, in bytes (Linux's ``VmHWM``; raises ``OSError`` elsewhere)."""
+    with open("/proc/self/status") as f:
+        found = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), None)
+    if found is None:
+        raise OSError("no VmHWM in /proc/self/status")
+    return found
+
+
 def remember_base() -> None:
-    """Note this process's resident memory now (as it joins its session): ``process_memory``'s ``base``."""
+    """Note this process's resident memory now (as it joins its session): ``process_memory``'s ``base``; its peak is
+    counted from here on (Linux's high-water mark reset), so that what the process did before (a planner's
+    measurements, a model built whole and dropped) is not taken for what its stages hold. Where the mark cannot be
+    reset, the base is the peak so far: what the stages add above it."""
     try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
         BASE[0] = _resident()
-    except OSError:  # not Linux
-        pass
+    except OSError:  # not Linux, or not allowed
+        try:
+            BASE[0] = _peak()
+        except OSError:
+            pass
 
 
 def process_memory(runner: StageRunner, hosted: int) -> dict[str, int]:
-    """Resident memory of this process (bytes: ``rss`` now, ``peak`` the most it has held, Linux's ``VmHWM``, ``base``
-    what it held as it joined its session)
+    """Resident memory of this process (bytes: ``rss`` now, ``peak`` the most it has held since it joined its session,
+    Linux's ``VmHWM``, ``base`` what it held as it joined)
     and the pipeline's bookkeeping for ``runner``'s stages:
     saved micro-batches, undelivered messages, outputs held for the driver, per-step seeds and gradients set
     aside for a step's commit (all 0 between steps), and ``hosted``: how many remote stages this process hosts (of
     every pipeline still in use)."""
     rss = peak = 0
     try:
-        rss = _resident()
-        with open("/proc/self/status") as f:
-            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):  # not Linux: the bookkeeping alone
+        rss, peak = _resident(), _peak()
+    except OSError:  # not Linux: the bookkeeping alone
         pass
     stages = runner.stages.values()
     return {"rss": rss, "peak": peak, "base": BASE[0], "saved": sum(len(st._saved) for st in stages),
