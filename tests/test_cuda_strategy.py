@@ -29,13 +29,19 @@ CASES = {
                                             "optimizer": "adamw"},
     "manual-two-optimizers-single-backward": {"manual": True, "optimizer": "two", "balance": [1, 3],
                                               "pipelined_backward": False},
+    # The V shapes: stage i and stage 3 - i in one process, the loss computed where the batch is.
+    "zbv-adamw-clip": {"schedule": "zbv", "virtual_stages": 2, "last_stage_loss": True, "balance": [1, 1, 1, 2],
+                       "optimizer": "adamw", "clip": 0.05},
+    "dualpipev-2replicas": {"schedule": "dualpipev", "virtual_stages": 2, "last_stage_loss": True,
+                            "balance": [1, 1, 1, 2], "devices": 4, "batch_size": 4, "optimizer": "adamw"},
 }
 
 
 def plain_weights(config: dict, out: Path) -> dict[str, torch.Tensor]:
     """The weights of training ``config`` plain on one GPU, with the global batch."""
     config = copy.deepcopy(config)
-    replicas = config.get("devices", 2) // (len(config.get("balance", [2, 2])) * config.get("tensor_parallel_size", 1))
+    processes = len(config.get("balance", [2, 2])) // config.get("virtual_stages", 1)
+    replicas = config.get("devices", 2) // (processes * config.get("tensor_parallel_size", 1))
     config["batch_size"] = config.get("batch_size", 8) * replicas
     model = script.main(config, str(out), plain=True)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -106,3 +112,22 @@ def test_stages_split_over_tensor_ranks_on_gpus_train_one_gpus_weights(tmp_path)
     for k in range(2):  # each tensor rank's pipeline: stage 0 never held whole while it was built
         stage0 = json.loads((tmp_path / "pipe" / f"built_replica{k}.json").read_text())[0]
         assert stage0["parameters"] < stage0["built"] < stage0["whole"], stage0
+
+
+def test_auto_layout_on_a_gpu_trains_one_gpus_weights_within_the_predicted_memory(tmp_path):
+    """Every layout argument "auto", 2 processes sharing the GPU: planned from the GPU's own measurements, one GPU's
+    weights, and each process's peak on the GPU (what it allocated there, counted from its session on) within 10% or
+    64 MiB of what the plan predicted for it (no "above the planned" warning)."""
+    from strategy_utils import run_script
+
+    plain, auto = tmp_path / "plain.pt", tmp_path / "auto.pt"
+    run_script("auto_layout.py", "plain", "1", "0", str(plain), "gpu", timeout=180)
+    result = run_script("auto_layout.py", "auto", "2", "1GiB", str(auto), "gpu", timeout=240)
+    assert "the layout planned for Body" in result.stdout + result.stderr
+    assert "above the planned" not in result.stdout + result.stderr
+    chosen = json.loads((tmp_path / "auto.pt.json").read_text())
+    print("held on the GPU", chosen["held"], "predicted", chosen["predicted"])
+    assert all(0 < held <= chosen["budget"] for held in chosen["held"])
+    want, got = torch.load(plain), torch.load(auto)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-5)

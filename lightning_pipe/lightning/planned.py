@@ -145,15 +145,18 @@ def resolve(strategy: Any, module: Any, trainer: Any) -> None:
 
 def check_peaks(strategy: Any, measured: list[dict[str, int]]) -> None:
     """Warn where a process of the driver's pipeline holds more than :data:`TOLERANCE` above its predicted peak
-    (``measured``: ``memory_per_process()``'s, each process's peak above what it held as its session started)."""
+    (``measured``: ``memory_per_process()``'s, each process's peak above what it held as its session started; on GPUs,
+    what it allocated there)."""
     predicted = getattr(strategy, "_predicted", None)
     if not predicted:
         return
     ranks = max(1, len(measured) // len(predicted))
+    on_gpu = strategy.root_device.type == "cuda"  # what the plan predicts: the GPU's memory there, else the host's
     for k, report in enumerate(measured):
-        held = report.get("peak", 0) - report.get("base", 0)
+        peak, base = ("device_peak", "device_base") if on_gpu else ("peak", "base")
+        held = report.get(peak, 0) - report.get(base, 0)
         want = predicted[min(k // ranks, len(predicted) - 1)]
-        if report.get("base") and held > (1 + TOLERANCE) * want and held - want > FLOOR:
+        if (on_gpu or report.get("base")) and held > (1 + TOLERANCE) * want and held - want > FLOOR:
             warnings.warn(f"PipeStrategy: process {k} of the pipeline holds {format_bytes(held)} at its peak, "
                           f"{held / want - 1:.0%} above the planned {format_bytes(want)} (docs/planning.md says what "
                           "the plan cannot see)", stacklevel=2)

@@ -34,26 +34,33 @@ class Body(pl.LightningModule):
 
 def main() -> None:
     mode, devices, budget, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    accelerator = sys.argv[5] if len(sys.argv) > 5 else "cpu"
+    placed: dict = {}
+    if accelerator == "gpu" and mode != "plain" and torch.cuda.device_count() < devices:  # processes share the GPUs
+        placed = {"parallel_devices": [torch.device("cuda", i % torch.cuda.device_count()) for i in range(devices)],
+                  "process_group_backend": "gloo"}
     pl.seed_everything(0)
     model = Body()
     auto = "auto"
     strategy = "auto" if mode == "plain" else PipeStrategy(
         balance=auto, microbatches=auto, schedule=auto, checkpoint=auto, tensor_parallel_size=auto,
-        sharding_strategy=auto, memory_per_device=budget)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
+        sharding_strategy=auto, memory_per_device=budget, **placed)
+    trainer = pl.Trainer(accelerator=accelerator, devices=1 if placed or mode == "plain" else devices,
+                         strategy=strategy, max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
     if mode == "plain":
-        torch.save(model.sequential_module.state_dict(), out)
+        torch.save({k: v.cpu() for k, v in model.sequential_module.state_dict().items()}, out)
         return
     trainer.save_checkpoint(out + ".ckpt")
     if trainer.is_global_zero:
         state = torch.load(out + ".ckpt", weights_only=False)["state_dict"]
         torch.save({k[len("sequential_module."):]: v for k, v in state.items()}, out)
         s = trainer.strategy
-        held = [q["peak"] - q["base"] for q in s.memory_per_process()]
+        peak, base = ("device_peak", "device_base") if accelerator == "gpu" else ("peak", "base")
+        held = [q[peak] - q[base] for q in s.memory_per_process()]
         with open(out + ".json", "w") as f:
             json.dump({"balance": s.balance, "microbatches": s.microbatches, "schedule": s.schedule,
                        "checkpoint": s.checkpoint, "replicas": s.replicas, "held": held, "predicted": s._predicted,
