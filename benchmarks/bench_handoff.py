@@ -30,7 +30,7 @@ from processes import free_port, run_processes
 
 from lightning_pipe.transport.stages.rendezvous import _groups
 from lightning_pipe.transport.wire.dataplane import DataPlane
-from lightning_pipe.transport.wire.messages import MAILBOX, _deliver
+from lightning_pipe.transport.wire.messages import MAILBOX, deliver_to_mailbox
 
 
 def _payload(t: torch.Tensor) -> Any:
@@ -44,7 +44,7 @@ def _pingpong(rank: int, way: str, plane: DataPlane, t: torch.Tensor, count: int
         slot = ("bench", run, "F", k, 1 - rank if (k % 2) == rank else rank, 0)
         if (k % 2) == rank:
             if way == "rpc":
-                rpc.rpc_async(peer, _deliver, args=(slot, _payload(t)), timeout=60)
+                rpc.rpc_async(peer, deliver_to_mailbox, args=(slot, _payload(t)), timeout=60)
             else:
                 plane.send(peer, slot, _payload(t))
         else:

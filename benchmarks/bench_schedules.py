@@ -62,10 +62,10 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _record(key: str, on: bool) -> list[Event]:
     """Start recording every stage of pipeline ``key`` in this process, or stop and return the events."""
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
     events: list[Event] = []
-    for stage in _RUNNERS[key].stages.values():
+    for stage in RUNNERS[key].stages.values():
         if on:
             stage.recorder = Recorder()
         elif stage.recorder is not None:

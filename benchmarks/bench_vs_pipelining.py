@@ -320,13 +320,13 @@ def _paired(rank: int, port: int, args: argparse.Namespace) -> Any:
 
     # CPU by kind of thread, per engine: each step's share is what the threads used from the barrier before
     # it to the barrier after it (read outside the timed part). Compute: where each engine runs its stage.
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
     def compute(engine: str, name: str) -> set[int]:
         """The threads that run the stage: the worker's (steps by RPC), the step listener (steps on the data plane:
         it runs them), and the main thread (theirs; ours on the driver, where stage 0 runs on it with the plane)."""
         ours_key = "bench-v" if name in V_SHAPED else "bench"
-        runner = _RUNNERS.get({"ours": ours_key, "ours-rpc": "bench-rpc"}.get(engine, ""))
+        runner = RUNNERS.get({"ours": ours_key, "ours-rpc": "bench-rpc"}.get(engine, ""))
         threads = [threading.current_thread()]
         if runner is not None:
             threads = [runner.worker._thread] + ([threading.current_thread()] if rank == 0 else [])

@@ -132,10 +132,10 @@ def test_a_send_racing_close_is_delivered_and_every_sends_future_completes(monke
     Before, the 4th went on the channel after ``CLOSE``, where process 1 never looks (its take waited out the
     timeout), and ``close()`` dropped the first 3 sends' future unfinished (a share waiting on it hung)."""
     from lightning_pipe.transport.wire import dataplane
-    from lightning_pipe.transport.wire.messages import MAILBOX
+    from lightning_pipe.transport.wire.messages import MAILBOX, Slot
 
     sender, receiver = _two_planes("racing-close")
-    slots = [("racing-close", 0, "F", i, 1, 0) for i in range(5)]
+    slots = [Slot("racing-close", 0, "F", i, 1, 0) for i in range(5)]
     reached, released = threading.Event(), threading.Event()
     real = dataplane.encode
 
@@ -151,7 +151,7 @@ def test_a_send_racing_close_is_delivered_and_every_sends_future_completes(monke
     def send_all() -> None:
         for i, slot in enumerate(slots):
             sent = sender.send("p1", slot, (torch.full((3,), float(i)),))
-            if sent is None:  # what StageRunner._send does then: by RPC, into the receiver's mailbox
+            if sent is None:  # what StageRunner.send_to does then: by RPC, into the receiver's mailbox
                 refused.append(i)
                 MAILBOX.put(slot, (torch.full((3,), float(i)),))
             else:
@@ -279,9 +279,9 @@ def test_point_to_point_for_gpu_stages_is_refused_saying_what_to_use():
 
 # ---------------------------------------------------------------------- through processes
 def _counts(key: str) -> dict[str, int] | None:
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    plane = _RUNNERS[key].plane
+    plane = RUNNERS[key].plane
     return None if plane is None else {"sent": plane.sent, "received": plane.received}
 
 
@@ -349,9 +349,9 @@ def test_auto_sends_what_is_larger_than_its_limit_by_rpc_and_the_rest_point_to_p
 
 
 def _kept_alive(key: str) -> int:
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    return len(_RUNNERS[key].plane._lingering)
+    return len(RUNNERS[key].plane._lingering)
 
 
 def _many_by_rpc(rank: int, world: int, steps: int):
@@ -413,9 +413,9 @@ def _record_threads(key: str) -> None:
     """Record, in this process, the thread that runs each share of a step of pipeline ``key``."""
     import threading
 
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    runner = _RUNNERS[key]
+    runner = RUNNERS[key]
     run_actions = runner.run_actions
     runner.threads = []
 
@@ -427,9 +427,9 @@ def _record_threads(key: str) -> None:
 
 
 def _threads(key: str) -> list[str]:
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    return _RUNNERS[key].threads
+    return RUNNERS[key].threads
 
 
 def _steps(rank: int, world: int, plane: str):
@@ -463,7 +463,7 @@ def _steps(rank: int, world: int, plane: str):
 def test_each_process_gets_its_steps_on_the_plane_and_runs_them_on_its_listener(plane):
     """Over the data plane each process's actions of a step come on the driver's channel and run on the
     process's step listener, which answers on the plane (3 plans: GPipe's forward and backward, then 1F1B's);
-    over RPC they come by ``_act`` and run on the stage's worker. The results are the plain model's either way."""
+    over RPC they come by ``run_share`` and run on the stage's worker. The results are the plain model's either way."""
     threads = run_processes(_steps, 3, plane, timeout=100)[0]
     name = "lightning_pipe.steps-auto.steps" if plane == "auto" else None
     for process, ran in enumerate(threads, start=1):
@@ -515,9 +515,9 @@ def _slow_commit(key: str) -> None:
     """Make this process's commits of a step's gradients take a second."""
     import time
 
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    runner = _RUNNERS[key]
+    runner = RUNNERS[key]
     commit = runner.commit
 
     def slow(run, scale):
@@ -567,9 +567,9 @@ def _slow_or_failing_commits(key: str, fail: bool) -> None:
     """Make this process's commits take half a second, noting the thread and the time each ends; or fail."""
     import time
 
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    runner = _RUNNERS[key]
+    runner = RUNNERS[key]
     commit = runner.commit
     runner.seen = []
 
@@ -584,9 +584,9 @@ def _slow_or_failing_commits(key: str, fail: bool) -> None:
 
 
 def _seen(key: str):
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    return _RUNNERS[key].seen
+    return RUNNERS[key].seen
 
 
 def _commits_on_the_plane(rank: int, world: int, fail: bool):

@@ -305,15 +305,15 @@ def test_bad_batches():
 
 def test_copies_are_asynchronous_only_towards_a_gpu():
     """A GPU -> CPU copy with non_blocking=True returns before the data is there; stages must not ask for one."""
-    from lightning_pipe.engine.stage import _move
+    from lightning_pipe.engine.stage import move_to
 
     class Probe:
         def to(self, device, non_blocking=False):
             self.call = (device.type, non_blocking)
             return self
 
-    assert _move(Probe(), torch.device("cpu")).call == ("cpu", False)
-    assert _move(Probe(), torch.device("cuda", 0)).call == ("cuda", True)
+    assert move_to(Probe(), torch.device("cpu")).call == ("cpu", False)
+    assert move_to(Probe(), torch.device("cuda", 0)).call == ("cuda", True)
 
 
 def test_gradients_of_the_input_alone_are_refused_while_parameters_train():

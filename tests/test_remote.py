@@ -177,9 +177,9 @@ def test_every_schedule_across_processes_matches_one_process(plane):
 
 def _stage_state(key: str) -> dict[str, int]:
     """What the remote stage of pipeline ``key`` in this process keeps, and how often it was told to release."""
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    runner = _RUNNERS[key]
+    runner = RUNNERS[key]
     if not hasattr(runner, "released"):
         runner.released = 0
         original = runner.release
@@ -253,9 +253,9 @@ def _events(key: str) -> list[tuple[float, str, int]]:
     """The events recorded so far by this process's stage of pipeline ``key`` (recording starts
     with the first call)."""
     from lightning_pipe.engine.timeline import Recorder
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    stage = _RUNNERS[key].stage
+    stage = RUNNERS[key].stage
     if stage.recorder is None:
         stage.recorder = Recorder()
     return sorted((e.start, e.kind, e.microbatch) for e in stage.recorder.events())
@@ -333,9 +333,9 @@ class _Raise(torch.autograd.Function):
 
 def _set_mode(mode: str) -> None:
     from lightning_pipe.engine.worker import Inline, Worker
-    from lightning_pipe.transport.stages.runner import _RUNNERS
+    from lightning_pipe.transport.stages.entries import RUNNERS
 
-    runner = _RUNNERS["test"]
+    runner = RUNNERS["test"]
     threaded = mode.endswith("(send thread)")  # sends started from a thread of their own, as a GPU stage's are
     runner.sender = Worker("sends") if threaded else Inline()
     runner.stage.partition[0].mode = mode.removesuffix(" (send thread)")

@@ -31,8 +31,8 @@ from lightning_pipe.engine.partition import Partition
 __all__ = ["pure_backward_layer"]
 
 
-def _nothing(compute: bool = True, finisher: Any = None) -> None:
-    pass
+def finish_nothing(compute: bool = True, finisher: Any = None) -> None:
+    """The weight gradients' finish of a backward that left none for later (every gradient made at once)."""
 
 
 _PURE_BACKWARD: set[type] = set()

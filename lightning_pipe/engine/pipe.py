@@ -80,7 +80,7 @@ def loss_on_last_stage(body: nn.Module, input: Any, target: Any, loss_fn: LossFn
 
 
 def _refresh_tied(pipe: Pipe, prefix: str, keep_vars: bool) -> None:
-    pipe._tied.refresh()
+    pipe.tied_names.refresh()
 
 
 def _default_devices(n: int) -> list[torch.device]:
@@ -158,19 +158,19 @@ class Pipe(nn.Module):
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         parts = split_module(module, balance)
-        self._tied = TiedCopies(parts)  # before the moves: a shared parameter would follow the last partition
+        self.tied_names = TiedCopies(parts)  # before the moves: a shared parameter would follow the last partition
         for s, part in enumerate(parts):
             part.to(self.devices[self._process(s)])
         self.partitions = nn.ModuleList(parts)
         self._pipeline: LocalPipeline | None = None
-        if self._tied:
+        if self.tied_names:
             self.register_state_dict_pre_hook(_refresh_tied)  # the copies' entries as their owners are
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
         """The layers' parameters, a parameter shared by several partitions once (its owner's; the later
         partitions' copies are kept in step by the pipe, not stepped by an optimizer)."""
-        tied = getattr(self, "_tied", None)
+        tied = getattr(self, "tied_names", None)
         copies = tied.copies() if tied else set()
         for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
             if id(p) not in copies:
@@ -263,8 +263,8 @@ class Pipe(nn.Module):
                 for j, (part, o) in enumerate(zip(self.partitions, offsets))
             ]
             self._pipeline = LocalPipeline(stages, layout, processes=p, placement=self.placement)
-            if self._tied:
-                self._pipeline.after_backward = self._tied.gather
+            if self.tied_names:
+                self._pipeline.after_backward = self.tied_names.gather
         return self._pipeline
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
@@ -277,16 +277,16 @@ class Pipe(nn.Module):
                 "on the last stage, micro-batch by micro-batch: call lightning_pipe.loss_on_last_stage(pipe, input, "
                 "target, loss_fn) (or pipe.pipeline_loss(...)) instead of pipe(input), or use schedule='gpipe'. "
                 "Without gradients (torch.no_grad(), evaluation) pipe(input) works with any schedule")
-        if self._tied:
-            self._tied.refresh()
+        if self.tied_names:
+            self.tied_names.refresh()
         return run_pipeline(self.pipeline, input, chunks=self.chunks, checkpoint=self.checkpoint,
                             training=self.training, parameters=self.parameters())
 
     def pipeline_loss(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *, reduction: str = "mean") -> Any:
         """``loss_fn(self(input), target)`` with the loss computed on the last stage per micro-batch, the
         micro-batches in this pipe's schedule (see :func:`loss_on_last_stage`)."""
-        if self._tied:
-            self._tied.refresh()
+        if self.tied_names:
+            self.tied_names.refresh()
         return pipeline_loss(self.pipeline, input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
                              training=self.training, parameters=self.parameters(), schedule=self.schedule,
                              reduction=reduction)

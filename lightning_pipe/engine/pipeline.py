@@ -36,7 +36,7 @@ __all__: list[str] = []
 _run_ids = itertools.count()
 
 
-class _Skipped(Exception):
+class Skipped(Exception):
     """An action that did not run because one of its inputs failed."""
 
 
@@ -44,7 +44,7 @@ def _wait(future: Future[Any]) -> None:
     try:
         future.result()
     except BaseException:  # noqa: BLE001 - the failing action reports its own error
-        raise _Skipped() from None
+        raise Skipped() from None
 
 
 def drain(futures: Sequence[Future[Any]], *, grace: float | None = None, ready: Future[Any] | None = None,
@@ -79,7 +79,7 @@ def drain(futures: Sequence[Future[Any]], *, grace: float | None = None, ready: 
         if not future.done():
             continue  # still running after a failure: the failure says what went wrong
         exc = future.exception()
-        if exc is not None and not isinstance(exc, _Skipped):
+        if exc is not None and not isinstance(exc, Skipped):
             first = first or exc
     if first is not None:
         raise first
@@ -233,7 +233,7 @@ class LocalPipeline:
 
         def task(action: Action) -> None:
             if run.failed:
-                raise _Skipped()
+                raise Skipped()
             s, kind, i = action
             try:
                 if kind == "F":
@@ -258,7 +258,7 @@ class LocalPipeline:
                 for s in plan.stages_of(r):
                     self.stages[s].aside.keep(run.id)
             if run.failed:
-                raise _Skipped()
+                raise Skipped()
 
         executors: list[Executor] = [
             Inline() if inline_device is not None and self.stages[r].device == inline_device else w

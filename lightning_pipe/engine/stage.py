@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.engine.aside import GradientsAside
-from lightning_pipe.engine.backward_split import _nothing, input_gradients_first, twice_safe
+from lightning_pipe.engine.backward_split import finish_nothing, input_gradients_first, twice_safe
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
 from lightning_pipe.engine.checkpoint import checkpointing, recomputing
 from lightning_pipe.engine.loss import LossFn, MicroLoss, compute, detach, to_device
@@ -75,13 +75,13 @@ class _Saved:
     target: Any = None
 
 
-def _move(t: Tensor, device: torch.device) -> Tensor:
+def move_to(t: Tensor, device: torch.device) -> Tensor:
     """``t`` on ``device``, asynchronously only towards a GPU (a non-blocking copy into host memory is early)."""
     return t.to(device, non_blocking=device.type == "cuda")
 
 
 def _leaf(t: Tensor, device: torch.device, requires_grad: bool) -> Tensor:
-    t = _move(t.detach(), device)
+    t = move_to(t.detach(), device)
     if requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)
     return t
@@ -268,7 +268,7 @@ class Stage:
         backward); otherwise the returned function takes it: ``finish(True, finisher)``.
         """
         if self.device.type != "cpu" or not twice_safe(self.partition):
-            return self.backward(run, items, finisher), _nothing
+            return self.backward(run, items, finisher), finish_nothing
         results, finish = self._backward_recorded(run, items, inputs_first=True, finisher=finisher)
         return results, finish
 
@@ -311,7 +311,7 @@ class Stage:
         if self.recorder is not None:
             self.recorder.record(self.index, "B", microbatches, run, start)  # type: ignore[arg-type]
         if weights is None:
-            return results, _nothing
+            return results, finish_nothing
         pending = [weights]
 
         def finish(compute: bool = True, finisher: Finisher | None = None) -> None:
@@ -360,7 +360,7 @@ class Stage:
                 if g is not None and t.requires_grad:
                     tensors.append(t)
                     # A number: the gradient of a loss computed here (its weight in the batch's loss).
-                    grads.append(torch.full_like(t, g) if isinstance(g, float) else _move(g, t.device))
+                    grads.append(torch.full_like(t, g) if isinstance(g, float) else move_to(g, t.device))
         weights = None
         upstream = [t for s in saved_items for t in (*s.inputs, *s.imports.values()) if t.requires_grad]
         if tensors and inputs_first and upstream:
@@ -376,6 +376,10 @@ class Stage:
              {**{k: t.grad if t.requires_grad else None for k, t in s.imports.items()}, **dict.fromkeys(s.empty)})
             for s in saved_items
         ], weights
+
+    def saved_count(self) -> int:
+        """How many micro-batches' activations this stage keeps (of every run) for backwards to come."""
+        return len(self._saved)
 
     def has_saved(self, run: Hashable) -> bool:
         """Whether anything is still kept for ``run`` (a backward to come)."""

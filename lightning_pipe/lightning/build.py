@@ -75,7 +75,7 @@ log = logging.getLogger("lightning_pipe")
 _pipeline_ids = itertools.count()
 
 
-def _release(pipeline: RemotePipeline, hosts: host.HostGroup) -> None:
+def release_run(pipeline: RemotePipeline, hosts: host.HostGroup) -> None:
     """Free a pipeline whose model is gone: the remote stages and this process's stage 0 threads."""
     hosts.drop()
     pipeline.close()
@@ -188,7 +188,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     pipelined.built = built
     setattr(module, strategy.module_name, pipelined)
     # When the model is freed (a script training one model after another), so is what its stages hold.
-    weakref.finalize(pipelined, _release, pipeline, hosts).atexit = False
+    weakref.finalize(pipelined, release_run, pipeline, hosts).atexit = False
     log.info("[rank %d] pipeline %s: balance %s on ranks %s", rank, key, balance, ranks)
     return pipelined
 

@@ -96,7 +96,7 @@ def gathered(module: pl.LightningModule, module_name: str) -> Iterator[pl.Lightn
         setattr(module, module_name, body)
 
 
-class _Placeholders:
+class StagePlaceholders:
     """The remote stages' tensors of a checkpoint as placeholders: where each is (its container and key) and
     where its data comes from (its process, and the key ``StageState.checkpoint_tensors`` takes)."""
 
@@ -128,11 +128,11 @@ class _Placeholders:
 
 
 def placeholders(checkpoint: dict[str, Any], body: PipelinedSequential,
-                 optimizers: list[torch.optim.Optimizer]) -> _Placeholders:
+                 optimizers: list[torch.optim.Optimizer]) -> StagePlaceholders:
     """Register the remote stages' entries of ``checkpoint`` (assembled by Lightning with this process's
     tensors, the remote layers' as meta tensors) and put placeholders of their optimizer states in the plain
     model's optimizer's format (per parameter index)."""
-    table = _Placeholders(body.hosts)
+    table = StagePlaceholders(body.hosts)
     state = checkpoint["state_dict"]
     for name, t in list(state.items()):
         if isinstance(t, Tensor) and t.is_meta:
@@ -143,7 +143,7 @@ def placeholders(checkpoint: dict[str, Any], body: PipelinedSequential,
     return table
 
 
-def optimizer_placeholders(table: _Placeholders, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
+def optimizer_placeholders(table: StagePlaceholders, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
                            ) -> dict[str, Any]:
     """``optimizer``'s state in the plain model's optimizer's format (per parameter index): ``saved`` (the driver's
     own ``state_dict``) with placeholders, registered in ``table``, for the remote stages' tensors."""
@@ -168,7 +168,7 @@ def optimizer_placeholders(table: _Placeholders, optimizer: torch.optim.Optimize
 
 
 #: Why the whole model cannot be put together in the main process alone when the stages are sharded.
-_SHARDED_WHOLE = ("{what} cannot gather stages sharded over the replicas (sharding_strategy={setting!r}) into the "
+SHARDED_WHOLE = ("{what} cannot gather stages sharded over the replicas (sharding_strategy={setting!r}) into the "
                   "main process alone: every replica holds a shard. Save them with trainer.save_checkpoint (called "
                   "on every replica, as Lightning does): its one file (state_dict_type='full') loads into the plain "
                   "model")

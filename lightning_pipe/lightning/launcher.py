@@ -28,7 +28,7 @@ import torch
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_pipe.transport.wire.session import _PARENT_ENV, serve_until_shutdown
+from lightning_pipe.transport.wire.session import PARENT_ENV, serve_until_shutdown
 
 __all__: list[str] = []
 
@@ -78,7 +78,7 @@ class Serving:
         forking = getattr(self._strategy, "_start_method", "popen") == "fork"
         if forking:
             check_fork()
-        os.environ[_PARENT_ENV] = str(os.getpid())
+        os.environ[PARENT_ENV] = str(os.getpid())
         self._strategy.share_cores()  # before the children start, so their thread pools start at that size
         if forking:
             fork_children(self)

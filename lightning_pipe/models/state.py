@@ -55,7 +55,7 @@ def hf_state_dict(body: nn.Sequential, state_dict: Mapping[str, Tensor] | None =
     return {hf: state_dict[prefix + key] for key, hf in mapping.items()}
 
 
-def _tied(body: nn.Sequential) -> dict[str, list[str]]:
+def tied_names(body: nn.Sequential) -> dict[str, list[str]]:
     """Each entry → the other entries holding the same tensor (a tied embedding and head)."""
     holders: dict[int, list[str]] = {}
     for key, t in body.state_dict(keep_vars=True).items():
@@ -71,7 +71,7 @@ def load_hf_state_dict(body: nn.Sequential, state_dict: Mapping[str, Tensor], st
     twin. With ``strict``, an entry of the body found under none of its names is an error naming it.
     """
     mapping = hf_key_map(body)
-    twins = _tied(body)
+    twins = tied_names(body)
     own: dict[str, Tensor] = {}
     missing = []
     for key, hf in mapping.items():

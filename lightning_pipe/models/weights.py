@@ -132,11 +132,11 @@ def attach_pretrained(body: nn.Sequential, path: str | os.PathLike[str]) -> nn.S
     checkpoint at ``path`` when it is materialised, reading its own entries alone; returns ``body``. A layer
     already materialised is filled now. Each entry is looked up under the model's name, or, for a tied one the
     file holds once, under its twin's; one found under neither is an error naming it."""
-    from lightning_pipe.models.state import _tied, hf_key_map
+    from lightning_pipe.models.state import hf_key_map, tied_names
 
     files = PretrainedFiles(path)
     available = files.names()
-    mapping, twins = hf_key_map(body), _tied(body)
+    mapping, twins = hf_key_map(body), tied_names(body)
     missing = []
     for index, layer in body.named_children():
         sources: dict[str, str] = {}

@@ -160,7 +160,7 @@ REFUSED = ("no_body", "not_sequential", "bad_balance", "no_example", "sync_batch
 def refusals(out: str) -> None:
     """Every model or setting refused before any process starts, one after another in this process: each
     must fail in the launcher, having started no other process (which would set the launcher's variable)."""
-    from lightning_pipe.transport.wire.session import _PARENT_ENV
+    from lightning_pipe.transport.wire.session import PARENT_ENV
 
     for what in REFUSED:
         try:
@@ -170,7 +170,7 @@ def refusals(out: str) -> None:
         else:
             print(f"[not refused {what}]", flush=True)
             sys.exit(1)
-        if _PARENT_ENV in os.environ:
+        if PARENT_ENV in os.environ:
             print(f"[started processes {what}]", flush=True)
             sys.exit(1)
 

@@ -32,7 +32,7 @@ def profile_times(module: nn.Sequential, sample: Batch, timeout: float, device: 
     only their ratios matter.
 
     Every layer runs in a temporary sandbox in training mode (see
-    :func:`_sandbox`), so ``module`` itself is never modified.
+    :func:`layer_sandbox`), so ``module`` itself is never modified.
 
     Args:
         module: The layers to profile.
@@ -55,19 +55,19 @@ def profile_times(module: nn.Sequential, sample: Batch, timeout: float, device: 
 def _time_pass(module: nn.Sequential, sample: Batch, device: torch.device) -> list[float]:
     """Run ``sample`` through ``module`` once; return each layer's forward + backward time."""
     times: list[float] = []
-    batch = _map_tensors(lambda t: _copy_to(t, device).requires_grad_(t.requires_grad), sample)
+    batch = map_tensors(lambda t: copy_to(t, device).requires_grad_(t.requires_grad), sample)
     for layer in module:
-        with _sandbox(layer, device) as sandbox, torch.enable_grad():
-            inputs = _as_layer_input(batch)
-            _synchronize(device)
+        with layer_sandbox(layer, device) as sandbox, torch.enable_grad():
+            inputs = as_layer_input(batch)
+            synchronize_device(device)
             tick = time.perf_counter()
             output = sandbox(inputs)
-            targets = [t for t in _tensors(output) if t.requires_grad]
+            targets = [t for t in tensors_of_batch(output) if t.requires_grad]
             if targets:
                 torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
-            _synchronize(device)
+            synchronize_device(device)
             times.append(time.perf_counter() - tick)
-        batch = _detach(output)
+        batch = detach_batch(output)
         del sandbox, inputs, output, targets  # free this layer before copying the next
     return times
 
@@ -97,28 +97,28 @@ def profile_sizes(
     Returns:
         One non-negative size per layer.
     """
-    rows = max(1, _batch_size(input) // chunks)
-    batch = _map_tensors(
-        lambda t: _copy_to(t[:rows] if t.dim() > 0 else t, device).requires_grad_(t.requires_grad),
+    rows = max(1, batch_size_of(input) // chunks)
+    batch = map_tensors(
+        lambda t: copy_to(t[:rows] if t.dim() > 0 else t, device).requires_grad_(t.requires_grad),
         input,
     )
     sizes: list[float] = []
     for layer in module:
-        with _sandbox(layer, device) as sandbox, torch.enable_grad():
-            inputs = _as_layer_input(batch)
+        with layer_sandbox(layer, device) as sandbox, torch.enable_grad():
+            inputs = as_layer_input(batch)
             state = {_storage_key(t)[0] for t in (*sandbox.parameters(), *sandbox.buffers())}
             saved: dict[object, int] = {}
             with torch.autograd.graph.saved_tensors_hooks(_counting_pack_hook(state, saved), _identity):
                 output = sandbox(inputs)
             param_bytes = sum(p.numel() * p.element_size() for p in sandbox.parameters())
             sizes.append(sum(saved.values()) + param_scale * param_bytes)
-        batch = _detach(output)
+        batch = detach_batch(output)
         del sandbox, inputs, output  # free this layer before copying the next
     return sizes
 
 
 @contextmanager
-def _sandbox(layer: nn.Module, device: torch.device) -> Iterator[nn.Module]:
+def layer_sandbox(layer: nn.Module, device: torch.device) -> Iterator[nn.Module]:
     """Yield a throwaway training-mode copy of ``layer`` on ``device``.
 
     The copy is made with :func:`copy.deepcopy`, but its parameters and
@@ -140,33 +140,33 @@ def _sandbox(layer: nn.Module, device: torch.device) -> Iterator[nn.Module]:
     for param in layer.parameters():
         memo[id(param)] = nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
     for buffer in layer.buffers():
-        memo[id(buffer)] = _copy_to(buffer, device)
+        memo[id(buffer)] = copy_to(buffer, device)
     sandbox = copy.deepcopy(layer, memo)
     sandbox.train()
     yield sandbox
 
 
-def _copy_to(tensor: Tensor, device: torch.device) -> Tensor:
+def copy_to(tensor: Tensor, device: torch.device) -> Tensor:
     """Return a detached, contiguous copy of ``tensor`` on ``device`` with its own storage."""
     return tensor.detach().to(device=device, copy=True, memory_format=torch.contiguous_format)
 
 
-def _as_layer_input(batch: Batch) -> Batch:
+def as_layer_input(batch: Batch) -> Batch:
     """Prepare a layer's input: tensors requiring grad become non-leaf clones.
 
     Autograd refuses in-place operations on leaves that require grad, and a
     layer such as ``nn.ReLU(inplace=True)`` never sees a leaf in the real
     model, so it must not see one here either.
     """
-    return _map_tensors(lambda t: t.clone() if t.requires_grad else t, batch)
+    return map_tensors(lambda t: t.clone() if t.requires_grad else t, batch)
 
 
-def _detach(batch: Batch) -> Batch:
+def detach_batch(batch: Batch) -> Batch:
     """Cut ``batch`` from its graph, keeping each tensor's ``requires_grad`` flag."""
-    return _map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), batch)
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), batch)
 
 
-def _map_tensors(fn: Callable[[Tensor], Tensor], batch: Batch) -> Batch:
+def map_tensors(fn: Callable[[Tensor], Tensor], batch: Batch) -> Batch:
     """Apply ``fn`` to a tensor or to the tensors of a tuple/list; leave the rest as is."""
     if isinstance(batch, Tensor):
         return fn(batch)
@@ -178,7 +178,7 @@ def _map_tensors(fn: Callable[[Tensor], Tensor], batch: Batch) -> Batch:
     return batch
 
 
-def _tensors(batch: Batch) -> Iterator[Tensor]:
+def tensors_of_batch(batch: Batch) -> Iterator[Tensor]:
     """Yield the tensor or the tensors of a tuple/list."""
     if isinstance(batch, Tensor):
         yield batch
@@ -186,9 +186,9 @@ def _tensors(batch: Batch) -> Iterator[Tensor]:
         yield from (x for x in batch if isinstance(x, Tensor))
 
 
-def _batch_size(batch: Batch) -> int:
+def batch_size_of(batch: Batch) -> int:
     """Return dimension 0 of the first tensor of ``batch`` (validated by the caller)."""
-    return next(_tensors(batch)).size(0)
+    return next(tensors_of_batch(batch)).size(0)
 
 
 def _storage_key(tensor: Tensor) -> tuple[object, int]:
@@ -217,7 +217,7 @@ def _identity(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize_device(device: torch.device) -> None:
     """Wait for queued kernels on an asynchronous device, so the clock is honest."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -16,14 +16,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.engine.balance.profile import (
-    _as_layer_input,
-    _batch_size,
-    _copy_to,
-    _detach,
-    _map_tensors,
-    _sandbox,
-    _synchronize,
-    _tensors,
+    as_layer_input,
+    batch_size_of,
+    copy_to,
+    detach_batch,
+    layer_sandbox,
+    map_tensors,
+    synchronize_device,
+    tensors_of_batch,
 )
 
 __all__ = ["BodyProfile", "LayerMeasure", "concurrently", "measure_body"]
@@ -108,7 +108,7 @@ def measure_body(module: nn.Sequential, sample: Any, *, device: torch.device | s
     (the processes of a job on one machine share its memory bandwidth and caches). ``module`` is left as it was
     (each layer runs in a throwaway copy)."""
     device = torch.device(device)
-    rows = _batch_size(sample)
+    rows = batch_size_of(sample)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -146,7 +146,7 @@ def _param_scale(precision: str, params: Sequence[Tensor]) -> float:
 
 
 def _rows(sample: Any, rows: int, k: int = 0) -> Any:
-    return _map_tensors(lambda t: t[k * rows:(k + 1) * rows] if t.dim() > 0 else t, sample)
+    return map_tensors(lambda t: t[k * rows:(k + 1) * rows] if t.dim() > 0 else t, sample)
 
 
 @contextlib.contextmanager
@@ -162,7 +162,7 @@ def _cast(precision: str, layer: nn.Module, batch: Any) -> tuple[nn.Module, Any]
     dtype = TRUE_HALF.get(precision, torch.float64 if precision == "64-true" else None)
     if dtype is None:
         return layer, batch
-    return layer.to(dtype), _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+    return layer.to(dtype), map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
 
 
 def _times(module: nn.Sequential, sample: Any, device: torch.device, precision: str,
@@ -170,24 +170,24 @@ def _times(module: nn.Sequential, sample: Any, device: torch.device, precision: 
     """Per layer, the median forward and backward seconds over ``repeats`` passes (after one to warm up)."""
     runs: list[list[tuple[float, float]]] = []
     for _ in range(repeats + 1):
-        batch = _map_tensors(lambda t: _copy_to(t, device).requires_grad_(t.requires_grad), sample)
+        batch = map_tensors(lambda t: copy_to(t, device).requires_grad_(t.requires_grad), sample)
         times = []
         for layer in module:
-            with _sandbox(layer, device) as sandbox, torch.enable_grad():
+            with layer_sandbox(layer, device) as sandbox, torch.enable_grad():
                 sandbox, batch = _cast(precision, sandbox, batch)
-                inputs = _as_layer_input(batch)
-                _synchronize(device)
+                inputs = as_layer_input(batch)
+                synchronize_device(device)
                 tick = time.perf_counter()
                 with _precision(precision, device):
                     output = sandbox(inputs)
-                _synchronize(device)
+                synchronize_device(device)
                 middle = time.perf_counter()
-                targets = [t for t in _tensors(output) if t.requires_grad]
+                targets = [t for t in tensors_of_batch(output) if t.requires_grad]
                 if targets:
                     torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
-                _synchronize(device)
+                synchronize_device(device)
                 times.append((middle - tick, time.perf_counter() - middle))
-            batch = _detach(output)
+            batch = detach_batch(output)
             del sandbox, inputs, output, targets
         runs.append(times)
     runs = runs[1:]
@@ -220,32 +220,32 @@ def _chain(module: nn.Sequential, sample: Any, rows: int, device: torch.device, 
     sample's micro-batches forward one after the other, its layers in one graph, then their backwards, the
     gradients added up (the fastest of ``repeats`` passes after one to warm up: what the machine does undisturbed;
     a median moves with whatever else runs)."""
-    count = max(1, _batch_size(sample) // rows)
+    count = max(1, batch_size_of(sample) // rows)
     forward, backward = [], []
     with contextlib.ExitStack() as stack:
         sandboxes = []
         for layer in module:
-            sandbox = stack.enter_context(_sandbox(layer, device))
+            sandbox = stack.enter_context(layer_sandbox(layer, device))
             sandboxes.append(_cast(precision, sandbox, None)[0])
         for _ in range(repeats + 1):
-            batches = [_cast(precision, nn.Identity(), _map_tensors(
-                lambda t: _copy_to(t, device).requires_grad_(t.requires_grad), _rows(sample, rows, k)))[1]
+            batches = [_cast(precision, nn.Identity(), map_tensors(
+                lambda t: copy_to(t, device).requires_grad_(t.requires_grad), _rows(sample, rows, k)))[1]
                 for k in range(count)]
-            _synchronize(device)
+            synchronize_device(device)
             tick = time.perf_counter()
             with torch.enable_grad(), _precision(precision, device):
                 for k in range(count):
-                    batch = _as_layer_input(batches[k])
+                    batch = as_layer_input(batches[k])
                     for sandbox in sandboxes:
                         batch = sandbox(batch)
                     batches[k] = batch
-            _synchronize(device)
+            synchronize_device(device)
             middle = time.perf_counter()
             for batch in batches:  # each micro-batch's backward, its parameter gradients added up as a stage's are
-                targets = [t for t in _tensors(batch) if t.requires_grad]
+                targets = [t for t in tensors_of_batch(batch) if t.requires_grad]
                 if targets:
                     torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
-            _synchronize(device)
+            synchronize_device(device)
             forward.append((middle - tick) / count)
             backward.append((time.perf_counter() - middle) / count)
             del batches, batch, targets
@@ -267,10 +267,10 @@ def _saved(module: nn.Sequential, sample: Any, device: torch.device, precision: 
         return ids.setdefault(storage.data_ptr(), len(ids)), storage.nbytes()
 
     with contextlib.ExitStack() as stack:
-        batch = _map_tensors(lambda t: _copy_to(t, device).requires_grad_(t.requires_grad), sample)
+        batch = map_tensors(lambda t: copy_to(t, device).requires_grad_(t.requires_grad), sample)
         kept: list[Any] = []
         for layer in module:
-            sandbox = stack.enter_context(_sandbox(layer, device))
+            sandbox = stack.enter_context(layer_sandbox(layer, device))
             sandbox, batch = _cast(precision, sandbox, batch)
             state = {t.untyped_storage().data_ptr() for t in (*sandbox.parameters(), *sandbox.buffers())}
             current = {}
@@ -281,13 +281,13 @@ def _saved(module: nn.Sequential, sample: Any, device: torch.device, precision: 
                     current[k] = max(current.get(k, 0), nbytes)
                 return t
 
-            first = next(_tensors(batch), None)
+            first = next(tensors_of_batch(batch), None)
             inputs.append(key(first) if first is not None else (-1, 0))
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     _precision(precision, device):
-                batch = sandbox(_as_layer_input(batch) if not kept else batch)
+                batch = sandbox(as_layer_input(batch) if not kept else batch)
             saved.append(current)
-            last = next(_tensors(batch), None)
+            last = next(tensors_of_batch(batch), None)
             outputs.append(key(last) if last is not None else (-1, 0))
             kept.append((sandbox, batch))
         del kept

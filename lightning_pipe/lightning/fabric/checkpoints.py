@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_pipe.lightning import sharded
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checkpoints import (
-    _Placeholders,
+    StagePlaceholders,
     module_state_dict,
     optimizer_placeholders,
     save_atomically,
@@ -46,7 +46,7 @@ def _unwrapped(obj: Any) -> Any:
     return obj.module if isinstance(obj, DistributedDataParallel) else obj
 
 
-def _module_state(table: _Placeholders | None, body: PipelinedSequential, root: nn.Module, module: nn.Module
+def _module_state(table: StagePlaceholders | None, body: PipelinedSequential, root: nn.Module, module: nn.Module
                   ) -> dict[str, Any]:
     """``module``'s ``state_dict`` (the root module, or the body alone), this process's shards gathered whole (a
     collective of their replicas), remote stages' tensors as placeholders registered in ``table`` under the root's
@@ -71,7 +71,7 @@ def fabric_save(path: str, state: Mapping[str, Any], body: PipelinedSequential, 
     are sharded over the replicas, every replica's driver calls this at once (the shards it holds gathered whole:
     collectives), each remote stage's shards gathered whole by its replica 0's process first; the main process
     alone ``write``s."""
-    table = _Placeholders(body.hosts) if write else None
+    table = StagePlaceholders(body.hosts) if write else None
     values: dict[str, Any] = {}
     for key, obj in state.items():
         obj = _unwrapped(obj)

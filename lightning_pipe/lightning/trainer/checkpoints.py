@@ -35,7 +35,7 @@ from typing_extensions import override
 from lightning_pipe.lightning import checks, sharded
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checkpoints import (
-    _SHARDED_WHOLE,
+    SHARDED_WHOLE,
     gathered,
     module_state_dict,
     placeholders,
@@ -190,7 +190,7 @@ class PipelineCheckpoints(PipelineProcesses):
             raise RuntimeError("PipeStrategy.gathered() gathers the model on the main process only (global "
                                f"rank 0); this is replica {self.global_rank}: guard it with trainer.is_global_zero")
         if self._stages_sharded():
-            raise RuntimeError(_SHARDED_WHOLE.format(what="PipeStrategy.gathered()", setting=self.sharding_strategy))
+            raise RuntimeError(SHARDED_WHOLE.format(what="PipeStrategy.gathered()", setting=self.sharding_strategy))
         with gathered(self.lightning_module, self.module_name) as module:
             yield module
 
@@ -203,7 +203,7 @@ class PipelineCheckpoints(PipelineProcesses):
         ``trainer.save_checkpoint`` needs no such help: it writes the whole model's checkpoint already.
         """
         if self._stages_sharded():  # refused on every replica alike
-            raise RuntimeError(_SHARDED_WHOLE.format(what="rpc_save_model", setting=self.sharding_strategy))
+            raise RuntimeError(SHARDED_WHOLE.format(what="rpc_save_model", setting=self.sharding_strategy))
         if self.is_global_zero:
             with self.gathered():
                 save_model_fn(trainer, filepath)

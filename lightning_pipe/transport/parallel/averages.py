@@ -15,11 +15,11 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_pipe.engine.backward_split import _nothing
+from lightning_pipe.engine.backward_split import finish_nothing
 from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.transport.parallel import dtensors
-from lightning_pipe.transport.parallel.ddp import ReplicatedStage, _LastBackward, stage_group
+from lightning_pipe.transport.parallel.ddp import LastBackward, ReplicatedStage, stage_group
 from lightning_pipe.transport.parallel.reduction import Reduction
 
 __all__ = ["is_last_backward"]
@@ -36,7 +36,8 @@ def is_last_backward(actions: Sequence[Action], k: int, later: Mapping[tuple[int
         return not any(a.kind in "BIW" for a in rest)
     if any(a.kind in "BI" for a in rest):
         return False
-    return kind == "I" or all(later.get((s, a.microbatch), _nothing) is _nothing for a in rest if a.kind == "W")
+    return kind == "I" or all(later.get((s, a.microbatch), finish_nothing) is finish_nothing
+                              for a in rest if a.kind == "W")
 
 
 def trainable(stage: Stage) -> tuple[bool, ...]:
@@ -181,7 +182,7 @@ class StepAverages:
                 replica.sync_buffers(grad, self.reduce)
 
     @contextlib.contextmanager
-    def backward(self, k: int, later: Mapping[tuple[int, int], Callable[..., None]]) -> Iterator[_LastBackward | None]:
+    def backward(self, k: int, later: Mapping[tuple[int, int], Callable[..., None]]) -> Iterator[LastBackward | None]:
         """Around backward action ``actions[k]``; gives what must run it if it is its stage's last one."""
         s = self.actions[k].stage
         replica = self.reducing.get(s)

@@ -74,7 +74,7 @@ class _Into(torch.autograd.Function):
         return (None, *grads)
 
 
-class _LastBackward:
+class LastBackward:
     """The stage's last backward of a step, run through DDP's reducer (a
     :data:`~lightning_pipe.engine.stage.Finisher`, used at most once)."""
 
@@ -122,9 +122,9 @@ class ReplicatedStage(Reduction):
         if self.static and not self._prepared:
             self._prepare(())
 
-    def last(self, run: int) -> _LastBackward | None:
+    def last(self, run: int) -> LastBackward | None:
         """What runs the stage's last backward of reducing step ``run`` (None: reduce once it is over)."""
-        return _LastBackward(self, run) if OVERLAP else None
+        return LastBackward(self, run) if OVERLAP else None
 
     def _prepare(self, outputs: Sequence[Tensor]) -> None:
         if self._prepared:

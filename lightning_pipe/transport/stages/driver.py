@@ -21,36 +21,36 @@ from torch import nn
 
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.partition import normalize_device, split_module
-from lightning_pipe.engine.pipeline import Run, Step, _Skipped, ahead, check_placement, drain
+from lightning_pipe.engine.pipeline import Run, Skipped, Step, ahead, check_placement, drain
 from lightning_pipe.engine.schedule import Plan, forward_only, gpipe
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
-from lightning_pipe.engine.stage import Grads, Stage, _move
+from lightning_pipe.engine.stage import Grads, Stage, move_to
 from lightning_pipe.engine.worker import Inline
 from lightning_pipe.transport.stages import steps
-from lightning_pipe.transport.stages.rendezvous import connect, detach
-from lightning_pipe.transport.stages.runner import (
-    StageRunner,
-    _abort,
-    _act,
-    _commit,
-    _is_registered,
+from lightning_pipe.transport.stages.entries import (
+    abort_run,
     call_runner,
+    commit_run,
+    is_registered,
     register,
+    run_share,
     unregister,
 )
-from lightning_pipe.transport.stages.settled import _RemoteStageRef, _Settled
+from lightning_pipe.transport.stages.rendezvous import connect, detach
+from lightning_pipe.transport.stages.runner import StageRunner
+from lightning_pipe.transport.stages.settled import RemoteStageRef, Settled
 from lightning_pipe.transport.wire.messages import (
-    _PROGRESS,
-    _PROGRESS_LOCK,
     MAILBOX,
+    PROGRESS,
+    PROGRESS_LOCK,
     Slot,
     StepSpec,
-    _unpack,
-    _wire,
-    _wire_any,
     defer_commits,
     settle_commits,
     to_concurrent,
+    to_wire,
+    to_wire_any,
+    unpack_batch,
     where,
 )
 
@@ -61,7 +61,7 @@ def wait_registered(peers: Sequence[str], key: str, timeout: float) -> None:
     """Wait until every process in ``peers`` hosts its stage of pipeline ``key``."""
     deadline = time.monotonic() + timeout
     for peer in peers:
-        while not rpc.rpc_sync(peer, _is_registered, args=(key,), timeout=timeout):
+        while not rpc.rpc_sync(peer, is_registered, args=(key,), timeout=timeout):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"process '{peer}' did not set up its stage of pipeline '{key}' within "
                                    f"{timeout:.0f} s")
@@ -127,9 +127,9 @@ class RemotePipeline:
         self.placement = placement  # stage s in process placement[s] (empty: s % processes), as a Plan's
         # The process of each process index: the one holding stage r.
         self.peers = [runner.peers[r] for r in range(self.processes)]
-        self._settled = _Settled()
+        self._settled = Settled()
         # What a Run releases when freed: this process's runner and every remote process.
-        self.stages: list[Any] = [runner] + [_RemoteStageRef(self.key, peer, self._settled) for peer in self.peers[1:]]
+        self.stages: list[Any] = [runner] + [RemoteStageRef(self.key, peer, self._settled) for peer in self.peers[1:]]
         self.pipelined = True  # backward micro-batch by micro-batch (False: one backward per stage)
         # Whether the step starting now averages its gradients over replicas (PipeStrategy's, while fitting
         # with replicas and not under no_sync): each stage's last backward then runs through its DDP.
@@ -172,7 +172,7 @@ class RemotePipeline:
         timeout = self.runner.timeout
         settle_commits(self.key)
         futures = [steps.commit(self.runner, peer, r, run.id, scale) or
-                   to_concurrent(rpc.rpc_async(peer, _commit, args=(self.key, run.id, scale), timeout=timeout),
+                   to_concurrent(rpc.rpc_async(peer, commit_run, args=(self.key, run.id, scale), timeout=timeout),
                                  self._describe(r)) for r, peer in enumerate(self.peers) if r > 0]
         self.runner.commit(run.id, scale)
         # Not waited for here (a round trip at the end of every step): whatever reaches those processes next
@@ -208,15 +208,15 @@ class RemotePipeline:
         if output_grads is not None:
             # With the last stage's actions: one message instead of m + 1, between the forward and the backward.
             direct = self.runner.direct(n - 1)
-            deliveries += [((key, run.id, "B", i, n - 1, n), g if run.loss is not None else _wire(g, direct))
+            deliveries += [(Slot(key, run.id, "B", i, n - 1, n), g if run.loss is not None else to_wire(g, direct))
                            for i, g in enumerate(output_grads)]
         if run.loss is not None and any(a.kind == "F" and a.stage == n - 1 for a in plan.actions[last]):
-            deliveries += [((key, run.id, "T", i, n - 1, "target"), _wire_any(t)) for i, t in enumerate(run.targets)]
+            deliveries += [(Slot(key, run.id, "T", i, n - 1, "target"), to_wire_any(t))
+                           for i, t in enumerate(run.targets)]
         if last == 0:
             for slot, payload in deliveries:
                 MAILBOX.put(slot, payload)
         grads: dict[int, Grads] = {}
-
         targets: dict[int, list[tuple[Slot, Any]]] = {}  # sent with stage 0's output of their micro-batch
 
         def local() -> list[Future[Any]]:
@@ -230,7 +230,7 @@ class RemotePipeline:
         def collect() -> list[Any]:
             # A little longer than the stages' own waits, so that the stage that noticed a silent neighbour
             # first reports it (more precisely than "no output").
-            return [self.runner._take((key, run.id, "F", i, n, n - 1), timeout=1.5 * self.runner.timeout)
+            return [self.runner.take(Slot(key, run.id, "F", i, n, n - 1), timeout=1.5 * self.runner.timeout)
                     for i in range(m)]
 
         # Stage 0 on the calling thread: where a GPU backward needs it; never inside autograd's backward (the
@@ -251,7 +251,7 @@ class RemotePipeline:
         elif results is not None:
             # They travelled through host memory; the driver's code goes on with them where stage 0 is (its GPU).
             device = self.runner.stage.device
-            outputs = [Batch(_unpack([_move(t, device) for t in tensors], flags), atomic)
+            outputs = [Batch(unpack_batch([move_to(t, device) for t in tensors], flags), atomic)
                        for tensors, flags, atomic in results]
         backwards = any(a.kind in "BI" and a.stage == 0 for a in plan.actions[0])
         self.runner.averages.settle()  # the gradients here are averaged before the caller goes on
@@ -272,9 +272,9 @@ class RemotePipeline:
 
         def on_done(f: Future[Any]) -> None:
             exc = f.exception()
-            if exc is not None and not isinstance(exc, _Skipped) and not aborted.is_set():
+            if exc is not None and not isinstance(exc, Skipped) and not aborted.is_set():
                 aborted.set()
-                self._abort(run)
+                self.abort_run(run)
 
         def start() -> None:
             sends.extend(local())  # sends in flight: waited for below, not on the worker
@@ -292,8 +292,8 @@ class RemotePipeline:
         later: dict[int, list[tuple[Slot, Any]]] = {}  # deliveries too large to travel in a step on the plane
         collected = None
         progress = (self.key, run.id)
-        with _PROGRESS_LOCK:
-            _PROGRESS[progress] = 0.0
+        with PROGRESS_LOCK:
+            PROGRESS[progress] = 0.0
         try:
             # Inside the try: a process that cannot be reached aborts those that already have their actions.
             # The others' actions first: stage 0 starting here would compete with sending them (for the GIL,
@@ -312,8 +312,8 @@ class RemotePipeline:
                 elif (left := steps.start(self.runner, self.peers[r], run.id, plan.actions[r], spec,
                                           deliveries.get(r, ()))) is not None:
                     for slot, payload in left:
-                        if slot[2] == "T":
-                            targets.setdefault(slot[3], []).append((slot, payload))
+                        if slot.kind == "T":
+                            targets.setdefault(slot.microbatch, []).append((slot, payload))
                         else:
                             later.setdefault(r, []).append((slot, payload))
                     on_plane.append(r)
@@ -324,7 +324,7 @@ class RemotePipeline:
                     # the call at once, and a silent one is caught below.
                     extra = deliveries.get(r)
                     args = (self.key, run.id, list(plan.actions[r]), spec) + ((extra,) if extra else ())
-                    future = to_concurrent(rpc.rpc_async(self.peers[r], _act, timeout=0, args=args),
+                    future = to_concurrent(rpc.rpc_async(self.peers[r], run_share, timeout=0, args=args),
                                            self._describe(r))
                 future.add_done_callback(on_done)
                 futures[r] = future
@@ -332,13 +332,13 @@ class RemotePipeline:
             if collect is not None:
                 try:
                     collected = collect()
-                except _Skipped:
+                except Skipped:
                     pass  # a stage failed: the error is in its future
             error: BaseException | None = None
             by_rpc = [r for r in range(self.processes) if r not in on_plane]  # this process first
             try:
                 drain([futures[r] for r in by_rpc], grace=self.runner.timeout, ready=futures[0],
-                      alive=lambda: _PROGRESS.get(progress, 0.0),
+                      alive=lambda: PROGRESS.get(progress, 0.0),
                       describe=lambda k: f"stage {self._stages(by_rpc[k])} ({where(self.peers[by_rpc[k]])}) of "
                                          f"pipeline '{self.key}'")
             except BaseException as exc:  # noqa: BLE001 - raised once the answers on the plane are in
@@ -349,7 +349,7 @@ class RemotePipeline:
                 except BaseException as exc:  # noqa: BLE001
                     futures[r].set_exception(exc)
                     on_done(futures[r])
-                    if error is None and not isinstance(exc, _Skipped):
+                    if error is None and not isinstance(exc, Skipped):
                         error = exc
             if error is not None:
                 raise error
@@ -358,19 +358,19 @@ class RemotePipeline:
         except BaseException:
             if not aborted.is_set():
                 aborted.set()
-                self._abort(run)
+                self.abort_run(run)
             raise
         finally:
-            with _PROGRESS_LOCK:
-                _PROGRESS.pop(progress, None)
+            with PROGRESS_LOCK:
+                PROGRESS.pop(progress, None)
         return collected, [None] + [f.result() for f in futures[1:]]
 
-    def _abort(self, run: Run) -> None:
+    def abort_run(self, run: Run) -> None:
         run.failed = True
         self.runner.fail(run.id)
         for peer in self.peers[1:]:
             try:
-                rpc.rpc_async(peer, _abort, args=(self.key, run.id), timeout=self.runner.timeout)
+                rpc.rpc_async(peer, abort_run, args=(self.key, run.id), timeout=self.runner.timeout)
             except Exception:  # noqa: BLE001 - an unreachable stage is what the error already reports
                 pass
 

@@ -26,7 +26,8 @@ from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
 from lightning_pipe.transport.parallel import building, dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import optim, resident
-from lightning_pipe.transport.stages.runner import StageRunner, register, unregister
+from lightning_pipe.transport.stages.entries import register, unregister
+from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.stages.stagestate import StageState, broadcast_from_replica0
 from lightning_pipe.transport.stages.tied import TiedCopies, TiedParameter
 from lightning_pipe.transport.wire.messages import settle_commits, to_concurrent, where

@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from lightning_pipe.transport.stages import steps
-from lightning_pipe.transport.stages.runner import _RUNNERS, StageRunner
+from lightning_pipe.transport.stages.entries import RUNNERS
+from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.wire.dataplane import AUTO_MAX_BYTES, DATA_PLANES, DataPlane
 from lightning_pipe.transport.wire.session import SESSION
 
@@ -37,7 +38,7 @@ def _store(address: tuple[str, int] | None, timeout: float) -> Any:
 def _attach(key: str, token: str, names: Sequence[str], address: tuple[str, int] | None, max_bytes: int | None
             ) -> None:
     """Join pipeline ``key``'s data plane here (an RPC entry point, called by the driver)."""
-    runner = _RUNNERS[key]
+    runner = RUNNERS[key]
     rank = list(names).index(rpc.get_worker_info().name)
     groups = _groups(_store(address, runner.timeout), token, rank, len(names), runner.timeout)
     runner.plane = DataPlane(key, groups, rank, names, runner.timeout, max_bytes)
@@ -78,6 +79,6 @@ def connect(runner: StageRunner, names: Sequence[str], mode: str) -> None:
 
 def detach(key: str) -> None:
     """Close this process's data plane of pipeline ``key`` (an RPC entry point, called by the driver)."""
-    runner = _RUNNERS.get(key)
+    runner = RUNNERS.get(key)
     if runner is not None and runner.plane is not None:
         runner.plane.close()

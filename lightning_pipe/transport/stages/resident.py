@@ -77,7 +77,8 @@ def process_memory(runner: StageRunner, hosted: int) -> dict[str, int]:
         pass
     stages = runner.stages.values()
     device, device_peak = _device_memory()
+    kept = runner.bookkeeping()
     return {"rss": rss, "peak": peak, "base": BASE[0], "device": device, "device_peak": device_peak,
-            "device_base": DEVICE_BASE[0], "saved": sum(len(st._saved) for st in stages),
-            "mailbox": MAILBOX.pending() + len(runner._held), "seeds": len(runner._seeds),
+            "device_base": DEVICE_BASE[0], "saved": kept["saved"],
+            "mailbox": MAILBOX.pending() + kept["held"], "seeds": kept["seeds"],
             "aside": sum(st.aside.pending() for st in stages), "stages": hosted}

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_pipe.engine.loss import MicroLoss
 from lightning_pipe.engine.microbatch import Batch
-from lightning_pipe.engine.pipeline import _Skipped
+from lightning_pipe.engine.pipeline import Skipped
 from lightning_pipe.engine.rng import LazySeed
 from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.skip.layout import SkipLayout
@@ -38,23 +38,20 @@ from lightning_pipe.transport.wire.messages import (
     MAILBOX,
     Slot,
     StepSpec,
-    _alive,
-    _chain,
-    _chain_into,
-    _deliver,
-    _landed,
-    _located,
-    _maps,
-    _on_cpu,
-    _pack,
-    _unpack,
-    _wire,
+    chain_into,
+    deliver_to_mailbox,
+    maps_device,
+    note_alive,
+    on_cpu,
+    pack_batch,
+    to_wire,
+    unpack_batch,
     where,
+    with_location,
 )
 
 __all__: list[str] = []
 
-_RUNNERS: dict[str, StageRunner] = {}
 
 
 class StageRunner:
@@ -77,7 +74,6 @@ class StageRunner:
         self.timeout = timeout
         self.me = rpc.get_worker_info().name
         self.worker = Worker(f"lightning_pipe.{key}.stage{self.index}")
-        # Where sends start (see ``_send``): on the stage's own thread for a CPU stage.
         self.sender: Worker | Inline = Inline() if self.stage.device.type == "cpu" else \
             Worker(f"lightning_pipe.{key}.stage{self.index}.send")
         self._seeds: dict[int, LazySeed] = {}
@@ -102,7 +98,7 @@ class StageRunner:
         device = (self.stage if src is None else self.stages[src]).device
         if (dst, device.index or 0) not in self._direct:
             peer = self.peers[dst]
-            mapped = device.type == "cuda" and (peer == self.me or _maps(peer, device))
+            mapped = device.type == "cuda" and (peer == self.me or maps_device(peer, device))
             self._direct[(dst, device.index or 0)] = device if mapped else None
         return self._direct[(dst, device.index or 0)]
 
@@ -110,7 +106,7 @@ class StageRunner:
         """The stage and the process, for error messages."""
         return f"stage {self.index if stage is None else stage} of pipeline '{self.key}' ({where(self.me)})"
 
-    def _send(self, dst: int, slot: Slot, payload: Any) -> Future[Any] | None:
+    def send_to(self, dst: int, slot: Slot, payload: Any) -> Future[Any] | None:
         """Deliver ``payload`` to stage ``dst``; returns the send in flight (None when ``dst`` is here).
 
         A CPU stage starts the message itself, before its next micro-batch: its cores are busy computing,
@@ -123,41 +119,44 @@ class StageRunner:
         if peer == self.me:
             MAILBOX.put(slot, payload)
             return None
-        describe = lambda: f"{self.describe(slot[5] if isinstance(slot[5], int) else None)} could not send to " \
-            f"stage {dst} ({where(peer)})"  # noqa: E731
+        sender = slot.source if isinstance(slot.source, int) else None
+        describe = lambda: f"{self.describe(sender)} could not send to stage {dst} ({where(peer)})"  # noqa: E731
         if self.plane is not None and (sent := self.plane.send(peer, slot, payload, describe)) is not None:
             return sent  # point-to-point (:mod:`~lightning_pipe.transport.wire.dataplane`)
         sent = Future()
         plane = self.plane
 
         def send() -> None:
-            _chain_into(rpc.rpc_async(peer, _deliver, args=(slot, payload), timeout=self.timeout), sent, describe)
+            chain_into(rpc.rpc_async(peer, deliver_to_mailbox, args=(slot, payload), timeout=self.timeout), sent,
+                       describe)
             if plane is not None:
                 plane.sent_by_rpc(peer, slot)  # the receiver waits for it in the mailbox
 
         def started(f: Future[Any]) -> None:
             exc = f.exception()
             if exc is not None and not sent.done():
-                sent.set_exception(_located(exc, describe))
+                sent.set_exception(with_location(exc, describe))
 
         self.sender.submit(send).add_done_callback(started)
         return sent
 
-    def _take(self, slot: Slot, timeout: float | None = None) -> Any:
-        if slot[1] in self._failed:
-            raise _Skipped()
-        src = slot[5]
+    def take(self, slot: Slot, timeout: float | None = None) -> Any:
+        """What arrives for ``slot`` (from the channel of the process that sends it, or the mailbox), waiting at most
+        ``timeout`` (default: the RPC timeout); a failed run's take raises :class:`Skipped`."""
+        if slot.run in self._failed:
+            raise Skipped()
+        src = slot.source
         def describe() -> str:  # only where a wait fails: ``where`` asks RPC
             if isinstance(src, int):
                 source = f"stage {src} ({where(self.peers[src])})" if src < self.n else "the driver"
             else:
                 source = "the driver (the target)" if src == "target" else f"the stage stashing '{src[1]}'"
-            return f"{self.describe(slot[4])}, micro-batch {slot[3]} ({slot[2]}) from {source}"
+            return f"{self.describe(slot.stage)}, micro-batch {slot.microbatch} ({slot.kind}) from {source}"
 
         if self.plane is not None:
             if isinstance(src, tuple):  # a skip: from the stage that stashed it
-                layout = self.layout.imports if slot[2] == "F" else self.layout.exports
-                peer = self.peers[layout[slot[4]][src]]
+                layout = self.layout.imports if slot.kind == "F" else self.layout.exports
+                peer = self.peers[layout[slot.stage][src]]
             else:  # a stage, or the driver (the last stage's targets and output gradients)
                 peer = self.peers[src if isinstance(src, int) else self.n]
             if self.plane.carries(peer):  # waits on the channel from the sender itself
@@ -173,14 +172,14 @@ class StageRunner:
         if not self.modes_from_driver and stage.partition.training != spec.training:
             stage.partition.train(spec.training)
         if inputs is None:
-            tensors, flags, atomic = self._take((self.key, run, "F", i, s, s - 1))
-            inputs = Batch(_unpack(tensors, flags), atomic)
+            tensors, flags, atomic = self.take(Slot(self.key, run, "F", i, s, s - 1))
+            inputs = Batch(unpack_batch(tensors, flags), atomic)
         imports = {}
         for skip in self.layout.imports[s]:
-            tensors, flags = self._take((self.key, run, "F", i, s, skip))
-            imports[skip] = _unpack(tensors, flags)[0]
+            tensors, flags = self.take(Slot(self.key, run, "F", i, s, skip))
+            imports[skip] = unpack_batch(tensors, flags)[0]
         loss = spec.loss if s == self.n - 1 else None
-        target = self._take((self.key, run, "T", i, s, "target")) if loss is not None else None
+        target = self.take(Slot(self.key, run, "T", i, s, "target")) if loss is not None else None
         seed = self._seeds.setdefault(run, LazySeed())
         with autocast_context(spec.autocast):
             out, exports = stage.forward(run, i, inputs, imports, seed=seed, save=spec.save,
@@ -190,21 +189,22 @@ class StageRunner:
             self._seeds.pop(run, None)  # nothing to recompute: the seed is not needed any more
         if s + 1 == self.n and self.peers[self.n] != self.me:
             # Through host memory: it goes back in an RPC answer, which the driver waits for on no stream.
-            held = out if isinstance(out, MicroLoss) else (*_pack(out.tensors), out.atomic)
-            self._held.setdefault(run, {})[i] = _on_cpu(held)
+            held = out if isinstance(out, MicroLoss) else (*pack_batch(out.tensors), out.atomic)
+            self._held.setdefault(run, {})[i] = on_cpu(held)
             sends = []
         else:
-            payload = out if isinstance(out, MicroLoss) else (*_pack(out.tensors, self.direct(s + 1, s)), out.atomic)
-            slot, peer = (self.key, run, "F", i, s + 1, s), self.peers[s + 1]
-            along = [item for item in riders if self.peers[item[0][4]] == peer]
+            payload = out if isinstance(out, MicroLoss) else \
+                (*pack_batch(out.tensors, self.direct(s + 1, s)), out.atomic)
+            slot, peer = Slot(self.key, run, "F", i, s + 1, s), self.peers[s + 1]
+            along = [item for item in riders if self.peers[item[0].stage] == peer]
             bundled = self.plane.send_many(peer, run, [(slot, payload), *along]) if along and self.plane else None
-            sends = [bundled or self._send(s + 1, slot, payload)]
+            sends = [bundled or self.send_to(s + 1, slot, payload)]
             if bundled is not None:
-                riders = [item for item in riders if self.peers[item[0][4]] != peer]
-        sends += [self._send(item[0][4], *item) for item in riders]
+                riders = [item for item in riders if self.peers[item[0].stage] != peer]
+        sends += [self.send_to(item[0].stage, *item) for item in riders]
         for skip, dst in self.layout.exports[s].items():
-            sends.append(self._send(dst, (self.key, run, "F", i, dst, skip),
-                                    _pack([exports[skip]], self.direct(dst, s))))
+            sends.append(self.send_to(dst, Slot(self.key, run, "F", i, dst, skip),
+                                    pack_batch([exports[skip]], self.direct(dst, s))))
         return [sent for sent in sends if sent is not None]
 
     def backward(self, run: int, s: int, microbatches: Sequence[int], spec: StepSpec,
@@ -224,8 +224,8 @@ class StageRunner:
             if s == self.n - 1 and spec.eager and spec.loss is not None:
                 grads: Any = (spec.weights[i] * spec.loss_scale,)
             else:
-                grads = self._take((self.key, run, "B", i, s, s + 1))
-            skip_grads = {skip: self._take((self.key, run, "B", i, s, skip))[0] for skip in self.layout.exports[s]}
+                grads = self.take(Slot(self.key, run, "B", i, s, s + 1))
+            skip_grads = {skip: self.take(Slot(self.key, run, "B", i, s, skip))[0] for skip in self.layout.exports[s]}
             items.append((i, grads, skip_grads))
         if later is None:
             results = stage.backward(run, items, finisher)
@@ -237,11 +237,11 @@ class StageRunner:
             return [], {i: grad_inputs for i, (grad_inputs, _) in zip(microbatches, results)}
         sends = []
         for i, (grad_inputs, grad_imports) in zip(microbatches, results):
-            upstream = _wire(grad_inputs, self.direct(s - 1, s))
-            sends.append(self._send(s - 1, (self.key, run, "B", i, s - 1, s), upstream))
+            upstream = to_wire(grad_inputs, self.direct(s - 1, s))
+            sends.append(self.send_to(s - 1, Slot(self.key, run, "B", i, s - 1, s), upstream))
             for skip, src in self.layout.imports[s].items():
-                sends.append(self._send(src, (self.key, run, "B", i, src, skip),
-                                        _wire((grad_imports.get(skip),), self.direct(src, s))))
+                sends.append(self.send_to(src, Slot(self.key, run, "B", i, src, skip),
+                                        to_wire((grad_imports.get(skip),), self.direct(src, s))))
         return [sent for sent in sends if sent is not None], {}
 
     def run_actions(self, run: int, actions: Sequence[Action], spec: StepSpec, inputs: Sequence[Batch] | None = None,
@@ -298,7 +298,7 @@ class StageRunner:
         if driver != self.me and now - self._beat >= self.timeout / 3:
             self._beat = now
             if self.plane is None or not self.plane.alive(driver, run):  # on the plane: ahead of the answer
-                rpc.rpc_async(driver, _alive, args=(self.key, run), timeout=self.timeout)
+                rpc.rpc_async(driver, note_alive, args=(self.key, run), timeout=self.timeout)
 
     def take_held(self, run: int) -> dict[int, Any] | None:
         """The outputs held for the driver from run ``run`` (see ``forward``), forgotten here."""
@@ -318,6 +318,15 @@ class StageRunner:
         """Drop this process's stages' parameter gradients."""
         for stage in self.stages.values():
             stage.partition.zero_grad(set_to_none=True)
+
+    def has_failed(self, run: int) -> bool:
+        """Whether run ``run`` failed here (its actions skip)."""
+        return run in self._failed
+
+    def bookkeeping(self) -> dict[str, int]:
+        """What it keeps for backwards and the driver (0 between steps): activations, held outputs' runs, seeds."""
+        return {"saved": sum(st.saved_count() for st in self.stages.values()), "held": len(self._held),
+                "seeds": len(self._seeds)}
 
     def fail(self, run: int) -> None:
         """Mark ``run`` failed: its queued actions skip and its waits wake up (once: a run is aborted on the
@@ -345,56 +354,3 @@ class StageRunner:
         self._held.pop(run, None)
         for stage in self.stages.values():
             stage.release(run)
-
-
-# ---------------------------------------------------------------------- RPC entry points of a stage's process
-def register(runner: StageRunner) -> None:
-    """Make ``runner`` reachable by its pipeline key in this process."""
-    _RUNNERS[runner.key] = runner
-
-
-def unregister(key: str) -> None:
-    """Forget the runner of pipeline ``key`` in this process."""
-    _RUNNERS.pop(key, None)
-
-
-@rpc.functions.async_execution
-def _act(key: str, run: int, actions: list[Action], spec: StepSpec,
-         deliveries: Sequence[tuple[Slot, Any]] = ()) -> torch.futures.Future:
-    runner = _RUNNERS[key]
-    for slot, payload in deliveries:  # inputs that travelled with the actions (output gradients, targets)
-        MAILBOX.put(slot, _landed(payload))
-
-    def work() -> tuple[list[Future[Any]], Any]:
-        sends, _ = runner.run_actions(run, actions, spec)
-        return sends, runner.take_held(run)
-
-    return _chain(runner.worker.submit, work)
-
-
-def _commit(key: str, run: int, scale: float) -> None:
-    runner = _RUNNERS.get(key)
-    if runner is not None:
-        runner.commit(run, scale)
-
-
-def _abort(key: str, run: int) -> None:
-    runner = _RUNNERS.get(key)
-    if runner is not None:
-        runner.fail(run)
-
-
-def _release(key: str, run: int) -> None:
-    runner = _RUNNERS.get(key)
-    if runner is not None:
-        runner.release(run)
-
-
-def call_runner(key: str, method: str, *args: Any) -> Any:
-    """Call ``method`` of this process's runner of pipeline ``key`` (an RPC entry point) once it settled."""
-    _RUNNERS[key].averages.settle()
-    return getattr(_RUNNERS[key], method)(*args)
-
-
-def _is_registered(key: str) -> bool:
-    return key in _RUNNERS

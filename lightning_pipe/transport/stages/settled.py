@@ -10,12 +10,12 @@ import threading
 
 import torch.distributed.rpc as rpc
 
-from lightning_pipe.transport.stages.runner import _release
+from lightning_pipe.transport.stages.entries import release_run
 
 __all__: list[str] = []
 
 
-class _Settled:
+class Settled:
     """Runs that left nothing behind on any remote stage (their backward, or a forward that saved nothing,
     finished without error), each with the number of remote stages yet to hear that it was freed: freeing
     them needs no message. Runs are freed by whichever thread drops them, hence the lock."""
@@ -43,11 +43,11 @@ class _Settled:
             return len(self._left)
 
 
-class _RemoteStageRef:
+class RemoteStageRef:
     """What a :class:`Run` releases when it is freed: the saved state of a remote stage, unless the run is
     among the ``settled`` ones (it left nothing behind on any stage: one message less per step)."""
 
-    def __init__(self, key: str, peer: str, settled: _Settled) -> None:
+    def __init__(self, key: str, peer: str, settled: Settled) -> None:
         self.key, self.peer = key, peer
         self.settled = settled
 
@@ -55,6 +55,6 @@ class _RemoteStageRef:
         if self.settled.take(run):
             return
         try:
-            rpc.rpc_async(self.peer, _release, args=(self.key, run))
+            rpc.rpc_async(self.peer, release_run, args=(self.key, run))
         except Exception:  # noqa: BLE001 - RPC already shut down: nothing is kept any more
             pass

@@ -1,6 +1,6 @@
 """A step's control messages on the data plane: each process's actions go to its step listener, its answer comes back.
 
-RPC's ``_act`` costs the driver ~0.5 ms to send and the receiver two thread hand-offs before the first action
+RPC's ``run_share`` costs the driver ~0.5 ms to send and the receiver two thread hand-offs before the first action
 runs, and its answer ~1 ms back at the end of a step, on the critical path of every step. Where the data plane
 carries a process, the driver sends it the step instead (:meth:`DataPlane.send_step`): the process's listener
 (:meth:`DataPlane.serve`, one thread waiting on the driver's channel between steps) hands it to the stage's
@@ -33,11 +33,12 @@ import torch
 import torch.distributed.rpc as rpc
 
 from lightning_pipe.engine.loss import MicroLoss
-from lightning_pipe.engine.pipeline import _Skipped
+from lightning_pipe.engine.pipeline import Skipped
 from lightning_pipe.engine.schedule import Action
-from lightning_pipe.transport.stages.runner import StageRunner, _abort
+from lightning_pipe.transport.stages.entries import abort_run
+from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.wire.dataplane import ANSWER
-from lightning_pipe.transport.wire.messages import MAILBOX, Slot, StepSpec, _Failure, _located, _tensors, where
+from lightning_pipe.transport.wire.messages import MAILBOX, Failure, Slot, StepSpec, tensors_in, where, with_location
 
 __all__: list[str] = []
 
@@ -50,7 +51,7 @@ def answer_slot(key: str, run: int, process: int, what: int = 0) -> Slot:
     """Where process ``process``'s answer to run ``run`` of pipeline ``key`` lands (``what``: 0 its share, 1 its
     commit): apart from the run's data, so that aborting the run (which drops its data) keeps the answer that
     says why."""
-    return (f"{key}/answers", run, ANSWER, what, process, process)
+    return Slot(f"{key}/answers", run, ANSWER, what, process, process)
 
 
 class _Commit:
@@ -118,7 +119,7 @@ def _split(index: Any, payloads: Any) -> Any:
 
 
 def _nbytes(item: tuple[Slot, Any]) -> int:
-    return 256 + sum(t.numel() * t.element_size() for t in _tensors(item[1]))
+    return 256 + sum(t.numel() * t.element_size() for t in tensors_in(item[1]))
 
 
 def deliver(runner: StageRunner, peer: str, run: int, deliveries: Sequence[tuple[Slot, Any]]) -> list[Future[Any]]:
@@ -136,7 +137,7 @@ def deliver(runner: StageRunner, peer: str, run: int, deliveries: Sequence[tuple
         if sent is not None:
             sends.append(sent)
         else:
-            sends.extend(runner._send(slot[4], slot, payload) for slot, payload in bundle)
+            sends.extend(runner.send_to(slot.stage, slot, payload) for slot, payload in bundle)
         bundle.clear()
 
     for slot, payload in deliveries:
@@ -190,8 +191,8 @@ def _unpacked(value: Any) -> Any:
 def _answered(runner: StageRunner, peer: str, slot: Slot, located: Callable[[], str], renew: bool = False) -> Any:
     """The answer for ``slot`` from process ``peer`` on the plane; the error it carries, ``located``, raised."""
     value = runner.plane.take(peer, slot, runner.timeout, located, renew=renew)
-    if isinstance(value, _Failure):
-        raise _located(value.exc, located)
+    if isinstance(value, Failure):
+        raise with_location(value.exc, located)
     return value
 
 
@@ -207,8 +208,8 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
             runner.commit(run, scale)
             value = None
         except BaseException as exc:  # noqa: BLE001 - it travels to the driver
-            value = _Failure(exc)
-        runner._send(runner.n, answer_slot(runner.key, run, runner.index, 1), value)
+            value = Failure(exc)
+        runner.send_to(runner.n, answer_slot(runner.key, run, runner.index, 1), value)
         return
     run, actions, spec, index, payloads = step
     actions = [Action(*action) for action in actions]
@@ -221,10 +222,10 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
             sent.result(timeout=runner.timeout)
         value = _packed(runner.take_held(run))
     except BaseException as exc:  # noqa: BLE001 - it travels to the driver
-        if not isinstance(exc, _Skipped) and run not in runner._failed:
+        if not isinstance(exc, Skipped) and not runner.has_failed(run):
             abort_everywhere(runner, run)
-        value = _Failure(exc)
-    runner._send(runner.n, answer_slot(runner.key, run, runner.index), value)
+        value = Failure(exc)
+    runner.send_to(runner.n, answer_slot(runner.key, run, runner.index), value)
 
 
 def abort_everywhere(runner: StageRunner, run: int) -> None:
@@ -233,6 +234,6 @@ def abort_everywhere(runner: StageRunner, run: int) -> None:
     runner.fail(run)
     for peer in sorted(set(runner.peers) - {runner.me}):
         try:
-            rpc.rpc_async(peer, _abort, args=(runner.key, run), timeout=runner.timeout)
+            rpc.rpc_async(peer, abort_run, args=(runner.key, run), timeout=runner.timeout)
         except Exception:  # noqa: BLE001 - an unreachable process is what the error will report
             pass

@@ -78,6 +78,8 @@ def _hollow(value: Any, tensors: list[Tensor]) -> Any:
         return _HOLE
     if kind is tuple or kind is list:
         return kind([_hollow(item, tensors) for item in value])
+    if kind is Slot:  # bundled items' slots: a plain tuple on the wire (equal to it as a mailbox key)
+        return tuple(value)
     if kind in _PLAIN:
         return value
     raise _Other
@@ -144,14 +146,14 @@ def encode(kind: int, slot: Slot, payload: Any = None, plain: int = 0) -> Tensor
     for tensor in tensors:
         places.append((data, _CODE[tensor.dtype], tuple(tensor.shape)))
         data += (tensor.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    skeleton = pickle.dumps((slot, hollow, places, plain), protocol=pickle.HIGHEST_PROTOCOL)
+    skeleton = pickle.dumps((tuple(slot), hollow, places, plain), protocol=pickle.HIGHEST_PROTOCOL)
     return _message(kind, _HOLLOW, data, skeleton, zip(tensors, (offset for offset, _, _ in places)))
 
 
 def _encode_pickled(kind: int, slot: Slot, payload: Any) -> Tensor:
     file = io.BytesIO()
     encoder = _Encoder(file)
-    encoder.dump((slot, payload))
+    encoder.dump((tuple(slot), payload))
     return _message(kind, 0, encoder.end, file.getbuffer(), encoder.tensors)
 
 
@@ -197,8 +199,10 @@ def decode(buffer: Tensor) -> tuple[Slot, Any]:
     if length * 2 < len(buffer):
         raw = raw[:length].copy()
     if value != _HOLLOW:
-        return _Decoder(io.BytesIO(raw[data:length].tobytes()), raw).load()
+        slot, payload = _Decoder(io.BytesIO(raw[data:length].tobytes()), raw).load()
+        return Slot._make(slot), payload
     slot, hollow, places, plain = pickle.loads(raw[data:length])
+    slot = Slot._make(slot)
     if not places:
         return slot, hollow
     views = iter([_view(raw, offset, _DTYPES[code], shape) for offset, code, shape in places])

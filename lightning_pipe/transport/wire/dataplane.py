@@ -32,7 +32,7 @@ import numpy
 import torch
 from torch import Tensor
 
-from lightning_pipe.engine.pipeline import _Skipped
+from lightning_pipe.engine.pipeline import Skipped
 from lightning_pipe.transport.wire.codec import (
     ABORT,
     ALIVE,
@@ -47,7 +47,7 @@ from lightning_pipe.transport.wire.codec import (
     encode,
     header,
 )
-from lightning_pipe.transport.wire.messages import MAILBOX, Slot, _alive, _located, no_input, where
+from lightning_pipe.transport.wire.messages import MAILBOX, Slot, no_input, note_alive, where, with_location
 
 __all__ = ["AUTO_MAX_BYTES", "DATA_PLANES", "DataPlane"]
 
@@ -160,7 +160,7 @@ class DataPlane:
             return None
         describe = describe or (lambda: f"sending to {where(name)}")
         started, sent = self._send(self._rank_of[name], message, None, describe, True)
-        self.sent += started and slot[2] != ANSWER
+        self.sent += started and slot.kind != ANSWER
         return sent
 
     def send_step(self, name: str, run: int, step: tuple[Any, ...]) -> bool:
@@ -171,7 +171,7 @@ class DataPlane:
         if not self.carries(name):
             return False
         try:
-            message = encode(STEP, (self.key, run, "S", 0, 0, "step"), step, plain=4)
+            message = encode(STEP, Slot(self.key, run, "S", 0, 0, "step"), step, plain=4)
         except Exception:  # noqa: BLE001 - what RPC carries, or refuses with its own error
             return False
         if self.max_bytes is not None and len(message) > self.max_bytes:
@@ -188,7 +188,7 @@ class DataPlane:
     def send_many(self, name: str, run: int, items: Sequence[tuple[Slot, Any]]) -> Future[Any] | None:
         """Start sending several ``(slot, payload)`` items of run ``run`` to process ``name`` in one message
         (its receiver puts each into its mailbox); None where this plane does not carry them (as :meth:`send`)."""
-        return self.send(name, (self.key, run, BUNDLE, 0, 0, 0), list(items))
+        return self.send(name, Slot(self.key, run, BUNDLE, 0, 0, 0), list(items))
 
     def sent_by_rpc(self, name: str, slot: Slot) -> None:
         """Tell process ``name`` that the payload for ``slot`` went by RPC (it waits for it in the mailbox)."""
@@ -233,7 +233,7 @@ class DataPlane:
         except Exception as exc:  # noqa: BLE001 - the channel is gone: the action that sent it fails, located
             self._channels[peer].error = f"sending failed: {exc}"
             if sent is not None:
-                _complete(sent, _located(exc, describe))
+                _complete(sent, with_location(exc, describe))
             return
         if sent is None:
             self._lingering.append((peer, self._order, work))
@@ -259,7 +259,7 @@ class DataPlane:
                 work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 done[peer] = order
             except BaseException as exc:  # noqa: BLE001 - the action that sent it fails, located
-                errors[id(sent)] = _located(exc, describe)  # the earliest error, once the loop is over
+                errors[id(sent)] = with_location(exc, describe)  # the earliest error, once the loop is over
         for key, sent in {id(sent): sent for _, sent, _, _, _ in pending}.items():
             _complete(sent, errors.get(key))
         if done:
@@ -299,17 +299,17 @@ class DataPlane:
                     channel.error = "a wait timed out" if late else f"the channel failed: {exc}"
                     if late:
                         raise no_input(describe, timeout) from None
-                    raise _located(exc, describe) from None  # ``describe`` names the sender
+                    raise with_location(exc, describe) from None  # ``describe`` names the sender
             finally:
                 channel.lock.release()
             if kind == ALIVE:
-                _alive(self.key, value)
-                if renew and value == slot[1]:
+                note_alive(self.key, value)
+                if renew and value == slot.run:
                     deadline = time.monotonic() + timeout
                 continue
             got, payload = self._route(name, kind, value, buffer, slot)
-            if kind == ABORT and got == slot[:2]:
-                raise _Skipped()
+            if kind == ABORT and got == (slot.key, slot.run):
+                raise Skipped()
             if got != slot:
                 continue
             if kind == BY_RPC:

@@ -1,10 +1,10 @@
 """What crosses processes: the mailbox that receives tensors, how they are packed, and how failures travel.
 
 Tensors go straight from stage to stage: over the data plane (:mod:`~lightning_pipe.transport.wire.dataplane`), or
-by RPC, the sender calling ``_deliver`` on the receiver, which puts them into the receiver's :class:`Mailbox`
+by RPC, the sender calling ``deliver_to_mailbox`` on the receiver, which puts them into the receiver's :class:`Mailbox`
 under their :data:`Slot` (where the data plane also puts what arrives for a slot no one waits for yet); the
 action that consumes them takes them out, waiting at most the RPC timeout. An error in a remote call comes
-back as a value (:class:`_Failure`) with its type, message, notes and the remote traceback, and is located
+back as a value (:class:`Failure`) with its type, message, notes and the remote traceback, and is located
 (which stage, which process) before it is raised.
 """
 
@@ -18,21 +18,33 @@ import traceback
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from lightning_pipe.engine.loss import LossFn, MicroLoss
-from lightning_pipe.engine.pipeline import _Skipped
+from lightning_pipe.engine.pipeline import Skipped
 from lightning_pipe.engine.stage import settled
 
 __all__: list[str] = []
 
 #: Where a message goes: (pipe key, run id, "F", "B" or "T" (target), micro-batch, receiving stage, sender, skip
 #: key or "target").
-Slot = tuple[str, int, str, int, int, Hashable]
+class Slot(NamedTuple):
+    """Where a payload lands in the receiving process (its mailbox key, and what a take waits for): pipeline ``key``'s
+    run ``run``, ``kind`` (``"F"`` a forward's input, ``"B"`` a gradient, ``"T"`` the last stage's target, or a
+    control kind of the data plane), micro-batch ``microbatch``, for stage ``stage`` (``n``: the driver), from
+    ``source`` (the sending stage, ``"target"``, or the key of a skip connection). A plain tuple of the same fields
+    is equal to it and hashes alike (what a message decoded before it was named carries)."""
+
+    key: str
+    run: int
+    kind: str
+    microbatch: int
+    stage: int
+    source: Hashable
 
 
 @dataclass
@@ -53,7 +65,7 @@ class StepSpec:
     reduce: bool = False  # the step's gradients are averaged over replicas (not under DDP's no_sync)
 
 
-def _on_cpu(value: Any) -> Any:
+def on_cpu(value: Any) -> Any:
     """``value`` with its tensors on the CPU (what goes back in an RPC answer)."""
     if isinstance(value, Tensor):
         return settled(value).cpu()
@@ -84,7 +96,7 @@ class Mailbox:
         with self._cond:
             while slot not in self._items:
                 if slot[:2] in self._aborted:
-                    raise _Skipped()
+                    raise Skipped()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise no_input(describe, timeout)
@@ -93,12 +105,12 @@ class Mailbox:
 
     def poll(self, slot: Slot) -> tuple[bool, Any]:
         """``(True, value)`` taken from ``slot`` if it was delivered, else ``(False, None)``; raises
-        :class:`_Skipped` if the slot's run was aborted."""
+        :class:`Skipped` if the slot's run was aborted."""
         with self._cond:
             if slot in self._items:
                 return True, self._items.pop(slot)
             if slot[:2] in self._aborted:
-                raise _Skipped()
+                raise Skipped()
             return False, None
 
     def pending(self) -> int:
@@ -125,8 +137,8 @@ def no_input(describe: Callable[[], str], timeout: float) -> TimeoutError:
 
 # When a driver last heard that a remote stage is still working on a step: (pipeline key, run) -> the
 # time.monotonic() of that sign of life. An entry exists while the driver waits for that step.
-_PROGRESS: dict[tuple[str, int], float] = {}
-_PROGRESS_LOCK = threading.Lock()
+PROGRESS: dict[tuple[str, int], float] = {}
+PROGRESS_LOCK = threading.Lock()
 
 
 # Commits of a step's gradients sent to other processes and not yet known to be done, per pipeline key: a
@@ -152,39 +164,42 @@ def settle_commits(key: str, before_steps: bool = False) -> None:
         future.result()
 
 
-def _alive(key: str, run: int) -> None:
-    with _PROGRESS_LOCK:
-        if (key, run) in _PROGRESS:
-            _PROGRESS[(key, run)] = time.monotonic()
+def note_alive(key: str, run: int) -> None:
+    """Note that run ``run`` of pipeline ``key`` made progress in another process (its sign of life), restarting the
+    driver's wait for that process."""
+    with PROGRESS_LOCK:
+        if (key, run) in PROGRESS:
+            PROGRESS[(key, run)] = time.monotonic()
 
 
-def _pack(batch_tensors: Sequence[Tensor | None], direct: torch.device | None = None
-          ) -> tuple[list[Tensor | None], list[bool]]:
-    # Tensors cross processes detached, on CPU unless they are on the GPU ``direct`` that RPC maps to the
-    # receiver's; the flags say which ones need a gradient back. A skip stashed as None crosses as None.
-    return list(_wire(batch_tensors, direct)), [t is not None and t.requires_grad for t in batch_tensors]
+def pack_batch(batch_tensors: Sequence[Tensor | None], direct: torch.device | None = None
+               ) -> tuple[list[Tensor | None], list[bool]]:
+    """A micro-batch's tensors as they cross processes (:func:`to_wire`: detached, on the CPU unless on the GPU
+    ``direct``), and a flag per tensor saying whether it needs a gradient back (:func:`unpack_batch`). A skip
+    stashed as None crosses as None."""
+    return list(to_wire(batch_tensors, direct)), [t is not None and t.requires_grad for t in batch_tensors]
 
 
-def _wire(tensors: Sequence[Tensor | None], direct: torch.device | None = None) -> tuple[Tensor | None, ...]:
+def to_wire(tensors: Sequence[Tensor | None], direct: torch.device | None = None) -> tuple[Tensor | None, ...]:
     """``tensors`` as they go to another process: settled (:func:`settled`), detached; on CPU, except those on
     ``direct``, a GPU from which RPC sends them to the receiver's GPU as they are (a TensorPipe device map)."""
     return tuple(None if t is None else settled(t).detach() if t.device == direct else settled(t).detach().cpu()
                  for t in tensors)
 
 
-def _wire_any(value: Any) -> Any:
+def to_wire_any(value: Any) -> Any:
     """``value`` (a tensor, or tuples, lists and mappings of them, or anything else) as it goes to another
     process: its tensors detached, on the CPU."""
     if isinstance(value, Tensor):
         return settled(value).detach().cpu()
     if isinstance(value, (tuple, list)):
-        return type(value)(_wire_any(v) for v in value)
+        return type(value)(to_wire_any(v) for v in value)
     if isinstance(value, dict):
-        return {k: _wire_any(v) for k, v in value.items()}
+        return {k: to_wire_any(v) for k, v in value.items()}
     return value
 
 
-def _maps(peer: str, device: torch.device) -> bool:
+def maps_device(peer: str, device: torch.device) -> bool:
     """Whether RPC sends CUDA tensors on ``device`` to process ``peer`` as they are (a device map for it)."""
     try:
         mapping = rpc.api._get_current_rpc_agent()._get_device_map(rpc.get_worker_info(peer))
@@ -193,10 +208,10 @@ def _maps(peer: str, device: torch.device) -> bool:
     return any(torch.device(local) == device for local in mapping)
 
 
-def _landed(payload: Any) -> Any:
+def landed(payload: Any) -> Any:
     """``payload`` as received by RPC, ready for this process's threads: CUDA tensors arrive on a stream of
     RPC's own, so wait for it, and let the memory allocator know that the default stream uses them."""
-    tensors = [t for t in _tensors(payload) if t.is_cuda]
+    tensors = [t for t in tensors_in(payload) if t.is_cuda]
     for device in {t.device for t in tensors}:
         torch.cuda.current_stream(device).synchronize()
     for t in tensors:
@@ -204,15 +219,18 @@ def _landed(payload: Any) -> Any:
     return payload
 
 
-def _tensors(value: Any) -> list[Tensor]:
+def tensors_in(value: Any) -> list[Tensor]:
+    """The tensors of ``value`` (a tensor, or tuples and lists of them), in order."""
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_in(v)]
     return []
 
 
-def _unpack(tensors: Sequence[Tensor | None], flags: Sequence[bool]) -> tuple[Tensor | None, ...]:
+def unpack_batch(tensors: Sequence[Tensor | None], flags: Sequence[bool]) -> tuple[Tensor | None, ...]:
+    """What :func:`pack_batch` sent, as the receiving stage takes it: each floating tensor needing a gradient where
+    its flag says so."""
     return tuple(t.requires_grad_(f) if t is not None and (t.is_floating_point() or t.is_complex()) else t
                  for t, f in zip(tensors, flags))
 
@@ -225,17 +243,18 @@ def where(name: str) -> str:
         return f"process '{name}'"
 
 
-def _deliver(slot: Slot, payload: Any) -> None:
-    MAILBOX.put(slot, _landed(payload))
+def deliver_to_mailbox(slot: Slot, payload: Any) -> None:
+    """Put ``payload``, sent by RPC, into this process's mailbox under ``slot`` (an RPC entry point)."""
+    MAILBOX.put(slot, landed(payload))
 
 
-class _Failure:
+class Failure:
     """An action's error, sent back as a value: RPC would turn an exception set on an async function's
     future into a plain return value, so failures travel explicitly. The exception keeps its type, its
     message and its notes; its remote traceback comes along as a note."""
 
     def __init__(self, exc: BaseException) -> None:
-        if not isinstance(exc, _Skipped) and exc.__traceback__ is not None:
+        if not isinstance(exc, Skipped) and exc.__traceback__ is not None:
             exc.add_note("Traceback in the stage's process (most recent call last):\n" +
                          "".join(traceback.format_tb(exc.__traceback__)).rstrip())
         try:
@@ -248,17 +267,17 @@ class _Failure:
         self.exc = exc
 
 
-def _chain_into(future: torch.futures.Future, result: Future[Any], describe: Callable[[], str]) -> None:
+def chain_into(future: torch.futures.Future, result: Future[Any], describe: Callable[[], str]) -> None:
     """Complete ``result`` with the outcome of an RPC ``future`` (a sent failure becomes its exception)."""
 
     def done(f: torch.futures.Future) -> None:
         try:
             value = f.value()
-            if isinstance(value, _Failure):
+            if isinstance(value, Failure):
                 raise value.exc
             result.set_result(value)
         except BaseException as exc:  # noqa: BLE001
-            result.set_exception(_located(exc, describe))
+            result.set_exception(with_location(exc, describe))
 
     future.add_done_callback(done)
 
@@ -267,13 +286,15 @@ def to_concurrent(future: torch.futures.Future, describe: Callable[[], str]) -> 
     """A ``concurrent.futures.Future`` with the outcome of an RPC ``future``; its error is noted with
     ``describe()`` (where it came from)."""
     result: Future[Any] = Future()
-    _chain_into(future, result, describe)
+    chain_into(future, result, describe)
     return result
 
 
-def _located(exc: BaseException, describe: Callable[[], str]) -> BaseException:
-    if isinstance(exc, _Skipped) or "_Skipped" in str(exc).split("\n", 1)[0]:
-        return _Skipped()
+def with_location(exc: BaseException, describe: Callable[[], str]) -> BaseException:
+    """``exc`` with a note saying where it happened (``describe()``, once), and that the process is gone where the
+    error says its connection broke; a run's abort seen through RPC is :class:`Skipped` again."""
+    if isinstance(exc, Skipped) or "Skipped" in str(exc).split("\n", 1)[0]:
+        return Skipped()
     if not getattr(exc, "_lightning_pipe_where", False):
         text = str(exc)
         lost = any(sign in text for sign in ("EOF", "end of file", "Connection reset", "pipe closed",
@@ -283,8 +304,8 @@ def _located(exc: BaseException, describe: Callable[[], str]) -> BaseException:
     return exc
 
 
-def _chain(submit: Callable[[Callable[[], Any]], Future[Any]], work: Callable[[], tuple[list[Future[Any]], Any]]
-           ) -> torch.futures.Future:
+def chain_work(submit: Callable[[Callable[[], Any]], Future[Any]], work: Callable[[], tuple[list[Future[Any]], Any]]
+               ) -> torch.futures.Future:
     """Run ``work`` by ``submit`` (on a stage's worker); once it and the sends it started are done, answer with
     the value it returned beside them."""
     out: torch.futures.Future = torch.futures.Future()
@@ -292,7 +313,7 @@ def _chain(submit: Callable[[Callable[[], Any]], Future[Any]], work: Callable[[]
     def finish(f: Future[Any]) -> None:
         exc = f.exception()
         if exc is not None:
-            out.set_result(_Failure(exc))
+            out.set_result(Failure(exc))
             return
         sends, value = f.result()
         pending = [len(sends)]
@@ -309,7 +330,7 @@ def _chain(submit: Callable[[Callable[[], Any]], Future[Any]], work: Callable[[]
                 if out.done():
                     return
                 if s.exception() is not None:
-                    out.set_result(_Failure(s.exception()))  # type: ignore[arg-type]
+                    out.set_result(Failure(s.exception()))  # type: ignore[arg-type]
                 elif last:
                     out.set_result(value)
 

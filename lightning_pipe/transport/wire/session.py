@@ -42,7 +42,7 @@ from lightning_pipe.transport.topology import Topology
 __all__: list[str] = []
 
 #: Set by the launcher in the processes it starts: the launching process's id (orphans exit when it dies).
-_PARENT_ENV = "LIGHTNING_PIPE_LAUNCHER_PID"
+PARENT_ENV = "LIGHTNING_PIPE_LAUNCHER_PID"
 
 
 class _Session:
@@ -215,7 +215,7 @@ def _driver_exit() -> None:
 
 def _start_orphan_watchdog() -> None:
     """Processes started by our launcher exit if the launching process (global rank 0) disappears."""
-    parent = os.environ.get(_PARENT_ENV)
+    parent = os.environ.get(PARENT_ENV)
     if parent is None or int(parent) != os.getppid():
         return  # not a child of our launcher (rank 0 itself, torchrun, SLURM: their agents do this)
 
