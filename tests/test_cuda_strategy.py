@@ -122,7 +122,8 @@ def test_auto_layout_on_a_gpu_trains_one_gpus_weights_within_the_predicted_memor
 
     plain, auto = tmp_path / "plain.pt", tmp_path / "auto.pt"
     run_script("auto_layout.py", "plain", "1", "0", str(plain), "gpu", timeout=180)
-    result = run_script("auto_layout.py", "auto", "2", "1GiB", str(auto), "gpu", timeout=240)
+    result = run_script("auto_layout.py", "auto", "2", "1GiB", str(auto), "gpu", timeout=240,
+                        env={"PYTHONWARNINGS": "default"})  # (the tests' processes ignore warnings by default)
     assert "the layout planned for Body" in result.stdout + result.stderr
     assert "above the planned" not in result.stdout + result.stderr
     chosen = json.loads((tmp_path / "auto.pt.json").read_text())

@@ -17,6 +17,9 @@ from lightning_pipe.engine.planning import Costs, Layout, measure_body, parse_by
 from lightning_pipe.engine.planning.layouts import predict
 from lightning_pipe.engine.planning.memory import OptimizerModel, optimizer_model
 
+#: The scripts' warnings printed (the tests' processes ignore them by default): a plan's "above the planned" is seen.
+WARNINGS_SHOWN = {"PYTHONWARNINGS": "default"}
+
 
 def body(layers: int = 6, width: int = 64) -> nn.Sequential:
     torch.manual_seed(0)
@@ -175,7 +178,7 @@ def test_auto_everywhere_trains_one_devices_weights_within_the_budget(tmp_path):
     same weights as one device, and every process under the budget it was planned for."""
     plain, auto = tmp_path / "plain.pt", tmp_path / "auto.pt"
     run_script("auto_layout.py", "plain", "1", "0", str(plain), timeout=180)
-    result = run_script("auto_layout.py", "auto", "2", "512MiB", str(auto), timeout=240)
+    result = run_script("auto_layout.py", "auto", "2", "512MiB", str(auto), timeout=240, env=WARNINGS_SHOWN)
     assert "the layout planned for Body" in result.stdout + result.stderr
     # Each process's peak counts from its session on: not the planner's own measurements in the launching process.
     assert "above the planned" not in result.stdout + result.stderr
@@ -188,11 +191,42 @@ def test_auto_everywhere_trains_one_devices_weights_within_the_budget(tmp_path):
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-5)
 
 
-def test_fabric_refuses_auto_saying_how_to_plan():
+def test_fabric_refuses_auto_tensor_parallel_size_saying_how_to_plan():
+    """Fabric starts its processes before any model exists, and the tensor size decides their roles there."""
     from lightning_pipe.lightning.fabric.strategy import PipeStrategy
 
-    with pytest.raises(ValueError, match=r"Fabric starts its processes at fabric.launch\(\).*plan_layout"):
-        PipeStrategy(balance="auto", memory_per_device="1GiB")
+    with pytest.raises(ValueError, match=r"fabric.launch\(\).*tensor_parallel_size.*plan_layout"):
+        PipeStrategy(balance="auto", tensor_parallel_size="auto", memory_per_device="1GiB")
+    PipeStrategy(balance="auto", microbatches="auto", schedule="auto", checkpoint="auto", sharding_strategy="auto",
+                 memory_per_device="1GiB")  # the rest is planned as fabric.setup builds the pipeline
+
+
+def test_auto_in_a_fabric_loop_is_planned_as_setup_builds_the_pipeline(tmp_path):
+    """A Fabric loop with the layout left to "auto" (the loss on the last stage, AdamW): planned by the driver as
+    ``fabric.setup`` builds the pipeline, the table logged, one device's weights and optimizer state, and each process
+    under its budget and within the plan (no "above the planned" warning after two steps)."""
+    import lightning as L
+    from scripts import fabric_loop
+
+    auto = {"balance": "auto", "microbatches": "auto", "schedule": "auto", "checkpoint": "auto", "sharding": "auto",
+            "memory_per_device": "512MiB", "last_stage_loss": True, "optimizer": "adamw", "epochs": 2}
+    result = run_script("fabric_loop.py", json.dumps({"cases": {"auto": auto}, "devices": 2}), str(tmp_path),
+                        timeout=300, env=WARNINGS_SHOWN)
+    assert "the layout planned for FabricModel" in result.stdout + result.stderr
+    assert "above the planned" not in result.stdout + result.stderr
+    chosen = json.loads((tmp_path / "auto" / "result.json").read_text())
+    layout = chosen["layout"]
+    assert len(layout["balance"]) in (2, 4) and sum(layout["balance"]) == 5 and layout["predicted"]
+    assert all(0 < held <= 512 * 2**20 for held in chosen["held"]), chosen["held"]
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    fabric_loop.run(fabric, {k: v for k, v in auto.items() if k not in ("balance", "microbatches", "schedule",
+                                                                          "checkpoint", "sharding")},
+                    str(tmp_path / "plain"))
+    want = torch.load(tmp_path / "plain" / "final.pt", weights_only=True)
+    got = torch.load(tmp_path / "auto" / "final.pt", weights_only=True)
+    for name, value in want["model"].items():
+        torch.testing.assert_close(got["model"][name], value, rtol=1e-4, atol=2e-5)
+    assert got["step"] == want["step"] == 16
 
 
 def test_auto_arguments_parse_from_a_lightning_cli_config():

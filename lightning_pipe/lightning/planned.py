@@ -7,7 +7,9 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 from lightning_pipe.engine.planning import Costs, LayoutPlan, format_bytes, plan_layout
 from lightning_pipe.engine.planning.layouts import Layout
 from lightning_pipe.transport.parallel.measured import collective_costs
+from lightning_pipe.transport.stages import resident
 
 __all__: list[str] = []
 
@@ -42,6 +45,12 @@ def _optimizer(module: Any) -> Any:
         rank_zero_info(f"PipeStrategy: configure_optimizers() could not be called before fit ({type(exc).__name__}: "
                        f"{exc}); the plan assumes an optimizer keeping two states per parameter (Adam's)")
         return torch.optim.AdamW
+    return _optimizer_of(made)
+
+
+def _optimizer_of(made: Any) -> Any:
+    """The optimizer ``made`` (or the first of a list, or a ``configure_optimizers`` dict's) as a function of
+    parameters; None where there is none."""
     while isinstance(made, (list, tuple)) and made:
         made = made[0]
     if isinstance(made, dict):
@@ -80,10 +89,13 @@ def constraints(strategy: Any) -> Any:
     return allowed
 
 
-def plan(strategy: Any, module: Any, trainer: Any) -> LayoutPlan:
+def plan(strategy: Any, module: Any, precision: str, optimizer: Any, last: bool) -> LayoutPlan:
     """The plan of ``module``'s body for ``strategy``'s devices, within its ``memory_per_device`` (on a GPU its
-    memory; on the CPU this machine's divided among the processes)."""
+    memory; on the CPU this machine's divided among the processes), trained at ``precision`` by ``optimizer`` (a
+    function of parameters), the loss on the last stage where ``last``."""
     example = getattr(module, "example_input_array", None)
+    if example is None:  # a bare nn.Sequential given to Fabric: its own
+        example = getattr(getattr(module, strategy.module_name, None), "example_input_array", None)
     if example is None:
         raise ValueError(f"PipeStrategy({', '.join(f'{n}=auto' for n in strategy._auto)}) plans the layout from "
                          f"{type(module).__name__}.example_input_array (one batch as a replica's loader gives it), "
@@ -94,14 +106,13 @@ def plan(strategy: Any, module: Any, trainer: Any) -> LayoutPlan:
     if budget is None:
         budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
             _machine_share(strategy.num_processes)
-    last = _loss_on_last_stage(module)
     auto = set(strategy._auto)
     costs = None
     if device.type == "cpu" and devices > 1:  # this machine's collectives, between processes started for it
         costs = Costs(**collective_costs(min(strategy.num_processes, os.cpu_count() or 1)))
     return plan_layout(
-        module, example, devices=devices, memory_per_device=budget, optimizer=_optimizer(module),
-        precision=str(getattr(trainer, "precision", "32-true")), device=device, module_name=strategy.module_name,
+        module, example, devices=devices, memory_per_device=budget, optimizer=optimizer, precision=precision,
+        device=device, module_name=strategy.module_name,
         tensor_parallel_plan=strategy.tensor_parallel_plan if "tensor_parallel_size" in auto or
         strategy.tensor_parallel_size > 1 else None, loss_on_last_stage=last, where=constraints(strategy),
         balance=None if "balance" in auto else strategy.balance, costs=costs)
@@ -133,14 +144,73 @@ def resolve(strategy: Any, module: Any, trainer: Any) -> None:
             "would measure its own plan: run `python -m lightning_pipe plan` (or lightning_pipe.plan_layout) once and "
             "pass the layout it prints")
     else:
-        found = plan(strategy, module, trainer)
-        arguments = {**found.layout.arguments(), "_peaks": [m.total for m in found.chosen.memory],
-                     "_for": type(module).__qualname__}
+        found = plan(strategy, module, str(getattr(trainer, "precision", "32-true")), _optimizer(module),
+                     _loss_on_last_stage(module))
+        arguments = _chosen(strategy, module, found)
         apply(strategy, arguments)
         os.environ[LAYOUT_ENV] = json.dumps(arguments)
-        rank_zero_info(f"PipeStrategy: the layout planned for {type(module).__name__} "
-                       f"({', '.join(strategy._auto)} chosen):\n{found.table(5)}")
     strategy._planned = True
+
+
+def _chosen(strategy: Any, module: Any, found: LayoutPlan) -> dict[str, Any]:
+    """The arguments of the layout ``found`` chose for ``module``, each process's predicted peak beside them; the
+    table logged."""
+    rank_zero_info(f"PipeStrategy: the layout planned for {type(module).__name__} "
+                   f"({', '.join(strategy._auto)} chosen):\n{found.table(5)}")
+    return {**found.layout.arguments(), "_peaks": [m.total for m in found.chosen.memory],
+            "_for": type(module).__qualname__}
+
+
+def refuse_in_fabric(auto: Sequence[str]) -> None:
+    """Refuse what Fabric cannot leave to ``"auto"``: its processes start at ``fabric.launch()``, before any model
+    exists, and ``tensor_parallel_size`` decides there which process does what."""
+    if "tensor_parallel_size" in auto:
+        raise ValueError(
+            "Fabric starts its processes at fabric.launch(), before any model exists, and tensor_parallel_size decides "
+            "there which process does what, so PipeStrategy(tensor_parallel_size='auto') cannot be planned under "
+            "Fabric: pass a size (the other layout arguments may stay 'auto': they are planned as fabric.setup builds "
+            "the pipeline), or plan the whole layout first with lightning_pipe.plan_layout(model, example_input, "
+            "devices=..., memory_per_device=...) and pass PipeStrategy(**plan.layout.arguments()) (docs/planning.md)")
+
+
+def resolve_in_fabric(strategy: Any, module: Any, optimizers: Sequence[Any]) -> None:
+    """Choose what a Fabric ``strategy`` left to ``"auto"`` as ``fabric.setup`` builds the pipeline (the model exists
+    only then; the processes already run, as many per pipeline as launched): planned by the first driver for its
+    ``optimizers`` and precision, the loss on the last stage where the script calls ``loss_on_last_stage``, its
+    choice broadcast to the other drivers (each would measure its own plan)."""
+    if not strategy._auto or getattr(strategy, "_planned", False):
+        return
+    arguments = None
+    if strategy.is_global_zero:
+        found = plan(strategy, module, str(strategy.precision.precision), _optimizer_of(list(optimizers)),
+                     _loss_in_script(module))
+        arguments = _chosen(strategy, module, found)
+    if strategy.topology.pipelines > 1:
+        arguments = strategy.broadcast(arguments, 0)
+    apply(strategy, arguments)
+    resident.remember_base()  # the peak from here on: the plan's own measurements are not what the stages hold
+    strategy._planned = True
+
+
+def _loss_in_script(module: Any) -> bool:
+    """Whether a Fabric loop computes the loss on the last stage: its script (or the module's class) calls
+    ``loss_on_last_stage`` or ``pipeline_loss``, as its source says; False where no source can be read."""
+    for where in (sys.modules.get("__main__"), type(module)):
+        try:
+            source = inspect.getsource(where)  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            continue
+        if "loss_on_last_stage" in source or "pipeline_loss" in source:
+            return True
+    return False
+
+
+def check_after_steps(strategy: Any, memory: Callable[[], list[dict[str, int]]]) -> None:
+    """Count a Fabric loop's optimizer steps; after the second (the optimizer's state made), each process's peak
+    against the plan's (:func:`check_peaks` of ``memory()``)."""
+    strategy._lp_steps = getattr(strategy, "_lp_steps", 0) + 1
+    if strategy._lp_steps == 2 and getattr(strategy, "_predicted", None):
+        check_peaks(strategy, memory())
 
 
 def check_peaks(strategy: Any, measured: list[dict[str, int]]) -> None:

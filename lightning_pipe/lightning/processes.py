@@ -21,7 +21,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_pipe.engine.schedule import placement_of
-from lightning_pipe.lightning import checks, requeue
+from lightning_pipe.lightning import checks, observe, requeue
 from lightning_pipe.transport.stages import resident
 from lightning_pipe.transport.topology import Topology
 from lightning_pipe.transport.wire.session import start_session
@@ -161,6 +161,11 @@ class PipelineLayout:
             # Known as the loop is made, before any process starts: the sharding settings against the replicas.
             checks.check_replicas(self.sharding_strategy, self.hybrid_shard_size, topology)
             self._checked_topology = topology
+
+    def memory_per_process(self) -> list[dict[str, int]]:
+        """Per process of this driver's pipeline: its memory (resident now, at its peak and as it joined its session;
+        on GPUs, what it allocated there) and what it keeps between steps (all 0)."""
+        return observe.memory(self._body)  # type: ignore[attr-defined]
 
     def share_cores(self) -> None:
         """On CPU, give each of this node's processes its share of the cores, unless OMP_NUM_THREADS is set."""

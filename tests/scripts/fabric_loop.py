@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "sharding": "NO_SHARD", "virtual_stages": 1, "state_dict_type": "full", "nodes": 1, "tensor_parallel_size": 1,
     "start_method": "popen", "own_state": False, "load_own": None, "load_with": "load_state_dict",
     "shard_by_rank": False, "checkpoint_io": None, "save_filter": False, "trainer_module": None,
+    "checkpoint": "except_last", "memory_per_device": None,
 }
 
 
@@ -115,7 +116,9 @@ def model(config: dict[str, Any]) -> nn.Module:
 
         gpt = litgpt.GPT(litgpt.Config(name="tiny-llama", **LITGPT))
         return gpt if config["model"] == "litgpt-plain" else to_sequential(gpt)
-    return body() if config["model"] == "sequential" else WithHead()
+    made = body() if config["model"] == "sequential" else WithHead()
+    made.example_input_array = torch.zeros(config["batch_size"], 8)  # what the planner measures ("auto")
+    return made
 
 
 def data(config: dict[str, Any]) -> TensorDataset:
@@ -238,6 +241,8 @@ def main(config: dict[str, Any], out: str) -> None:
     config = {**DEFAULTS, **config}
     strategy = lightning_pipe.PipeStrategy(balance=config["balance"], microbatches=config["microbatches"],
                                            schedule=config["schedule"], rpc_timeout_sec=60,
+                                           checkpoint=config["checkpoint"],
+                                           memory_per_device=config["memory_per_device"],
                                            sharding_strategy=config["sharding"],
                                            virtual_stages=config["virtual_stages"],
                                            state_dict_type=config["state_dict_type"],
@@ -258,6 +263,12 @@ def main(config: dict[str, Any], out: str) -> None:
         fabric.launch()
         result = loop(fabric)
     result["strategy"] = f"{type(fabric.strategy).__module__}.{type(fabric.strategy).__name__}"
+    chosen = fabric.strategy
+    result["layout"] = {"balance": chosen.balance, "microbatches": chosen.microbatches, "schedule": chosen.schedule,
+                        "checkpoint": chosen.checkpoint, "sharding": chosen.sharding_strategy,
+                        "predicted": getattr(chosen, "_predicted", None)}
+    if getattr(chosen, "_predicted", None):
+        result["held"] = [q["peak"] - q["base"] for q in chosen.memory_per_process()]
     if fabric.global_rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_pipe.engine.deferred import deferred_init
-from lightning_pipe.lightning import checks, ddp, observe, settings
+from lightning_pipe.lightning import checks, ddp, observe, planned, settings
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build
 from lightning_pipe.lightning.fabric import checkpoints
@@ -116,12 +116,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         given = {k: v for k, v in locals().items() if k in settings.DEFAULTS}
         values = settings.pipeline_settings(PipeStrategy, type(self), given, kwargs)
-        if values["_auto"]:
-            raise ValueError(
-                f"Fabric starts its processes at fabric.launch(), before any model exists, so PipeStrategy("
-                f"{', '.join(f'{n}=auto' for n in values['_auto'])}) cannot plan the layout there: plan it first with "
-                "lightning_pipe.plan_layout(model, example_input, devices=..., memory_per_device=...) and pass "
-                "PipeStrategy(**plan.layout.arguments()) (docs/planning.md)")
+        planned.refuse_in_fabric(values["_auto"])
         self._ddp_comm_hook = kwargs.pop("ddp_comm_hook", None)
         self._ddp_comm_state = kwargs.pop("ddp_comm_state", None)
         self._ddp_comm_wrapper = kwargs.pop("ddp_comm_wrapper", None)
@@ -211,7 +206,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
                                     scheduler: Any = None) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
         prefix = f"{self.module_name}." if isinstance(module, nn.Sequential) else ""  # (held under that name)
         names = {id(p): prefix + n for n, p in module.named_parameters()}
-        module = self.setup_module(module)
+        module = self.setup_module(module, optimizers)
         assert self._stage_optimizers is not None and self._module is not None
         after = dict(self._module.named_parameters())
         for optimizer in optimizers:  # built before the split: its remote parameters are the driver's placeholders now
@@ -223,12 +218,13 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         return module, optimizers, scheduler
 
     @override
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, optimizers: list[torch.optim.Optimizer] | None = None) -> nn.Module:
         if self._module is not None:
             raise RuntimeError("PipeStrategy under Fabric sets up one model: its stages hold the processes of the job "
                                "(call fabric.setup once, with the model and its optimizers)")
         bare = isinstance(module, nn.Sequential)
         root = FabricModel(module, self.module_name) if bare else module
+        planned.resolve_in_fabric(self, root, optimizers or [])  # what was left to "auto", as the model is here
         body = build(self, root)
         self._attach(root, body)
         root.to(self.root_device)  # the driver's part (the remote layers' placeholders stay on meta)
@@ -319,6 +315,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         if self._stage_optimizers is not None:
             self._stage_optimizers.step_remote(optimizer)
+            planned.check_after_steps(self, lambda: observe.memory(self._body))
         return output
 
     @override

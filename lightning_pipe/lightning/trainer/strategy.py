@@ -321,10 +321,6 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         if path is not None and self._body is not None and self.is_global_zero:
             observe.write_timeline(self._body, path, self.topology.pipeline(0))
 
-    def memory_per_process(self) -> list[dict[str, int]]:
-        """Per process of this driver's pipeline: resident memory and what it keeps between steps (all 0)."""
-        return observe.memory(self._body)
-
     # ------------------------------------------------------------------ the end
     @override
     def teardown(self) -> None:
