@@ -245,3 +245,19 @@ def test_auto_arguments_parse_from_a_lightning_cli_config():
     assert set(strategy._auto) == {"balance", "microbatches", "schedule", "checkpoint", "tensor_parallel_size",
                                    "sharding_strategy"}
     assert strategy.memory_per_device == 2 * 2**30
+
+
+def test_the_split_backward_is_measured_where_the_engine_splits_it():
+    """Zero-bubble schedules run a backward in two (input gradients, then the parameters'), which costs more than the
+    whole one (two autograd calls): measured per micro-batch size on the body's later layers; the first stage's is
+    whole where nothing goes upstream, and a body the engine does not split (BatchNorm's running statistics) is
+    measured as whole."""
+    body = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    profile = measure_body(body, torch.randn(32, 64), repeats=2)
+    assert all(inputs > 0 and weights > 0 for _, _, _, inputs, weights in profile.chain)
+    assert profile.time("weights", 0, 2, 8) == 0.0
+    assert profile.time("inputs", 0, 2, 8) == profile.time("backward", 0, 2, 8)
+    assert 0 < profile.time("weights", 1, 3, 8) and 0 < profile.time("inputs", 1, 3, 8)
+    frozen = measure_body(nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 64)),
+                          torch.randn(64, 64), repeats=2)
+    assert all((inputs, weights) == (1.0, 0.0) for _, _, _, inputs, weights in frozen.chain)

@@ -198,11 +198,13 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
 
     forward = [compute(s, "forward") for s in range(n)]
     backward = [compute(s, "backward") for s in range(n)]
+    inputs = [compute(s, "inputs") for s in range(n)]  # the backward split in two (zero-bubble): as measured
+    weights = [compute(s, "weights") for s in range(n)]
 
     def cost(action: Action) -> float:
         s, kind, i = action
         again = forward[s] if (kind in "BI" and (i < stop if i >= 0 else stop > 0)) else 0.0
-        base = {"F": forward[s], "B": backward[s] + again, "I": backward[s] / 2 + again, "W": backward[s] / 2}[kind]
+        base = {"F": forward[s], "B": backward[s] + again, "I": inputs[s] + again, "W": weights[s]}[kind]
         fsdp = costs.sharded_action if layout.sharding_strategy != "NO_SHARD" and d > 1 else 0.0
         return base + costs.action + fsdp + (gather[s] if kind in "FBI" else 0.0)
 

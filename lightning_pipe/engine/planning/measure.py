@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe.engine.backward_split import input_gradients_first, twice_safe
 from lightning_pipe.engine.balance.profile import (
     as_layer_input,
     batch_size_of,
@@ -58,7 +59,10 @@ class BodyProfile:
     layers: tuple[LayerMeasure, ...]
     rows: int
     threads: int
-    chain: tuple[tuple[int, float, float], ...]  # (rows, forward, backward seconds) of the whole body, by rows
+    #: (rows, forward, backward seconds, and the backward's two parts where zero-bubble schedules split it, each over
+    #: the whole backward) of the whole body, by rows
+    chain: tuple[tuple[int, float, float, float, float], ...]
+    input_grad: bool = False  # whether the body's input needs a gradient (else the first stage's backward is whole)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -86,17 +90,27 @@ class BodyProfile:
         return sum(getattr(layer, what) for layer in self.layers[lo:hi])
 
     def time(self, direction: str, lo: int, hi: int, rows: float) -> float:
-        """Seconds of ``direction`` (``forward`` or ``backward``) of layers ``lo .. hi - 1`` on ``rows`` samples: their
-        share of the whole body's, measured at the row counts nearest ``rows`` (linear between them)."""
-        k = 1 if direction == "forward" else 2
+        """Seconds of ``direction`` (``forward`` or ``backward``; ``inputs`` or ``weights``: the backward's two parts
+        where a zero-bubble schedule splits it) of layers ``lo .. hi - 1`` on ``rows`` samples: their share of the
+        whole body's, measured at the row counts nearest ``rows`` (linear between them). The first stage's backward
+        is not split where the body's input needs no gradient (nothing goes upstream)."""
+        if direction in ("inputs", "weights"):
+            backward = self.time("backward", lo, hi, rows)
+            if lo == 0 and not self.input_grad:
+                return backward if direction == "inputs" else 0.0
+            return backward * self._interpolated(3 if direction == "inputs" else 4, rows)
+        share = sum(getattr(layer, direction) for layer in self.layers[lo:hi])
+        return self._interpolated(1 if direction == "forward" else 2, rows, per_row=True) * share
+
+    def _interpolated(self, k: int, rows: float, per_row: bool = False) -> float:
+        """Item ``k`` of :attr:`chain` at ``rows`` (linear between the row counts measured; beyond them, in proportion
+        to the rows where ``per_row``, else the nearest)."""
         points = self.chain
         below = max((pt for pt in points if pt[0] <= rows), default=points[0], key=lambda pt: pt[0])
         above = min((pt for pt in points if pt[0] >= rows), default=points[-1], key=lambda pt: pt[0])
         if above[0] == below[0]:
-            whole = below[k] * rows / below[0]
-        else:
-            whole = below[k] + (above[k] - below[k]) * (rows - below[0]) / (above[0] - below[0])
-        return whole * sum(getattr(layer, direction) for layer in self.layers[lo:hi])
+            return below[k] * rows / below[0] if per_row else below[k]
+        return below[k] + (above[k] - below[k]) * (rows - below[0]) / (above[0] - below[0])
 
 
 def measure_body(module: nn.Sequential, sample: Any, *, device: torch.device | str = "cpu", precision: str = "32-true",
@@ -133,7 +147,8 @@ def measure_body(module: nn.Sequential, sample: Any, *, device: torch.device | s
             largest_param=int(max([p.numel() * p.element_size() for p in params] or [0]) * scale),
             saved=tuple((key, nbytes / rows) for key, nbytes in saved[k].items()),
             input=(inputs[k][0], inputs[k][1] / rows), output=(outputs[k][0], outputs[k][1] / rows)))
-    return BodyProfile(tuple(layers), rows, threads or previous, chain)
+    return BodyProfile(tuple(layers), rows, threads or previous, chain,
+                       any(t.requires_grad for t in tensors_of_batch(sample)))
 
 
 def _param_scale(precision: str, params: Sequence[Tensor]) -> float:
@@ -215,13 +230,19 @@ def concurrently(work: Callable[[], tuple[float, ...]], copies: int) -> tuple[fl
 
 
 def _chain(module: nn.Sequential, sample: Any, rows: int, device: torch.device, precision: str,
-           repeats: int) -> tuple[float, float]:
+           repeats: int) -> tuple[float, float, float, float]:
     """The whole body's forward and backward seconds per micro-batch of ``rows`` samples, as a stage runs them: the
     sample's micro-batches forward one after the other, its layers in one graph, then their backwards, the
     gradients added up (the fastest of ``repeats`` passes after one to warm up: what the machine does undisturbed;
-    a median moves with whatever else runs)."""
+    a median moves with whatever else runs); and a backward split in two (:func:`_split_backward`), each part's
+    time over the whole backward's (1 and 0 where the engine would not split it)."""
     count = max(1, batch_size_of(sample) // rows)
     forward, backward = [], []
+    # Zero-bubble schedules split a backward in two where the engine can (on the CPU, layers that allow it): what
+    # that costs over the whole backward, measured where the layers' input needs a gradient.
+    upstream = len(module) > 1 or any(t.is_floating_point() for t in tensors_of_batch(sample))
+    splits = device.type == "cpu" and upstream and all(twice_safe(layer) for layer in module)
+    parts: list[tuple[float, float, float]] = []
     with contextlib.ExitStack() as stack:
         sandboxes = []
         for layer in module:
@@ -249,7 +270,57 @@ def _chain(module: nn.Sequential, sample: Any, rows: int, device: torch.device, 
             forward.append((middle - tick) / count)
             backward.append((time.perf_counter() - middle) / count)
             del batches, batch, targets
-    return min(forward[1:]), min(backward[1:])
+            if splits:
+                parts.append(_split_backward(sandboxes, sample, rows, count, device, precision))
+    whole, inputs, weights = (min(p[d] for p in parts[1:]) for d in range(3)) if parts[1:] else (1.0, 1.0, 0.0)
+    return min(forward[1:]), min(backward[1:]), inputs / whole, weights / whole
+
+
+def _split_backward(sandboxes: Sequence[nn.Module], sample: Any, rows: int, count: int, device: torch.device,
+                    precision: str) -> tuple[float, float, float]:
+    """Seconds per micro-batch of the backward of the layers after the first (their input needs a gradient, as a
+    later stage's does): whole, then in two as zero-bubble schedules run it (:func:`input_gradients_first`: the
+    input gradients of every micro-batch, then their parameters')."""
+    first, rest = (sandboxes[:1], sandboxes[1:]) if len(sandboxes) > 1 else ([], sandboxes)
+    starts = []
+    with torch.enable_grad(), _precision(precision, device):
+        for k in range(count):
+            batch = _cast(precision, nn.Identity(),
+                          map_tensors(lambda t: copy_to(t, device), _rows(sample, rows, k)))[1]
+            for sandbox in first:
+                batch = sandbox(batch)
+            starts.append(map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), batch))
+
+    def forwards() -> list[tuple[list[Tensor], list[Tensor]]]:
+        made = []
+        with torch.enable_grad(), _precision(precision, device):
+            for start in starts:
+                batch = as_layer_input(start)
+                for sandbox in rest:
+                    batch = sandbox(batch)
+                made.append(([t for t in tensors_of_batch(batch) if t.requires_grad],
+                             [t for t in tensors_of_batch(start) if t.requires_grad]))
+        return made
+
+    made = forwards()
+    synchronize_device(device)
+    tick = time.perf_counter()
+    for targets, _ in made:
+        torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
+    synchronize_device(device)
+    whole = time.perf_counter() - tick
+    made = forwards()
+    synchronize_device(device)
+    tick = time.perf_counter()
+    later = [input_gradients_first(targets, [torch.ones_like(t) for t in targets], upstream)[1]
+             for targets, upstream in made]
+    synchronize_device(device)
+    middle = time.perf_counter()
+    for finish in later:
+        if finish is not None:
+            finish()
+    synchronize_device(device)
+    return whole / count, (middle - tick) / count, (time.perf_counter() - middle) / count
 
 
 def _saved(module: nn.Sequential, sample: Any, device: torch.device, precision: str
