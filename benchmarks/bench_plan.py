@@ -228,8 +228,9 @@ def main() -> None:
 
     from lightning_pipe.engine.planning import Costs, optimizer_time
     from lightning_pipe.transport.parallel.measured import collective_costs
+    from lightning_pipe.transport.wire.measured import handoff_costs
 
-    costs = Costs(**collective_costs(min(2, cores)))  # as plan_layout's callers measure them
+    costs = Costs(**collective_costs(min(2, cores), extra=handoff_costs))  # as plan_layout's callers measure them
     print(f"collectives measured: {costs.collective * 1e3:.2f} ms fixed, all-reduce "
           f"{costs.collective_bandwidth / 1e9:.2f} GB/s per process; FSDP {costs.sharded_per_byte * 1e9:.2f} ns per "
           f"byte and use, tensor parallel {costs.tensor_action * 1e3:.2f} ms per split layer and action\n")

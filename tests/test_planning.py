@@ -136,13 +136,19 @@ def test_a_size_that_is_not_one_is_refused(value):
         parse_bytes(value)
 
 
-def test_collectives_are_measured_between_processes_started_for_it():
+def test_collectives_and_handoffs_are_measured_between_processes_started_for_it():
+    """The collectives, FSDP's and tensor parallel's costs, and (the same processes, over a data plane of their own)
+    a hand-off's: what the planner's step model takes instead of its defaults."""
     from lightning_pipe.transport.parallel.measured import collective_costs
+    from lightning_pipe.transport.wire.measured import handoff_costs
 
-    costs = collective_costs(2, nbytes=1 << 20, repeats=2)
-    assert set(costs) == {"collective", "collective_bandwidth", "sharded_per_byte", "tensor_action"}
-    assert all(costs[name] > 0 for name in ("collective", "collective_bandwidth"))
-    assert Costs(**costs).collective_bandwidth == costs["collective_bandwidth"]
+    costs = collective_costs(2, nbytes=1 << 20, repeats=2, extra=handoff_costs)
+    assert set(costs) == {"collective", "collective_bandwidth", "sharded_per_byte", "tensor_action", "handoff",
+                          "bandwidth"}
+    assert all(costs[name] > 0 for name in ("collective", "collective_bandwidth", "handoff", "bandwidth"))
+    assert costs["handoff"] < 0.05  # a message of a few numbers between two processes of one machine
+    made = Costs(**costs)
+    assert (made.collective_bandwidth, made.handoff) == (costs["collective_bandwidth"], costs["handoff"])
 
 
 def test_the_command_prints_the_table_and_refuses_a_budget_too_small(tmp_path):

@@ -19,6 +19,7 @@ from lightning_pipe.engine.planning import Costs, LayoutPlan, format_bytes, plan
 from lightning_pipe.engine.planning.layouts import Layout
 from lightning_pipe.transport.parallel.measured import collective_costs
 from lightning_pipe.transport.stages import resident
+from lightning_pipe.transport.wire.measured import handoff_costs
 
 __all__: list[str] = []
 
@@ -109,7 +110,7 @@ def plan(strategy: Any, module: Any, precision: str, optimizer: Any, last: bool)
     auto = set(strategy._auto)
     costs = None
     if device.type == "cpu" and devices > 1:  # this machine's collectives, between processes started for it
-        costs = Costs(**collective_costs(min(strategy.num_processes, os.cpu_count() or 1)))
+        costs = Costs(**collective_costs(min(strategy.num_processes, os.cpu_count() or 1), extra=handoff_costs))
     return plan_layout(
         module, example, devices=devices, memory_per_device=budget, optimizer=optimizer, precision=precision,
         device=device, module_name=strategy.module_name,

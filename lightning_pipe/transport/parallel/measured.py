@@ -8,6 +8,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,9 +18,11 @@ from torch import nn
 __all__ = ["collective_costs"]
 
 
-def _measure(rank: int, world: int, path: str, nbytes: int, repeats: int, out: Any) -> None:
+def _measure(rank: int, world: int, path: str, nbytes: int, repeats: int, out: Any,
+             extra: Callable[[int, int, Any], dict[str, float]] | None) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world)
+    store = dist.FileStore(path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         small, large = torch.zeros(1), torch.zeros(nbytes // 4)
         runs = {"small": lambda: dist.all_reduce(small), "large": lambda: dist.all_reduce(large)}
@@ -34,6 +37,8 @@ def _measure(rank: int, world: int, path: str, nbytes: int, repeats: int, out: A
                 times[name].append(time.perf_counter() - tick)
         found = {name: statistics.median(values) for name, values in times.items()}
         found.update(_layer_costs(world, nbytes, repeats))
+        if extra is not None:
+            found.update(extra(rank, world, dist.PrefixStore("extra/", store)))
         if rank == 0:
             out.put(found)
     finally:
@@ -76,19 +81,21 @@ def _layer_costs(world: int, nbytes: int, repeats: int) -> dict[str, float]:
             "tensor_action": max(0.0, split - local) / 4}
 
 
-def collective_costs(processes: int = 2, nbytes: int = 16 << 20, repeats: int = 5, timeout: float = 60.0
-                     ) -> dict[str, float]:
+def collective_costs(processes: int = 2, nbytes: int = 16 << 20, repeats: int = 5, timeout: float = 60.0,
+                     extra: Callable[[int, int, Any], dict[str, float]] | None = None) -> dict[str, float]:
     """A collective's fixed cost (``collective``, seconds: an all-reduce of one number), an all-reduce's bandwidth
     (``collective_bandwidth``, bytes per second: an all-reduce of ``nbytes`` moves ``2 (p - 1) / p`` of them per
     process); what FSDP2 adds to a layer's use
     per byte of its weights (``sharded_per_byte``) and tensor parallel per split layer and action
     (``tensor_action``), between ``processes`` processes of this machine started for it (a few seconds: each imports
-    torch)."""
+    torch). ``extra(rank, world, store)``: another measurement the same processes make (a function of a module, for
+    them to import), whose process 0's findings join the rest."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     with tempfile.TemporaryDirectory(prefix="lp-collectives-") as folder:
         path = os.path.join(folder, "store")
-        workers = [context.Process(target=_measure, args=(r, processes, path, nbytes, repeats, out), daemon=True)
+        workers = [context.Process(target=_measure, args=(r, processes, path, nbytes, repeats, out, extra),
+                                   daemon=True)
                    for r in range(processes)]
         for worker in workers:
             worker.start()
@@ -102,4 +109,5 @@ def collective_costs(processes: int = 2, nbytes: int = 16 << 20, repeats: int = 
                     worker.join()
     moved = 2 * (processes - 1) / processes * nbytes
     return {"collective": found["small"], "collective_bandwidth": moved / max(1e-9, found["large"] - found["small"]),
-            "sharded_per_byte": found["sharded_per_byte"], "tensor_action": found["tensor_action"]}
+            "sharded_per_byte": found["sharded_per_byte"], "tensor_action": found["tensor_action"],
+            **{k: v for k, v in found.items() if k not in ("small", "large", "sharded_per_byte", "tensor_action")}}

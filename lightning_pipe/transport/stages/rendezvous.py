@@ -16,16 +16,9 @@ from lightning_pipe.transport.stages import steps
 from lightning_pipe.transport.stages.entries import RUNNERS
 from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.wire.dataplane import AUTO_MAX_BYTES, DATA_PLANES, DataPlane
-from lightning_pipe.transport.wire.session import SESSION
+from lightning_pipe.transport.wire.session import SESSION, sender_groups
 
 __all__ = ["connect", "detach"]
-
-
-def _groups(store: Any, token: str, rank: int, size: int, timeout: float) -> list[Any]:
-    """``size`` gloo groups of the ``size`` processes (this one ``rank``), one per sending process, met under
-    ``token`` in ``store``."""
-    return [dist.ProcessGroupGloo(dist.PrefixStore(f"lightning_pipe/plane/{token}/{sender}/", store), rank, size,
-                                  datetime.timedelta(seconds=timeout)) for sender in range(size)]
 
 
 def _store(address: tuple[str, int] | None, timeout: float) -> Any:
@@ -40,7 +33,7 @@ def _attach(key: str, token: str, names: Sequence[str], address: tuple[str, int]
     """Join pipeline ``key``'s data plane here (an RPC entry point, called by the driver)."""
     runner = RUNNERS[key]
     rank = list(names).index(rpc.get_worker_info().name)
-    groups = _groups(_store(address, runner.timeout), token, rank, len(names), runner.timeout)
+    groups = sender_groups(_store(address, runner.timeout), token, rank, len(names), runner.timeout)
     runner.plane = DataPlane(key, groups, rank, names, runner.timeout, max_bytes)
     runner.plane.serve(names[0], lambda step: steps.serve(runner, step))  # the driver's steps, on the plane
 
@@ -70,7 +63,7 @@ def connect(runner: StageRunner, names: Sequence[str], mode: str) -> None:
         address = (host, store.port)
     futures = [rpc.rpc_async(name, _attach, args=(runner.key, token, list(names), address, max_bytes),
                              timeout=runner.timeout) for name in names[1:]]
-    groups = _groups(store, token, 0, len(names), runner.timeout)
+    groups = sender_groups(store, token, 0, len(names), runner.timeout)
     for future in futures:
         future.wait()
     runner.plane = DataPlane(runner.key, groups, 0, names, runner.timeout, max_bytes)

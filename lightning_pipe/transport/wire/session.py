@@ -65,6 +65,13 @@ def worker_name(rank: int) -> str:
     return f"worker{rank}"
 
 
+def sender_groups(store: Any, token: str, rank: int, size: int, timeout: float) -> list[Any]:
+    """``size`` gloo groups of the ``size`` processes (this one ``rank``), one per sending process (each TCP
+    connection then carries data one way), met under ``token`` in ``store``: a :class:`DataPlane`'s."""
+    return [dist.ProcessGroupGloo(dist.PrefixStore(f"lightning_pipe/plane/{token}/{sender}/", store), rank, size,
+                                  timedelta(seconds=timeout)) for sender in range(size)]
+
+
 def start_session(topology: Topology, rank: int, main_address: str, main_port: int, *, backend: str,
                   pg_timeout: timedelta, rpc_timeout: float, rpc_threads: int = 16,
                   devices: Sequence[torch.device | None] | None = None) -> None:
