@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import weakref
+from dataclasses import replace
 from typing import Any, Protocol
 
 import pytorch_lightning as pl
@@ -35,6 +36,7 @@ from lightning_pipe.transport.stages import host
 from lightning_pipe.transport.stages.driver import RemotePipeline
 from lightning_pipe.transport.stages.rendezvous import connect
 from lightning_pipe.transport.stages.runner import StageRunner
+from lightning_pipe.transport.stages.setup import StageSetup, TensorSplit
 from lightning_pipe.transport.stages.stagestate import broadcast_from_replica0
 from lightning_pipe.transport.stages.tied import TiedCopies
 from lightning_pipe.transport.wire.session import worker_name
@@ -123,11 +125,12 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     split = tensor_split(strategy, module, body, parts)
     programs = {s: recording.program(named_tensors(parts[s])) for s in range(n) if where[s]} if recording else {}
     setup_timeout = timeout + (strategy.setup_timeout() if strategy.world_size > 1 or recording else 0)
+    setup = StageSetup("cpu", peers, layout, timeout, prefix, record=strategy.timeline is not None, tied=tied,
+                       init_sync=getattr(strategy, "init_sync", True), split=split, setup_timeout=setup_timeout)
     futures = [host.configure_async(worker_name(ranks[r]), key, {s: (parts[s], offsets[s]) for s in held[r]},
-                                    str(devices[ranks[r] % strategy.num_processes] if devices else "cpu"),
-                                    peers, layout, timeout, prefix, strategy.timeline is not None,
-                                    {s: programs[s] for s in held[r] if s in programs}, setup_timeout, tied,
-                                    getattr(strategy, "init_sync", True), split)
+                                    replace(setup, device=str(devices[ranks[r] % strategy.num_processes]
+                                                              if devices else "cpu")),
+                                    {s: programs[s] for s in held[r] if s in programs})
                for r in range(1, p)]
     # This process's copies of the tied parameters join their owners' group while the others set up theirs.
     local_tied = TiedCopies(key, tied, rank) if tied else None
@@ -139,10 +142,10 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     if recording is not None and split is not None:
         own = {name for s in held[0] for name, _ in parts[s].named_children()}
         _materialize_local(module, strategy.module_name, remote | own, recording)  # the module's other tensors
-        mesh = dtensors.make_mesh(split[0], strategy.root_device.type)
+        mesh = dtensors.make_mesh(split.size, strategy.root_device.type)
         stages = [(parts[s], recording.program({name: t for name, t in named_tensors(parts[s]).items() if t.is_meta}))
                   for s in held[0]]
-        built = building.materialize_split(stages, split[1], mesh["tensor"], device=strategy.root_device,
+        built = building.materialize_split(stages, split.plan, mesh["tensor"], device=strategy.root_device,
                                          src_data_rank=None if cut_own else 0,  # every replica from replica 0's:
                                          before_split=broadcast_from_replica0 if cut_own else None)
         retie()
@@ -153,9 +156,9 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
             retie()
         _broadcast_state(strategy, module, strategy.module_name, remote)  # every replica starts from replica 0's
         if split is not None:  # this process's stages split over their tensor ranks, as the remote ones split theirs
-            mesh = dtensors.make_mesh(split[0], strategy.root_device.type)
+            mesh = dtensors.make_mesh(split.size, strategy.root_device.type)
             for s in held[0]:
-                tensor.parallelize_stage(parts[s].to(strategy.root_device), split[1], mesh["tensor"],
+                tensor.parallelize_stage(parts[s].to(strategy.root_device), split.plan, mesh["tensor"],
                                          src_data_rank=None if cut_own else 0)
             retie()
     local_params = {prefix + name: param for s in held[0] for name, param in parts[s].named_parameters()}
@@ -194,9 +197,9 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
 
 
 def tensor_split(strategy: PipeStrategy, module: pl.LightningModule, body: nn.Sequential, parts: list[nn.Sequential]
-                 ) -> tuple[int, Any] | None:
-    """``(t, plan)`` with which every stage is split over its ``t = tensor_parallel_size`` processes (None: not
-    split): ``tensor_parallel_plan``, or the body's own (``tensor_parallel_plan`` of a ``to_sequential`` body),
+                 ) -> TensorSplit | None:
+    """How every stage is split over its ``t = tensor_parallel_size`` processes (None: not split):
+    ``tensor_parallel_plan``, or the body's own (``tensor_parallel_plan`` of a ``to_sequential`` body),
     checked against the body cut into ``parts``
     (:func:`~lightning_pipe.transport.parallel.tensor.check_stage_boundaries`)."""
     t = getattr(strategy, "tensor_parallel_size", 1)
@@ -218,7 +221,7 @@ def tensor_split(strategy: PipeStrategy, module: pl.LightningModule, body: nn.Se
             "gradients and its parameters' together (the split into I and W runs where the stage's layers have no "
             "hooks, and tensor parallel's layers have them), so the step trains the same weights with 1F1B's bubble, "
             "not zero-bubble's. Use schedule='1f1b' to say so, or zero-bubble without tensor parallel")
-    return t, plan
+    return TensorSplit(t, plan)
 
 
 def _adopt(strategy: PipeStrategy, module: pl.LightningModule, body: PipelinedSequential) -> PipelinedSequential:

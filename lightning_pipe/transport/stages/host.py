@@ -13,6 +13,7 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,15 +22,15 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
 from lightning_pipe.engine.deferred import Program, materialize, named_tensors
-from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.engine.timeline import Event, Recorder
 from lightning_pipe.transport.parallel import building, dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import optim, resident
 from lightning_pipe.transport.stages.entries import register, unregister
 from lightning_pipe.transport.stages.runner import StageRunner
+from lightning_pipe.transport.stages.setup import StageSetup
 from lightning_pipe.transport.stages.stagestate import StageState, broadcast_from_replica0
-from lightning_pipe.transport.stages.tied import TiedCopies, TiedParameter
+from lightning_pipe.transport.stages.tied import TiedCopies
 from lightning_pipe.transport.wire.messages import settle_commits, to_concurrent, where
 from lightning_pipe.transport.wire.session import SESSION
 
@@ -58,18 +59,17 @@ class StageHost(StageState):
     (``"sequential_module.3.weight"``), the names every message uses.
     """
 
-    def __init__(self, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: torch.device,
-                 peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
-                 programs: Mapping[int, Program] | None = None, tied: Sequence[TiedParameter] = (),
-                 split: tuple[int, Any] | None = None, init_sync: bool = True) -> None:
+    def __init__(self, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], setup: StageSetup,
+                 programs: Mapping[int, Program] | None = None) -> None:
         self.key = key
-        self.prefix = prefix
+        self.prefix = prefix = setup.prefix
+        device, layout, split, init_sync = torch.device(setup.device), setup.layout, setup.split, setup.init_sync
         #: Built on the meta device and split (tensor parallel): how much it held at most while it was built
         #: (:func:`~lightning_pipe.transport.parallel.building.materialize_split`); None otherwise.
         self.built: dict[str, int] | None = None
         if programs and split is not None:  # each layer materialised, then split, before the next one is made
-            mesh = dtensors.make_mesh(split[0], device.type)
-            self.built = building.materialize_split([(parts[s][0], programs[s]) for s in sorted(programs)], split[1],
+            mesh = dtensors.make_mesh(split.size, device.type)
+            self.built = building.materialize_split([(parts[s][0], programs[s]) for s in sorted(programs)], split.plan,
                                                   mesh["tensor"], device=device,
                                                   src_data_rank=None if init_sync else 0,
                                                   before_split=broadcast_from_replica0 if init_sync else None)
@@ -84,10 +84,10 @@ class StageHost(StageState):
         self.partition = nn.Sequential(OrderedDict(
             (name, layer) for stage in self.stages for name, layer in stage.partition.named_children()))
         for stage in self.stages:
-            stage.recorder = Recorder() if record else None
-        self.runner = StageRunner(key, self.stages, peers, layout, timeout)
+            stage.recorder = Recorder() if setup.record else None
+        self.runner = StageRunner(key, self.stages, setup.peers, layout, setup.timeout)
         self.params = {prefix + n: p for n, p in self.partition.named_parameters()}
-        self.tied = TiedCopies(key, tied, SESSION.rank)  # parameters shared with layers of other processes
+        self.tied = TiedCopies(key, setup.tied, SESSION.rank)  # parameters shared with layers of other processes
         self.optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
         self.counts = {"steps": 0, "barriers": 0}  # what this process did, for :meth:`stats`
         self.materialized = sorted(self.prefix + name for s in (programs or {})
@@ -278,48 +278,39 @@ def process_memory(runner: StageRunner) -> dict[str, int]:
     return resident.process_memory(runner, len(_HOSTS))
 
 
-def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, device: str, peers: Sequence[str],
-              layout: SkipLayout, timeout: float, prefix: str, record: bool = False,
-              tied: Sequence[TiedParameter] = (), init_sync: bool = True, split: tuple[int, Any] | None = None) -> None:
-    """Host stages ``parts`` (stage -> (partition, offset)) of pipeline ``key`` here (an RPC entry point,
-    called by the driver). Partitions built on the meta device arrive pickled with their programs, ``(parts,
+def configure(key: str, parts: Mapping[int, tuple[nn.Sequential, int]] | bytes, setup: StageSetup) -> None:
+    """Host stages ``parts`` (stage -> (partition, offset)) of pipeline ``key`` here as ``setup`` says (an RPC entry
+    point, called by the driver). Partitions built on the meta device arrive pickled with their programs, ``(parts,
     programs)`` (RPC carries no meta tensor), and are materialised here (:mod:`lightning_pipe.engine.deferred`).
-    Every replica's stage then takes replica 0's weights (unless ``init_sync`` is False). ``tied``: the
-    parameters its layers share with other processes' layers (:mod:`lightning_pipe.transport.stages.tied`).
-    ``split``: ``(t, plan)``, the stages split over the ``t`` processes of each (tensor parallel) by ``plan``, once
-    they hold their weights."""
+    Every replica's stage then takes replica 0's weights (unless ``setup.init_sync`` is False), and, with
+    ``setup.split``, is split over its tensor ranks once it holds them."""
     programs: Mapping[int, Program] | None = None
     if isinstance(parts, bytes):
         parts, programs = pickle.loads(parts)
     from lightning_pipe.engine.partition import normalize_device
 
-    if torch.device(device).type == "cuda":
-        torch.cuda.set_device(torch.device(device))  # collectives (NCCL) use the current device
-    device = str(normalize_device(device))  # "cuda" is cuda:N, as the tensors placed there say
+    if torch.device(setup.device).type == "cuda":
+        torch.cuda.set_device(torch.device(setup.device))  # collectives (NCCL) use the current device
+    setup = replace(setup, device=str(normalize_device(setup.device)))  # "cuda" is cuda:N, as its tensors say
     old = _HOSTS.pop(key, None)
     if old is not None:
         old.close()
-    host = _HOSTS[key] = StageHost(key, parts, torch.device(device), peers, layout, timeout, prefix, record, programs,
-                                   tied, split, init_sync)
+    host = _HOSTS[key] = StageHost(key, parts, setup, programs)
     if host.built is not None:
         return  # materialised layer by layer, each taking replica 0's weights, then split
-    if init_sync:
+    if setup.init_sync:
         host.broadcast_state()
-    if split is not None:
-        host.split(*split, cut_own=init_sync)
+    if setup.split is not None:
+        host.split(*setup.split, cut_own=setup.init_sync)
 
 
-def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], device: str,
-                    peers: Sequence[str], layout: SkipLayout, timeout: float, prefix: str,
-                    record: bool = False, programs: Mapping[int, Program] | None = None,
-                    setup_timeout: float | None = None, tied: Sequence[TiedParameter] = (), init_sync: bool = True,
-                    split: tuple[int, Any] | None = None) -> torch.futures.Future:
-    """Have process ``peer`` host stages ``parts`` of pipeline ``key`` (see :func:`configure`); ``programs``:
-    how to materialise partitions built on the meta device. ``setup_timeout``: how long the call may take
-    (default ``timeout``), for materialising the stage and meeting the other replicas."""
+def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential, int]], setup: StageSetup,
+                    programs: Mapping[int, Program] | None = None) -> torch.futures.Future:
+    """Have process ``peer`` host stages ``parts`` of pipeline ``key`` as ``setup`` says (see :func:`configure`);
+    ``programs``: how to materialise partitions built on the meta device. The call may take ``setup.setup_timeout``
+    (default ``setup.timeout``)."""
     sent: Any = pickle.dumps((dict(parts), dict(programs))) if programs else parts
-    return rpc.rpc_async(peer, configure, timeout=setup_timeout or timeout,
-                         args=(key, sent, device, peers, layout, timeout, prefix, record, tied, init_sync, split))
+    return rpc.rpc_async(peer, configure, timeout=setup.setup_timeout or setup.timeout, args=(key, sent, setup))
 
 
 def drop(key: str) -> None:
