@@ -11,7 +11,13 @@ from typing import Any
 from lightning_pipe.engine.balance.blockpartition import solve
 from lightning_pipe.engine.plan import Action, Plan, check_shape, simulate
 from lightning_pipe.engine.planning.measure import BodyProfile
-from lightning_pipe.engine.planning.memory import Memory, OptimizerModel, activation_peak, process_memory
+from lightning_pipe.engine.planning.memory import (
+    Memory,
+    OptimizerModel,
+    activation_peak,
+    process_memory,
+    trainable_bytes,
+)
 from lightning_pipe.engine.schedule import MULTISTAGE, placement_of, schedule_plan
 
 __all__ = ["Costs", "Layout", "Prediction", "balances", "candidates", "predict", "tensor_sizes"]
@@ -235,6 +241,9 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
             return rows * (profile.activations(lo, hi) - profile.boundary(lo) - profile.boundary(hi))
 
         activations = activation_peak(plan, simulation.times, r, held, recomputed)
+        new = trainable_bytes(profile, mine, t, splittable)  # the step's gradients, made from its first backward on
+        together = activation_peak(plan, simulation.times, r, held, recomputed, grown=new)
+        fresh = 1.0 if together - activations >= new * (1 - 1e-9) else max(0.0, (together - activations) / new)
         senders = {plan.process_of(s - 1) for s in plan.stages_of(r) if s > 0} | \
             {plan.process_of(s + 1) for s in plan.stages_of(r) if s + 1 < n}
         incoming = [rows * max(profile.boundary(lo) for lo, _ in bounds) for q in senders if q != r]
@@ -243,7 +252,7 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
                                      runtime=0.0 if layout.devices == 1 else
                                      (costs.driver_memory if r == 0 else costs.runtime_memory)
                                      + (costs.tensor_memory if t > 1 else 0.0),
-                                     splittable=splittable, bucket_view=bucket_view, aside=aside))
+                                     splittable=splittable, bucket_view=bucket_view, aside=aside, fresh=fresh))
     samples = batch if fixed_global else batch * d
     return Prediction(layout, step, simulation.bubble, tuple(memory), samples)
 

@@ -72,11 +72,18 @@ def optimizer_model(optimizer: Any, device: torch.device) -> OptimizerModel:
 
 
 def activation_peak(plan: Plan, times: Mapping[Action, tuple[float, float]], process: int,
-                    held: Callable[[int, int], float], recomputed: Callable[[int, int], float]) -> float:
+                    held: Callable[[int, int], float], recomputed: Callable[[int, int], float],
+                    grown: float = 0.0) -> float:
     """The most activation bytes ``process`` holds at once as the simulated ``plan`` runs: each micro-batch's
     ``held(stage, i)`` from its forward's start to its backward's end (the W's, where split), and a recomputed
-    micro-batch's ``recomputed(stage, i)`` during its backward."""
+    micro-batch's ``recomputed(stage, i)`` during its backward; with ``grown`` bytes more from the end of the
+    process's first backward that makes parameters' gradients on (the step's gradients: they are made as that
+    micro-batch's activations are freed, so GPipe, whose activations peak before its first backward, never holds
+    both whole)."""
     events: list[tuple[float, float]] = []
+    made = [times[a][1] for a in plan.actions[process] if a.kind in "BW" and a in times]
+    if grown and made:
+        events.append((min(made), grown))
     for s in plan.stages_of(process):
         for i in range(plan.microbatches):
             span = held_span(times, s, i)
@@ -90,16 +97,27 @@ def activation_peak(plan: Plan, times: Mapping[Action, tuple[float, float]], pro
     return peak_level(events)
 
 
+def trainable_bytes(profile: BodyProfile, bounds: Sequence[tuple[int, int]], tensor: int,
+                    splittable: Callable[[int, int], float]) -> float:
+    """The trainable parameters' bytes a process of stages ``bounds`` holds whole (what tensor parallel leaves it):
+    one set of its gradients."""
+    whole = sum(profile.total("params", lo, hi) for lo, hi in bounds)
+    parted = min(whole, sum(splittable(lo, hi) for lo, hi in bounds))
+    kept = (whole - parted + parted / tensor) / whole if whole else 1.0
+    return sum(profile.total("trainable", lo, hi) for lo, hi in bounds) * kept
+
+
 def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, tensor: int, replicas: int,
                    sharding: str, optimizer: OptimizerModel, activations: float, rows: float,
                    incoming: Sequence[float], runtime: float, splittable: Callable[[int, int], float],
-                   bucket_view: bool = False, aside: bool = True) -> Memory:
+                   bucket_view: bool = False, aside: bool = True, fresh: float = 1.0) -> Memory:
     """One process's peak: its stages' layers ``bounds`` (``(lo, hi)`` each), ``splittable(lo, hi)`` the bytes of
     their parameters that tensor parallel splits over ``tensor`` processes, sharded over ``replicas`` by
     ``sharding`` (Lightning's names), ``activations`` from :func:`activation_peak`, micro-batches of ``rows``
     samples, ``incoming`` the largest message from each process that sends to it. ``aside``: the step's backward runs
     inside ``training_step`` (the loss on the last stage), making its gradients aside while the previous step's are
-    still held (Lightning zeroes them after ``training_step``): two sets of gradients at the peak."""
+    still held (Lightning zeroes them after ``training_step``): two sets of gradients at the peak. ``fresh``: the
+    share of the step's own gradients there at the process's peak (:func:`activation_peak`'s ``grown``)."""
     whole = sum(profile.total("params", lo, hi) for lo, hi in bounds)
     parted = min(whole, sum(splittable(lo, hi) for lo, hi in bounds))
     kept = (whole - parted + parted / tensor) / whole if whole else 1.0  # what tensor parallel leaves here
@@ -109,10 +127,9 @@ def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, t
     # the step (freed after the optimizer step); without sharding, the whole parameters.
     stored = params / d if sharding in ("FULL_SHARD", "HYBRID_SHARD") else \
         params / d + params if sharding == "SHARD_GRAD_OP" and d > 1 else params
-    if d > 1:  # a sharded stage's gradients accumulate whole until its last backward reduces and scatters them
-        gradients = trainable + (trainable / d if aside else 0.0)
-    else:
-        gradients = trainable * (2 if aside else 1)
+    # The step's own gradients (whole: a sharded stage accumulates them until its last backward reduces and scatters
+    # them), beside the previous step's where the backward runs inside training_step (sharded: its shard).
+    gradients = trainable * fresh + (trainable / d if aside else 0.0)
     states = optimizer.states * trainable / d
     # A moment's extra: the backward's gradients flowing through the largest saved tensor and a stage's input
     # gradient, or the optimizer's temporaries; under FULL_SHARD, a layer's parameters gathered whole for its use and
