@@ -319,7 +319,8 @@ def test_a_plugin_fabric_cannot_run_across_stages_is_refused_as_fabric_gives_it(
 def test_torchrun_on_two_nodes_starts_the_fabric_loop_to_one_devices_weights(tmp_path):
     """The Fabric script started by ``torchrun --nnodes=2 --node_rank=0|1 --nproc_per_node=2`` (both nodes on this
     machine, loopback) and ``Fabric(num_nodes=2, devices=2)``: each node holds one pipeline, the two replicas'
-    stages averaged across the nodes, AdamW clipped by the global norm, to one device's weights."""
+    stages averaged across the nodes, AdamW clipped by the global norm, to one device's weights; and with the layout
+    left to "auto", planned by the first driver and its choice broadcast to the other, the same."""
     import os
     import sys
 
@@ -327,7 +328,11 @@ def test_torchrun_on_two_nodes_starts_the_fabric_loop_to_one_devices_weights(tmp
     from strategy_utils import SCRIPTS, run_together
 
     case = {"optimizer": "adamw", "clip": 0.1, "batch_size": 4, "nodes": 2}
-    job = {"devices": 2, "cases": {"two-nodes": case}}
+    # The layout left to the plan: the first driver's choice broadcast to the other node's (each would measure its own).
+    auto = {"optimizer": "adamw", "batch_size": 4, "nodes": 2, "last_stage_loss": True, "balance": "auto",
+            "microbatches": "auto", "schedule": "auto", "checkpoint": "auto", "sharding": "auto",
+            "memory_per_device": "1GiB", "virtual_stages": None}
+    job = {"devices": 2, "cases": {"two-nodes": case, "two-nodes-auto": auto}}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     port = free_port()
     run_together([([torchrun, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -337,6 +342,13 @@ def test_torchrun_on_two_nodes_starts_the_fabric_loop_to_one_devices_weights(tmp
     assert result["world_size"] == 2  # the drivers, one per node
     saved = torch.load(tmp_path / "two-nodes" / "final.pt", weights_only=True)
     expected = plain({k: v for k, v in case.items() if k != "nodes"}, 2, tmp_path / "plain")
+    assert saved["step"] == expected["step"] > 0
+    assert_same_weights(saved["model"], expected["model"], rtol=1e-4, atol=2e-5)
+    chosen = json.loads((tmp_path / "two-nodes-auto" / "result.json").read_text())["layout"]
+    assert chosen["predicted"] and sum(chosen["balance"]) == 5, chosen
+    saved = saved_state(tmp_path / "two-nodes-auto" / "final.pt", tmp_path)
+    laid = ("nodes", "balance", "microbatches", "schedule", "checkpoint", "sharding", "memory_per_device")
+    expected = plain({k: v for k, v in auto.items() if k not in laid}, 2, tmp_path / "plain-auto")
     assert saved["step"] == expected["step"] > 0
     assert_same_weights(saved["model"], expected["model"], rtol=1e-4, atol=2e-5)
 

@@ -202,6 +202,46 @@ def test_auto_everywhere_trains_one_devices_weights_within_the_budget(tmp_path):
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-5)
 
 
+def test_under_torchrun_auto_is_planned_once_the_processes_have_met(tmp_path):
+    """torchrun starts every process before any plan: the first driver plans as the Trainer's setup builds the
+    pipeline (the table logged), the same weights as one device, every process within its budget and its plan."""
+    import os
+
+    from dist_utils import free_port
+    from strategy_utils import SCRIPTS, run_together
+
+    plain, auto = tmp_path / "plain.pt", tmp_path / "auto.pt"
+    run_script("auto_layout.py", "plain", "1", "0", str(plain), timeout=180)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run_together([([torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                    str(SCRIPTS / "auto_layout.py"), "auto-t1", "2", "512MiB", str(auto)], WARNINGS_SHOWN)],
+                 tmp_path, timeout=300)
+    log = (tmp_path / "launch0.log").read_text()
+    assert "the layout planned for Body" in log and "above the planned" not in log
+    chosen = json.loads((tmp_path / "auto.pt.json").read_text())
+    assert len(chosen["balance"]) in (2, 4) and chosen["predicted"]
+    assert all(0 < held <= chosen["budget"] for held in chosen["held"])
+    want, got = torch.load(plain), torch.load(auto)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-5)
+
+
+def test_under_torchrun_or_slurm_the_tensor_size_cannot_be_left_to_the_plan():
+    """Processes started by another launcher hold their roles before any plan: tensor_parallel_size="auto" is refused
+    there saying what to do; the other arguments wait for the Trainer's setup."""
+    from types import SimpleNamespace
+
+    from lightning_pipe.lightning import planned
+
+    outside = SimpleNamespace(creates_processes_externally=True)
+    strategy = SimpleNamespace(_auto=("balance", "tensor_parallel_size"), cluster_environment=outside)
+    with pytest.raises(ValueError, match=r"torchrun, SLURM.*tensor_parallel_size.*python -m lightning_pipe plan"):
+        planned.resolve(strategy, nn.Linear(1, 1), None)
+    strategy = SimpleNamespace(_auto=("balance", "schedule"), cluster_environment=outside)
+    planned.resolve(strategy, nn.Linear(1, 1), None)
+    assert strategy._plan_after_launch and not getattr(strategy, "_planned", False)
+
+
 def test_fabric_refuses_auto_tensor_parallel_size_saying_how_to_plan():
     """Fabric starts its processes before any model exists, and the tensor size decides their roles there."""
     from lightning_pipe.lightning.fabric.strategy import PipeStrategy

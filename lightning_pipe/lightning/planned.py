@@ -131,19 +131,19 @@ def apply(strategy: Any, arguments: dict[str, Any]) -> None:
 
 def resolve(strategy: Any, module: Any, trainer: Any) -> None:
     """Choose what ``strategy`` left to ``"auto"``: in the launching process by the plan (its choice handed to the
-    processes it starts), in those by what it handed them. Processes started by another (torchrun, SLURM) cannot
-    agree on one measured plan: refused there, saying what to do."""
+    processes it starts), in those by what it handed them. Processes started by another (torchrun, SLURM) plan once
+    they have met (:func:`resolve_after_launch`, as ``setup`` builds the pipeline): there the tensor size, which
+    decides at launch which process does what, cannot be left to the plan, and is refused."""
     if not strategy._auto or getattr(strategy, "_planned", False):
         return
     handed = json.loads(os.environ.get(LAYOUT_ENV, "{}"))
     if handed.get("_for") == type(module).__qualname__:  # the launching process's plan of this model
         apply(strategy, handed)
     elif strategy.cluster_environment is not None and strategy.cluster_environment.creates_processes_externally:
-        raise ValueError(
-            f"PipeStrategy({', '.join(f'{n}=auto' for n in strategy._auto)}) plans the layout in the process that "
-            "starts the others, and these processes were started by another launcher (torchrun, SLURM), where each "
-            "would measure its own plan: run `python -m lightning_pipe plan` (or lightning_pipe.plan_layout) once and "
-            "pass the layout it prints")
+        refuse_after_launch(strategy._auto, "these processes were started by another launcher (torchrun, SLURM)",
+                            "the Trainer's setup")
+        strategy._plan_after_launch = True
+        return
     else:
         found = plan(strategy, module, str(getattr(trainer, "precision", "32-true")), _optimizer(module),
                      _loss_on_last_stage(module))
@@ -162,35 +162,50 @@ def _chosen(strategy: Any, module: Any, found: LayoutPlan) -> dict[str, Any]:
             "_for": type(module).__qualname__}
 
 
-def refuse_in_fabric(auto: Sequence[str]) -> None:
-    """Refuse what Fabric cannot leave to ``"auto"``: its processes start at ``fabric.launch()``, before any model
-    exists, and ``tensor_parallel_size`` decides there which process does what."""
+def refuse_after_launch(auto: Sequence[str], started: str, when: str) -> None:
+    """Refuse what cannot be left to ``"auto"`` where the processes were ``started`` before any plan (Fabric's
+    ``launch()``, torchrun, SLURM): ``tensor_parallel_size``, which decides there which process does what; the rest
+    is planned at ``when``."""
     if "tensor_parallel_size" in auto:
         raise ValueError(
-            "Fabric starts its processes at fabric.launch(), before any model exists, and tensor_parallel_size decides "
-            "there which process does what, so PipeStrategy(tensor_parallel_size='auto') cannot be planned under "
-            "Fabric: pass a size (the other layout arguments may stay 'auto': they are planned as fabric.setup builds "
-            "the pipeline), or plan the whole layout first with lightning_pipe.plan_layout(model, example_input, "
-            "devices=..., memory_per_device=...) and pass PipeStrategy(**plan.layout.arguments()) (docs/planning.md)")
+            f"{started[0].upper()}{started[1:]} before any layout was planned, and tensor_parallel_size decides as "
+            "they start which process does what, so PipeStrategy(tensor_parallel_size='auto') cannot be planned "
+            f"there: pass a size (the other layout arguments may stay 'auto': they are planned at {when}), or plan "
+            "the whole layout first with lightning_pipe.plan_layout(model, example_input, devices=..., "
+            "memory_per_device=...) or `python -m lightning_pipe plan`, and pass "
+            "PipeStrategy(**plan.layout.arguments()) (docs/planning.md)")
 
 
-def resolve_in_fabric(strategy: Any, module: Any, optimizers: Sequence[Any]) -> None:
-    """Choose what a Fabric ``strategy`` left to ``"auto"`` as ``fabric.setup`` builds the pipeline (the model exists
-    only then; the processes already run, as many per pipeline as launched): planned by the first driver for its
-    ``optimizers`` and precision, the loss on the last stage where the script calls ``loss_on_last_stage``, its
-    choice broadcast to the other drivers (each would measure its own plan)."""
+def resolve_after_launch(strategy: Any, module: Any, precision: str, optimizer: Any, last: bool) -> None:
+    """Choose what ``strategy`` left to ``"auto"`` where its processes were started before any plan (Fabric's
+    ``launch()``, torchrun, SLURM), as the pipeline is built (the processes have met; as many per pipeline as
+    launched): planned by the first driver for ``optimizer`` (a function of parameters) at ``precision``, the loss on
+    the last stage where ``last``, its choice broadcast to the other drivers (each would measure its own plan)."""
     if not strategy._auto or getattr(strategy, "_planned", False):
         return
     arguments = None
     if strategy.is_global_zero:
-        found = plan(strategy, module, str(strategy.precision.precision), _optimizer_of(list(optimizers)),
-                     _loss_in_script(module))
-        arguments = _chosen(strategy, module, found)
+        arguments = _chosen(strategy, module, plan(strategy, module, precision, optimizer, last))
     if strategy.topology.pipelines > 1:
         arguments = strategy.broadcast(arguments, 0)
     apply(strategy, arguments)
     resident.remember_base()  # the peak from here on: the plan's own measurements are not what the stages hold
     strategy._planned = True
+
+
+def resolve_in_fabric(strategy: Any, module: Any, optimizers: Sequence[Any]) -> None:
+    """Fabric's :func:`resolve_after_launch` as ``fabric.setup`` builds the pipeline: for the ``optimizers`` given to
+    it and Fabric's precision, the loss on the last stage where the script calls ``loss_on_last_stage``."""
+    resolve_after_launch(strategy, module, str(strategy.precision.precision), _optimizer_of(list(optimizers)),
+                         _loss_in_script(module))
+
+
+def resolve_in_setup(strategy: Any, module: Any, trainer: Any) -> None:
+    """The Trainer's :func:`resolve_after_launch` (processes started by torchrun or SLURM) as its ``setup`` builds the
+    pipeline: ``configure_optimizers``'s optimizer and the Trainer's precision."""
+    if getattr(strategy, "_plan_after_launch", False):
+        resolve_after_launch(strategy, module, str(trainer.precision), _optimizer(module),
+                             _loss_on_last_stage(module))
 
 
 def _loss_in_script(module: Any) -> bool:

@@ -42,9 +42,11 @@ def main() -> None:
     pl.seed_everything(0)
     model = Body()
     auto = "auto"
+    # "auto-t1": the tensor size given (torchrun starts the processes before any plan: it cannot be left to one).
     strategy = "auto" if mode == "plain" else PipeStrategy(
-        balance=auto, microbatches=auto, schedule=auto, checkpoint=auto, tensor_parallel_size=auto,
-        sharding_strategy=auto, memory_per_device=budget, **placed)
+        balance=auto, microbatches=auto, schedule=auto, checkpoint=auto,
+        tensor_parallel_size=1 if mode == "auto-t1" else auto, sharding_strategy=auto, memory_per_device=budget,
+        **placed)
     trainer = pl.Trainer(accelerator=accelerator, devices=1 if placed or mode == "plain" else devices,
                          strategy=strategy, max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -116,7 +116,8 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         given = {k: v for k, v in locals().items() if k in settings.DEFAULTS}
         values = settings.pipeline_settings(PipeStrategy, type(self), given, kwargs)
-        planned.refuse_in_fabric(values["_auto"])
+        planned.refuse_after_launch(values["_auto"], "Fabric starts its processes at fabric.launch()",
+                                    "fabric.setup, as it builds the pipeline")
         self._ddp_comm_hook = kwargs.pop("ddp_comm_hook", None)
         self._ddp_comm_state = kwargs.pop("ddp_comm_state", None)
         self._ddp_comm_wrapper = kwargs.pop("ddp_comm_wrapper", None)

@@ -205,6 +205,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         recording = deferred_recording(self.lightning_module)  # a body built on meta: record the conversion too
         with recording.resume() if recording is not None else contextlib.nullcontext():
             self.precision_plugin.convert_module(self.model)
+        planned.resolve_in_setup(self, self.lightning_module, trainer)  # torchrun, SLURM: now the processes have met
         self._attach(build(self, self.lightning_module))
         mix_in(self.precision_plugin, PipePrecision)
         self.precision_plugin._lp_unscale_shards()
