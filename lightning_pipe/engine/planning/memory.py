@@ -97,14 +97,20 @@ def activation_peak(plan: Plan, times: Mapping[Action, tuple[float, float]], pro
     return peak_level(events)
 
 
+def _kept(profile: BodyProfile, bounds: Sequence[tuple[int, int]], tensor: int,
+          splittable: Callable[[int, int], float]) -> float:
+    """The share of its stages' parameters a process holds where tensor parallel splits ``splittable``'s over
+    ``tensor`` processes."""
+    whole = sum(profile.total("params", lo, hi) for lo, hi in bounds)
+    parted = min(whole, sum(splittable(lo, hi) for lo, hi in bounds))
+    return (whole - parted + parted / tensor) / whole if whole else 1.0
+
+
 def trainable_bytes(profile: BodyProfile, bounds: Sequence[tuple[int, int]], tensor: int,
                     splittable: Callable[[int, int], float]) -> float:
     """The trainable parameters' bytes a process of stages ``bounds`` holds whole (what tensor parallel leaves it):
     one set of its gradients."""
-    whole = sum(profile.total("params", lo, hi) for lo, hi in bounds)
-    parted = min(whole, sum(splittable(lo, hi) for lo, hi in bounds))
-    kept = (whole - parted + parted / tensor) / whole if whole else 1.0
-    return sum(profile.total("trainable", lo, hi) for lo, hi in bounds) * kept
+    return sum(profile.total("trainable", lo, hi) for lo, hi in bounds) * _kept(profile, bounds, tensor, splittable)
 
 
 def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, tensor: int, replicas: int,
@@ -118,10 +124,8 @@ def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, t
     inside ``training_step`` (the loss on the last stage), making its gradients aside while the previous step's are
     still held (Lightning zeroes them after ``training_step``): two sets of gradients at the peak. ``fresh``: the
     share of the step's own gradients there at the process's peak (:func:`activation_peak`'s ``grown``)."""
-    whole = sum(profile.total("params", lo, hi) for lo, hi in bounds)
-    parted = min(whole, sum(splittable(lo, hi) for lo, hi in bounds))
-    kept = (whole - parted + parted / tensor) / whole if whole else 1.0  # what tensor parallel leaves here
-    params, trainable = whole * kept, sum(profile.total("trainable", lo, hi) for lo, hi in bounds) * kept
+    params = sum(profile.total("params", lo, hi) for lo, hi in bounds) * _kept(profile, bounds, tensor, splittable)
+    trainable = trainable_bytes(profile, bounds, tensor, splittable)
     d = replicas if sharding != "NO_SHARD" else 1
     # FULL_SHARD keeps its shard alone between uses; SHARD_GRAD_OP its shard and the whole parameters it gathered for
     # the step (freed after the optimizer step); without sharding, the whole parameters.

@@ -37,10 +37,9 @@ def _measure(rank: int, world: int, path: str, nbytes: int, repeats: int, out: A
                 times[name].append(time.perf_counter() - tick)
         found = {name: statistics.median(values) for name, values in times.items()}
         found.update(_layer_costs(world, nbytes, repeats))
-        if extra is not None:
-            found.update(extra(rank, world, dist.PrefixStore("extra/", store)))
+        extras = extra(rank, world, dist.PrefixStore("extra/", store)) if extra is not None else {}
         if rank == 0:
-            out.put(found)
+            out.put((found, extras))
     finally:
         dist.destroy_process_group()
 
@@ -101,7 +100,7 @@ def collective_costs(processes: int = 2, nbytes: int = 16 << 20, repeats: int = 
         for worker in workers:
             worker.start()
         try:
-            found = out.get(timeout=timeout)
+            found, extras = out.get(timeout=timeout)
         finally:
             for worker in workers:
                 worker.join(timeout=10)
@@ -110,5 +109,4 @@ def collective_costs(processes: int = 2, nbytes: int = 16 << 20, repeats: int = 
                     worker.join()
     moved = 2 * (processes - 1) / processes * nbytes
     return {"collective": found["small"], "collective_bandwidth": moved / max(1e-9, found["large"] - found["small"]),
-            "sharded_per_byte": found["sharded_per_byte"], "tensor_action": found["tensor_action"],
-            **{k: v for k, v in found.items() if k not in ("small", "large", "sharded_per_byte", "tensor_action")}}
+            "sharded_per_byte": found["sharded_per_byte"], "tensor_action": found["tensor_action"], **extras}
