@@ -317,3 +317,39 @@ def test_the_split_backward_is_measured_where_the_engine_splits_it():
     frozen = measure_body(nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 64)),
                           torch.randn(64, 64), repeats=2)
     assert all((inputs, weights) == (1.0, 0.0) for _, _, _, inputs, weights in frozen.chain)
+
+
+class OwnLayer(nn.Module):
+    """A layer of the user's own: the engine cannot know that its backward may run in two."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+def test_a_micro_batch_is_held_until_its_weight_gradients_only_where_the_engine_splits_its_backward():
+    """Zero-bubble keeps a micro-batch's graph from its input gradients (I) to its parameters' (W) where the stage
+    splits its backward; where it cannot (a layer of the user's own, ``twice_safe`` False), each I is a whole backward
+    that frees the micro-batch, so the last process holds one at a time, as under 1F1B, and W costs nothing."""
+    from lightning_pipe.engine.backward_split import twice_safe
+
+    def activations(make: type[nn.Module] | None, schedule: str) -> tuple[list[float], object]:
+        torch.manual_seed(0)
+        layers = [make() if make else nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(6)]
+        profile = measure_body(nn.Sequential(*layers), torch.randn(16, 64), repeats=1)
+        prediction = predict(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 8, schedule, "never"), profile, batch=16,
+                             fixed_global=False, optimizer=ADAM, costs=Costs(), splittable=lambda lo, hi: 0.0,
+                             cores=2)
+        return [m.activations for m in prediction.memory], profile
+
+    assert not twice_safe(OwnLayer()) and twice_safe(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    split_zb, split = activations(None, "zero-bubble")
+    split_1f1b, _ = activations(None, "1f1b")
+    assert split.splits(3, 6) and split_zb[1] == pytest.approx(2 * split_1f1b[1])  # one more micro-batch, awaiting W
+    own_zb, own = activations(OwnLayer, "zero-bubble")
+    own_1f1b, _ = activations(OwnLayer, "1f1b")
+    assert not own.splits(3, 6) and own_zb == pytest.approx(own_1f1b)
+    assert own.time("weights", 3, 6, 2) == 0.0 and own.time("inputs", 3, 6, 2) == own.time("backward", 3, 6, 2)

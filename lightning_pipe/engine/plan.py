@@ -270,11 +270,15 @@ def simulate(plan: Plan, costs: Mapping[str, float] | Callable[[Action], float] 
     return Simulation(times, makespan, 1.0 - busy / (plan.processes * makespan), _held(plan, times))
 
 
-def held_span(times: Mapping[Action, tuple[float, float]], stage: int, microbatch: int) -> tuple[float, float] | None:
+def held_span(times: Mapping[Action, tuple[float, float]], stage: int, microbatch: int, split: bool = True
+              ) -> tuple[float, float] | None:
     """When ``stage`` holds ``microbatch`` in a simulation's ``times``: from its forward's start to its backward's end
-    (its ``W``'s, where the backward is split); None where it has no backward (a forward-only plan)."""
-    ends = [times[a][1] for a in (Action(stage, "B", microbatch), Action(stage, "W", microbatch),
-                                  Action(stage, "B", -1), Action(stage, "I", microbatch)) if a in times]
+    (its ``W``'s, where the backward is split; ``split`` False: the stage runs each ``I`` as a whole backward and its
+    ``W`` does nothing, so the micro-batch goes at the ``I``'s end); None where it has no backward (a forward-only
+    plan)."""
+    kinds = ("B", "W", "I") if split else ("B", "I")
+    ends = [times[a][1] for a in (*(Action(stage, kind, microbatch) for kind in kinds), Action(stage, "B", -1))
+            if a in times]
     return (times[Action(stage, "F", microbatch)][0], max(ends)) if ends else None
 
 

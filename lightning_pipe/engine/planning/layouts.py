@@ -195,8 +195,15 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
               if layout.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD") and d > 1 else 0.0 for lo, hi in bounds]
     split_layers = [sum(1 for k in range(lo, hi) if splittable(k, k + 1) > 0) for lo, hi in bounds]
 
+    # Where the engine runs a zero-bubble backward in two: not where FSDP's or tensor parallel's hooks are on the
+    # layers (``twice_safe``), whose each I is then a whole backward.
+    hooked = t > 1 or (d > 1 and layout.sharding_strategy != "NO_SHARD")
+    splits = [not hooked and profile.splits(lo, hi) for lo, hi in bounds]
+
     def compute(s: int, direction: str) -> float:
         lo, hi = bounds[s]
+        if direction in ("inputs", "weights") and not splits[s]:
+            return compute(s, "backward") if direction == "inputs" else 0.0
         seconds = profile.time(direction, lo, hi, rows) * crowd
         if t > 1 and share[s]:
             seconds = seconds * (1 - share[s] + share[s] / t) + split_layers[s] * costs.tensor_action
@@ -240,9 +247,9 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
                 return 0.0
             return rows * (profile.activations(lo, hi) - profile.boundary(lo) - profile.boundary(hi))
 
-        activations = activation_peak(plan, simulation.times, r, held, recomputed)
+        activations = activation_peak(plan, simulation.times, r, held, recomputed, split=splits.__getitem__)
         new = trainable_bytes(profile, mine, t, splittable)  # the step's gradients, made from its first backward on
-        together = activation_peak(plan, simulation.times, r, held, recomputed, grown=new)
+        together = activation_peak(plan, simulation.times, r, held, recomputed, grown=new, split=splits.__getitem__)
         fresh = 1.0 if together - activations >= new * (1 - 1e-9) else max(0.0, (together - activations) / new)
         senders = {plan.process_of(s - 1) for s in plan.stages_of(r) if s > 0} | \
             {plan.process_of(s + 1) for s in plan.stages_of(r) if s + 1 < n}

@@ -50,6 +50,8 @@ class LayerMeasure:
     saved: tuple[tuple[int, float], ...]
     input: tuple[int, float]
     output: tuple[int, float]
+    #: whether a zero-bubble schedule may run its backward in two (on the CPU, a layer that allows it: ``twice_safe``)
+    splits: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,12 @@ class BodyProfile:
         held.update([self.layers[lo].input, self.layers[hi - 1].output])
         return sum(held.values())
 
+    def splits(self, lo: int, hi: int) -> bool:
+        """Whether a stage of layers ``lo .. hi - 1`` runs a zero-bubble schedule's backward in two (input gradients,
+        then its parameters', the micro-batch held until then), as the engine does: where each of its layers allows it
+        and its input needs a gradient (else each ``I`` is a whole backward, its ``W`` nothing)."""
+        return all(layer.splits for layer in self.layers[lo:hi]) and (lo > 0 or self.input_grad)
+
     def boundary(self, k: int) -> float:
         """Bytes per sample handed to layer ``k`` (the body's input for 0; ``len``: the body's output)."""
         return self.layers[k].input[1] if k < len(self.layers) else self.layers[-1].output[1]
@@ -96,7 +104,7 @@ class BodyProfile:
         is not split where the body's input needs no gradient (nothing goes upstream)."""
         if direction in ("inputs", "weights"):
             backward = self.time("backward", lo, hi, rows)
-            if lo == 0 and not self.input_grad:
+            if not self.splits(lo, hi):
                 return backward if direction == "inputs" else 0.0
             return backward * self._interpolated(3 if direction == "inputs" else 4, rows)
         share = sum(getattr(layer, direction) for layer in self.layers[lo:hi])
@@ -146,7 +154,8 @@ def measure_body(module: nn.Sequential, sample: Any, *, device: torch.device | s
             buffers=sum(b.numel() * b.element_size() for b in layer.buffers()),
             largest_param=int(max([p.numel() * p.element_size() for p in params] or [0]) * scale),
             saved=tuple((key, nbytes / rows) for key, nbytes in saved[k].items()),
-            input=(inputs[k][0], inputs[k][1] / rows), output=(outputs[k][0], outputs[k][1] / rows)))
+            input=(inputs[k][0], inputs[k][1] / rows), output=(outputs[k][0], outputs[k][1] / rows),
+            splits=device.type == "cpu" and twice_safe(layer)))
     return BodyProfile(tuple(layers), rows, threads or previous, chain,
                        any(t.requires_grad for t in tensors_of_batch(sample)))
 

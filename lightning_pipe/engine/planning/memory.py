@@ -73,20 +73,22 @@ def optimizer_model(optimizer: Any, device: torch.device) -> OptimizerModel:
 
 def activation_peak(plan: Plan, times: Mapping[Action, tuple[float, float]], process: int,
                     held: Callable[[int, int], float], recomputed: Callable[[int, int], float],
-                    grown: float = 0.0) -> float:
+                    grown: float = 0.0, split: Callable[[int], bool] = lambda s: True) -> float:
     """The most activation bytes ``process`` holds at once as the simulated ``plan`` runs: each micro-batch's
-    ``held(stage, i)`` from its forward's start to its backward's end (the W's, where split), and a recomputed
+    ``held(stage, i)`` from its forward's start to its backward's end (the W's, where ``split(stage)``: where the
+    stage cannot split its backward, each I is a whole backward and frees the micro-batch), and a recomputed
     micro-batch's ``recomputed(stage, i)`` during its backward; with ``grown`` bytes more from the end of the
     process's first backward that makes parameters' gradients on (the step's gradients: they are made as that
     micro-batch's activations are freed, so GPipe, whose activations peak before its first backward, never holds
     both whole)."""
     events: list[tuple[float, float]] = []
-    made = [times[a][1] for a in plan.actions[process] if a.kind in "BW" and a in times]
+    made = [times[a][1] for a in plan.actions[process]
+            if (a.kind in "BW" if split(a.stage) else a.kind in "BI") and a in times]
     if grown and made:
         events.append((min(made), grown))
     for s in plan.stages_of(process):
         for i in range(plan.microbatches):
-            span = held_span(times, s, i)
+            span = held_span(times, s, i, split(s))
             if span is None:
                 continue  # a forward-only plan
             events += [(span[0], held(s, i)), (span[1], -held(s, i))]
