@@ -7,10 +7,11 @@ Two bodies: an MLP (``--layers`` x (Linear(``--width``) + ReLU), a regression lo
 with the loss on the last stage. The grid: stages 1-4 (and 2 per process in a V or interleaved), tensor-parallel size
 1-2 (the MLP's layers split colwise, rowwise in turn), replicas 1-2 (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD), each
 schedule, recomputation on and off. Each layout runs twice, as a job of ``--steps`` steps each: once for its memory
-(``MALLOC_MMAP_THRESHOLD_=1048576``, as the other memory benchmarks: the peaks are what the processes hold, not what
-glibc's heap keeps), once for its step (glibc's default: as a user runs it; the median over the steps after
-``--warmup``); every replica's
-driver reports the peak resident memory (``VmHWM``) of each process of its pipeline, above what the process held as it
+(``MALLOC_MMAP_THRESHOLD_`` at 64 KiB: every tensor of the grid's micro-batches its own mapping, given back when freed,
+so the peaks are what the processes hold, not what glibc's heap keeps; at 1 MiB, the LM's 4-process layouts, whose
+micro-batches' tensors are 512 KiB, measured 15% above what they held), once for its step (glibc's default: as a
+user runs it; the median over the steps after ``--warmup``); every replica's driver reports the peak resident
+memory (``VmHWM``) of each process of its pipeline, above what the process held as it
 joined its session (``memory_per_process()``'s ``base``: torch and Lightning imported, no stage yet). The prediction
 is made here, in this process, from the body
 measured once per number of processes (each process computes on ``cores / processes`` threads), before any job runs.
@@ -43,6 +44,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+#: glibc's mmap threshold for the memory runs (bytes): below the smallest activation of the grid's layouts.
+MMAP_THRESHOLD = 64 << 10
 #: (processes, virtual stages, tensor size, replicas, sharding, micro-batches, schedule, checkpoint)
 GRID = [
     (1, 1, 1, 1, "NO_SHARD", 4, "gpipe", "never"),
@@ -180,7 +183,7 @@ def measure(args: argparse.Namespace, index: int, layout: tuple, balance: list[i
     fixed (every large tensor its own mapping, given back when freed: the peaks are what the processes hold), else
     as a user runs it (the step: a fixed threshold makes every large allocation fault its pages in afresh)."""
     out = tempfile.mkdtemp(prefix="lp-bench-plan-")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"} if memory else dict(os.environ)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if memory else dict(os.environ)
     command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--job", str(index),
                ",".join(map(str, balance)),
                out]

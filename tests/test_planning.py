@@ -100,14 +100,25 @@ def test_each_term_follows_the_layout():
 
 def test_activations_follow_the_schedule_and_recomputation():
     """GPipe holds every micro-batch at stage 0, 1F1B as many as there are stages; recomputing holds each one's input
-    and output, and one micro-batch whole while it is recomputed."""
+    alone (as the engine keeps it: its output is handed on, not kept), and one micro-batch whole while it is
+    recomputed."""
+    from lightning_pipe.engine.microbatch import Batch
+    from lightning_pipe.engine.partition import split_module
+    from lightning_pipe.engine.rng import LazySeed
+    from lightning_pipe.engine.stage import Stage
+
+    stage = Stage(0, split_module(body(), [3, 3])[0], torch.device("cpu"))
+    x = torch.randn(2, 64)
+    out, _ = stage.forward(0, 0, Batch((x,), True), {}, seed=LazySeed(), save=True, checkpoint=True, last=False)
+    kept = stage._saved[(0, 0)]
+    assert kept.outputs is None and [t.data_ptr() for t in kept.inputs] == [x.data_ptr()]
     gpipe, profile = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 8, "gpipe", "never"))
     one_f, _ = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 8, "1f1b", "never"))
     every = profile.activations(0, 3) * 2  # one micro-batch of 2 rows at stage 0
     assert gpipe.memory[0].activations == pytest.approx(8 * every)
     assert one_f.memory[0].activations == pytest.approx(2 * every)
     recomputed, _ = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 8, "gpipe", "always"))
-    inputs = (profile.boundary(0) + profile.boundary(3)) * 2  # what a recomputed micro-batch keeps: in and out
+    inputs = profile.boundary(0) * 2  # what a recomputed micro-batch keeps: its input
     assert recomputed.memory[0].activations == pytest.approx(8 * inputs + every - inputs)
     assert recomputed.memory[0].activations < gpipe.memory[0].activations
 

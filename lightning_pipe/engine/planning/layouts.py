@@ -187,7 +187,8 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
     if placement and not plan.placement:
         plan = Plan(plan.schedule, plan.microbatches, plan.stages, plan.processes, plan.actions, placement)
     stop = {"never": 0, "except_last": m - 1, "always": m}[layout.checkpoint]
-    crowd = max(1.0, layout.devices / max(1, cores * profile.threads))  # more processes than cores: they share
+    # How many processes compute at once at the measured speed (each on ``profile.threads`` of the ``cores``).
+    capacity = max(1.0, cores / max(1, profile.threads))
     share = [splittable(lo, hi) / max(1, profile.total("params", lo, hi)) for lo, hi in bounds]
     # FULL_SHARD: each use of a stage's layers gathers them (what FSDP2 adds per byte, measured); t > 1: each split
     # layer's DTensor dispatch and its output's all-reduce (measured per layer and action).
@@ -204,7 +205,7 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
         lo, hi = bounds[s]
         if direction in ("inputs", "weights") and not splits[s]:
             return compute(s, "backward") if direction == "inputs" else 0.0
-        seconds = profile.time(direction, lo, hi, rows) * crowd
+        seconds = profile.time(direction, lo, hi, rows)
         if t > 1 and share[s]:
             seconds = seconds * (1 - share[s] + share[s] / t) + split_layers[s] * costs.tensor_action
         return seconds
@@ -223,10 +224,15 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
 
     handoff = costs.handoff + rows * max(profile.boundary(lo) for lo, _ in bounds) / costs.bandwidth if p > 1 else 0.0
     simulation = simulate(plan, cost, handoff=handoff)
+    # More processes than the cores run at once: they share them where they compute together, and a pipeline's
+    # processes mostly do not (its bubble, its waits for hand-offs); the step is the simulated one, or the whole job's
+    # work over the cores where that is longer (scaling every action by the crowding counted it where no one waits).
+    work = sum(cost(a) * (m if a.microbatch < 0 else 1) for actions in plan.actions for a in actions) * t * d
+    makespan = max(simulation.makespan, work / capacity) if layout.devices > capacity else simulation.makespan
     trainable = [sum(profile.total("trainable", lo, hi) for lo, hi in (bounds[s] for s in plan.stages_of(r)))
                  for r in range(p)]
     sharded = d if layout.sharding_strategy != "NO_SHARD" else 1
-    step = simulation.makespan + costs.step + costs.per_process * (p * t * (1 if d == 1 else 2) - 1)
+    step = makespan + costs.step + costs.per_process * (p * t * (1 if d == 1 else 2) - 1)
     step += max(trainable) / t / sharded * costs.optimizer_per_byte
     if d > 1 and layout.sharding_strategy == "NO_SHARD":  # stage 0's all-reduce, after the step's last backward
         step += 2 * (d - 1) / d * trainable[0] / t / costs.collective_bandwidth + costs.collective
@@ -236,16 +242,18 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
     for r in range(p):
         mine = [bounds[s] for s in plan.stages_of(r)]
 
+        # A recomputed micro-batch keeps its input alone (its output is handed on, or is the loss, and not kept: the
+        # graph is rebuilt in its backward), and the rest while its backward recomputes it.
         def held(s: int, i: int) -> float:
             lo, hi = bounds[s]
             whole = profile.activations(lo, hi) * ((1 - share[s] + share[s] / t) if t > 1 else 1.0)
-            return rows * (profile.boundary(lo) + profile.boundary(hi) if i < stop else whole)
+            return rows * (profile.boundary(lo) if i < stop else whole)
 
         def recomputed(s: int, i: int) -> float:
             lo, hi = bounds[s]
             if i >= stop:
                 return 0.0
-            return rows * (profile.activations(lo, hi) - profile.boundary(lo) - profile.boundary(hi))
+            return rows * (profile.activations(lo, hi) - profile.boundary(lo))
 
         activations = activation_peak(plan, simulation.times, r, held, recomputed, split=splits.__getitem__)
         new = trainable_bytes(profile, mine, t, splittable)  # the step's gradients, made from its first backward on
