@@ -147,12 +147,12 @@ def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, t
                       for lo, hi in bounds for k in range(lo, hi))
         gathered = 2 * largest * (1 - 1 / d)
     # The optimizer's temporaries (sharded: on its shards), at the step: after the backward, whose activations are
-    # freed then and whose gradients are down to one set (the previous step's zeroed; sharded: the shard scattered).
-    # They count as far as they exceed what the backward's peak held beyond that: the peak is the higher of the two.
+    # freed by then (the gradients are not: the MLP's processes measured both sets there). They count as far as they
+    # exceed the activations: the peak is the higher of the two moments.
     step = (trainable / d if optimizer.foreach else
             max(layer.largest_param for lo, hi in bounds for layer in profile.layers[lo:hi]) / tensor / d) \
         if optimizer.states else 0.0
-    transient = max(flowing + gathered, 2 * step + trainable / d - gradients - activations)
+    transient = max(flowing + gathered, 2 * step - activations)
     # Posted receives (CPU stages), and DDP's buckets: a copy of the gradients unless they are views of them.
     buffers = sum(POSTED * min(b, PLANE_LIMIT) for b in incoming)
     if replicas > 1 and sharding == "NO_SHARD" and not bucket_view:
