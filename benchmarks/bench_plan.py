@@ -14,7 +14,10 @@ user runs it; the median over the steps after ``--warmup``); every replica's dri
 memory (``VmHWM``) of each process of its pipeline, above what the process held as it
 joined its session (``memory_per_process()``'s ``base``: torch and Lightning imported, no stage yet). The prediction
 is made here, in this process, from the body
-measured once per number of processes (each process computes on ``cores / processes`` threads), before any job runs.
+measured once per number of processes (each process computes on ``cores / processes`` threads), before any job runs;
+the step of each layout of 2 processes from the body measured again right before its timed run (as ``plan_layout``
+measures it when a job starts: on a shared VM the speed moves by a quarter within minutes), ``--once`` to keep the
+first measurement.
 
 Printed: per layout, each process's predicted and measured peak, their error, the step predicted and measured (median
 over the steps after the first two); then ``RESULT plan_memory_error_max=`` (the largest |predicted - measured| /
@@ -22,7 +25,7 @@ measured peak over every process of every layout), ``RESULT plan_step_error_max=
 2 processes) and ``RESULT plan_choice_over_best=`` (the planner's choice among the 2-process layouts of the grid, its
 measured step over the best measured).
 
-    python benchmarks/bench_plan.py [--model mlp|lm] [--steps 6] [--only 3,5]
+    python benchmarks/bench_plan.py [--model mlp|lm] [--steps 6] [--only 3,5] [--once]
 
 """
 
@@ -208,6 +211,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the step's median")
     parser.add_argument("--only", default=None, help="grid indices, comma-separated")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--once", action="store_true",
+                        help="predict every step from the body measured once per process count (by default the "
+                             "2-process layouts' steps come from the body measured again right before each)")
     parser.add_argument("--job", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model == "lm" and args.width == 1536:  # the MLP's defaults: the language model's own
@@ -243,19 +249,24 @@ def main() -> None:
     errors_step: list[float] = []
     measured_two: dict[Layout, float] = {}
 
-    def planned(devices: int, where: Any, balance: list[int] | None = None, tensor: bool = True) -> Any:
+    def planned(devices: int, where: Any, balance: list[int] | None = None, tensor: bool = True,
+                profile: Any = None) -> Any:
         """What plan_layout predicts of the layouts ``where`` keeps (the body measured once per process count, as
-        the planner measures it for that many processes)."""
+        the planner measures it for that many processes, or ``profile``)."""
         return plan_layout(module, sample, devices=devices, memory_per_device=2**50, optimizer=torch.optim.AdamW,
-                           tensor_parallel_plan=tensor_plan(args) if tensor else None, profile=profiles[devices],
-                           balance=balance, where=where, costs=costs_of[devices])
+                           tensor_parallel_plan=tensor_plan(args) if tensor else None,
+                           profile=profile or profiles[devices], balance=balance, where=where,
+                           costs=costs_of[devices])
+
+    def measured_body(devices: int) -> Any:
+        """The body measured as the planner measures it for ``devices`` processes."""
+        return measure_body(module, sample, threads=max(1, cores // devices), concurrent=min(devices, cores))
 
     for index, layout in zip(indices, grid):
         p, v, t, d, sharding, m, schedule, checkpoint = layout
         devices = p * t * d
         if devices not in profiles:  # measured once per process count, as plan_layout measures them
-            profiles[devices] = measure_body(module, sample, threads=max(1, cores // devices),
-                                             concurrent=min(devices, cores))
+            profiles[devices] = measured_body(devices)
             torch.set_num_threads(max(1, cores // devices))
             costs_of[devices] = replace(costs, optimizer_per_byte=optimizer_time(
                 torch.optim.AdamW, torch.device("cpu"), min(devices, cores)))
@@ -265,6 +276,11 @@ def main() -> None:
         predicted = planned(devices, lambda lay, mine=mine: lay == mine, balance, t > 1).chosen
         start = time.perf_counter()
         reports = measure(args, index, layout, balance, memory=True)
+        if devices == 2 and not args.once:
+            # The step's prediction from the body measured again right before the layout runs, as plan_layout
+            # measures it when a job starts: this machine's speed moves by a quarter within minutes.
+            predicted = replace(predicted, step=planned(devices, lambda lay, mine=mine: lay == mine, balance, t > 1,
+                                                        measured_body(devices)).chosen.step)
         timed = measure(args, index, layout, balance, memory=False)
         measured = [q for r in reports for q in r["held"]]
         # Each replica's pipeline, per process (every tensor rank of a process reports apart: its own process).

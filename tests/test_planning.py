@@ -73,8 +73,8 @@ def predicted(layout: Layout, optimizer: OptimizerModel = ADAM, **kwargs):
 
 def test_each_term_follows_the_layout():
     """Parameters by stage; Adam's state twice the trainable; sharding divides the state (FULL_SHARD the parameters
-    too; the gradients accumulate whole until the last backward); DDP's buckets copy the gradients; tensor parallel
-    divides what its plan splits."""
+    and the gradients, scattered by each backward; SHARD_GRAD_OP's gradients accumulate whole until the last
+    backward); DDP's buckets copy the gradients; tensor parallel divides what its plan splits."""
     one, profile = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 4, "1f1b", "never"), aside=False)
     stage = profile.total("params", 0, 3)
     m = one.memory[0]
@@ -86,6 +86,11 @@ def test_each_term_follows_the_layout():
     assert grad_op.memory[0].parameters == stage / 2 + stage  # its shard, and the whole it gathered for the step
     full, _ = predicted(Layout(2, 1, (3, 3), 1, 2, "FULL_SHARD", 4, "1f1b", "never"), aside=False)
     assert full.memory[0].parameters == stage / 2
+    assert full.memory[0].gradients == stage / 2  # each backward reduces and scatters them: the shard alone
+    # A layer's backward holds four whole layers (its parameters and their gradient, the one before prefetched, the
+    # last reduce-scatter's input) besides the gradients flowing: the transient, the body's layers even.
+    flowing = (profile.largest_saved(0, 3) + profile.boundary(0)) * 16 / 4
+    assert full.memory[0].transient == pytest.approx(flowing + 4 * profile.total("params", 0, 1))
     split, _ = predicted(Layout(2, 1, (3, 3), 2, 1, "NO_SHARD", 4, "1f1b", "never"), aside=False,
                          splittable=lambda lo, hi: profile.total("params", lo, hi))
     assert split.memory[0].parameters == stage / 2

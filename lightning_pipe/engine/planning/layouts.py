@@ -257,6 +257,8 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
 
         activations = activation_peak(plan, simulation.times, r, held, recomputed, split=splits.__getitem__)
         new = trainable_bytes(profile, mine, t, splittable)  # the step's gradients, made from its first backward on
+        if layout.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD") and d > 1:
+            new /= d  # reduced and scattered as each backward ends: their shard
         together = activation_peak(plan, simulation.times, r, held, recomputed, grown=new, split=splits.__getitem__)
         fresh = 1.0 if together - activations >= new * (1 - 1e-9) else max(0.0, (together - activations) / new)
         senders = {plan.process_of(s - 1) for s in plan.stages_of(r) if s > 0} | \

@@ -13,7 +13,7 @@ import torch
 from lightning_pipe.engine.plan import Action, Plan, held_span, peak_level
 from lightning_pipe.engine.planning.measure import BodyProfile
 
-__all__ = ["Memory", "OptimizerModel", "optimizer_model", "process_memory"]
+__all__ = ["Memory", "OptimizerModel", "fsdp_backward", "optimizer_model", "process_memory"]
 
 #: Receives the data plane keeps posted per peer (CPU stages), each as large as the largest message from it, up
 #: to the size above which a hand-off goes by RPC.
@@ -115,6 +115,21 @@ def trainable_bytes(profile: BodyProfile, bounds: Sequence[tuple[int, int]], ten
     return sum(profile.total("trainable", lo, hi) for lo, hi in bounds) * _kept(profile, bounds, tensor, splittable)
 
 
+def fsdp_backward(profile: BodyProfile, bounds: Sequence[tuple[int, int]], tensor: int,
+                  splittable: Callable[[int, int], float]) -> float:
+    """The most bytes FSDP2 holds whole, beyond the shards, in the backward of one layer of stages ``bounds`` sharded
+    per micro-batch (``FULL_SHARD``, every layer a unit): the layer's parameters gathered and the gradient of them it
+    makes, the layer before prefetched, and the last reduce-scatter's input (the layer after, or the stage's first
+    layer: the previous micro-batch's last), which FSDP keeps until the next reduce-scatter. (The forward's last
+    all-gather is freed as the forward ends.) Four whole layers where they are even, as measured."""
+    def unit(k: int, what: str = "params") -> float:
+        return profile.total(what, k, k + 1) / (tensor if splittable(k, k + 1) else 1)
+
+    return max(unit(k) + unit(k, "trainable") + (unit(k - 1) if k > lo else 0.0)
+               + unit(k + 1 if k + 1 < hi else lo, "trainable")
+               for lo, hi in bounds for k in range(lo, hi))
+
+
 def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, tensor: int, replicas: int,
                    sharding: str, optimizer: OptimizerModel, activations: float, rows: float,
                    incoming: Sequence[float], runtime: float, splittable: Callable[[int, int], float],
@@ -133,19 +148,17 @@ def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, t
     # the step (freed after the optimizer step); without sharding, the whole parameters.
     stored = params / d if sharding in ("FULL_SHARD", "HYBRID_SHARD") else \
         params / d + params if sharding == "SHARD_GRAD_OP" and d > 1 else params
-    # The step's own gradients (whole: a sharded stage accumulates them until its last backward reduces and scatters
-    # them), beside the previous step's where the backward runs inside training_step (sharded: its shard).
-    gradients = trainable * fresh + (trainable / d if aside else 0.0)
+    # The step's own gradients, beside the previous step's where the backward runs inside training_step (sharded: its
+    # shard). Whole under SHARD_GRAD_OP (a stage accumulates them until its last backward reduces and scatters them);
+    # under FULL_SHARD each micro-batch's backward reduces and scatters a layer's as it ends: their shard alone.
+    per_microbatch = sharding in ("FULL_SHARD", "HYBRID_SHARD") and d > 1
+    gradients = (trainable / d if per_microbatch else trainable) * fresh + (trainable / d if aside else 0.0)
     states = optimizer.states * trainable / d
     # A moment's extra: the backward's gradients flowing through the largest saved tensor and a stage's input
-    # gradient, or the optimizer's temporaries; under FULL_SHARD, a layer's parameters gathered whole for its use and
-    # the next one's prefetched (each layer is a unit of its own).
+    # gradient, or the optimizer's temporaries; under FULL_SHARD, what FSDP2 holds whole in a layer's backward (each
+    # layer a unit of its own): :func:`fsdp_backward`.
     flowing = max(profile.largest_saved(lo, hi) + profile.boundary(lo) for lo, hi in bounds) * rows
-    gathered = 0.0
-    if sharding in ("FULL_SHARD", "HYBRID_SHARD") and d > 1:
-        largest = max(profile.total("params", k, k + 1) / (tensor if splittable(k, k + 1) else 1)
-                      for lo, hi in bounds for k in range(lo, hi))
-        gathered = 2 * largest * (1 - 1 / d)
+    gathered = fsdp_backward(profile, bounds, tensor, splittable) if per_microbatch else 0.0
     # The optimizer's temporaries (sharded: on its shards), at the step: after the backward, whose activations are
     # freed by then (the gradients are not: the MLP's processes measured both sets there). They count as far as they
     # exceed the activations: the peak is the higher of the two moments.
