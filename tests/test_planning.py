@@ -369,3 +369,30 @@ def test_a_micro_batch_is_held_until_its_weight_gradients_only_where_the_engine_
     own_1f1b, _ = activations(OwnLayer, "1f1b")
     assert not own.splits(3, 6) and own_zb == pytest.approx(own_1f1b)
     assert own.time("weights", 3, 6, 2) == 0.0 and own.time("inputs", 3, 6, 2) == own.time("backward", 3, 6, 2)
+
+
+def test_a_recomputed_micro_batch_keeps_its_rebuilt_graph_until_its_weight_gradients():
+    """Recomputed in its I, a micro-batch's graph serves its W too: where the stage splits its backward, what was
+    rebuilt is held until the W, and zero-bubble's last process then holds two rebuilt micro-batches at once (the
+    one awaiting its W, the one in its I); where it cannot split, one."""
+    from lightning_pipe.engine.planning.memory import activation_peak
+    from lightning_pipe.engine.schedule import schedule_plan, simulate
+
+    plan = schedule_plan("zero-bubble", 4, 2, 1)
+    times = simulate(plan, {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}).times
+    for split, rebuilt in ((True, 2.0), (False, 1.0)):
+        peak = activation_peak(plan, times, 1, lambda s, i: 0.0, lambda s, i: 1.0,
+                               split=lambda s, split=split: split)
+        assert peak == rebuilt
+
+
+def test_the_loss_on_the_last_stage_adds_its_gradient_to_the_backward():
+    """The last stage's backward starts from the loss's own: one more tensor as large as the body's output in flight
+    there (a cross-entropy's gradient of its log-softmax beside the logits'), not on the other stages."""
+    bare = OptimizerModel(0.0, False)  # no optimizer step: the backward's moment is the transient
+    layout = Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 4, "1f1b", "never")
+    there, profile = predicted(layout, bare, aside=True)
+    elsewhere, _ = predicted(layout, bare, aside=False)
+    rows = 16 / 4
+    assert there.memory[1].transient - elsewhere.memory[1].transient == pytest.approx(profile.boundary(6) * rows)
+    assert there.memory[0].transient == elsewhere.memory[0].transient

@@ -77,7 +77,8 @@ def activation_peak(plan: Plan, times: Mapping[Action, tuple[float, float]], pro
     """The most activation bytes ``process`` holds at once as the simulated ``plan`` runs: each micro-batch's
     ``held(stage, i)`` from its forward's start to its backward's end (the W's, where ``split(stage)``: where the
     stage cannot split its backward, each I is a whole backward and frees the micro-batch), and a recomputed
-    micro-batch's ``recomputed(stage, i)`` during its backward; with ``grown`` bytes more from the end of the
+    micro-batch's ``recomputed(stage, i)`` from its backward's start for as long as it is held (a split backward keeps
+    the recomputed graph for its W); with ``grown`` bytes more from the end of the
     process's first backward that makes parameters' gradients on (the step's gradients: they are made as that
     micro-batch's activations are freed, so GPipe, whose activations peak before its first backward, never holds
     both whole)."""
@@ -93,9 +94,9 @@ def activation_peak(plan: Plan, times: Mapping[Action, tuple[float, float]], pro
                 continue  # a forward-only plan
             events += [(span[0], held(s, i)), (span[1], -held(s, i))]
             extra = recomputed(s, i)
-            if extra:
+            if extra:  # from its backward's start until the micro-batch goes (its W's end where the stage splits it)
                 back = times.get(Action(s, "B", i)) or times.get(Action(s, "I", i)) or times[Action(s, "B", -1)]
-                events += [(back[0], extra), (back[1], -extra)]
+                events += [(back[0], extra), (span[1], -extra)]
     return peak_level(events)
 
 
@@ -159,13 +160,17 @@ def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, t
     # layer a unit of its own): :func:`fsdp_backward`.
     flowing = max(profile.largest_saved(lo, hi) + profile.boundary(lo) for lo, hi in bounds) * rows
     gathered = fsdp_backward(profile, bounds, tensor, splittable) if per_microbatch else 0.0
+    # With the loss on the last stage, its backward starts from the loss's: one more tensor as large as the body's
+    # output in flight (a cross-entropy's gradient of its log-softmax, beside that of the logits), gone before the
+    # first layer makes its parameters' gradient, where FSDP's buffers are: the larger of the two counts.
+    loss = profile.boundary(len(profile)) * rows if aside and any(hi == len(profile) for _, hi in bounds) else 0.0
     # The optimizer's temporaries (sharded: on its shards), at the step: after the backward, whose activations are
     # freed by then (the gradients are not: the MLP's processes measured both sets there). They count as far as they
     # exceed the activations: the peak is the higher of the two moments.
     step = (trainable / d if optimizer.foreach else
             max(layer.largest_param for lo, hi in bounds for layer in profile.layers[lo:hi]) / tensor / d) \
         if optimizer.states else 0.0
-    transient = max(flowing + gathered, 2 * step - activations)
+    transient = max(flowing + max(gathered, loss), 2 * step - activations)
     # Posted receives (CPU stages), and DDP's buckets: a copy of the gradients unless they are views of them.
     buffers = sum(POSTED * min(b, PLANE_LIMIT) for b in incoming)
     if replicas > 1 and sharding == "NO_SHARD" and not bucket_view:
