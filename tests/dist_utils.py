@@ -52,7 +52,7 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple[Any, ...],
-           rpc_timeout: float, env: dict[str, str]) -> None:
+           rpc_timeout: float, env: dict[str, str], release: Any) -> None:
     import torch.distributed.rpc as rpc
 
     os.environ.clear()  # the caller's environment, not the fork server's
@@ -65,6 +65,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: An
         value = fn(rank, world, *args)
         rpc.shutdown()
         results.put((rank, "ok", value))
+        # Rank 0 hosts the store that every process's shutdown still reads from as it ends: no process leaves before
+        # the parent has every result (rank 0 leaving first reset the others' connections: a failed test).
+        release.wait(rpc_timeout)
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         results.put((rank, "error", traceback.format_exc()))
         results.close()
@@ -84,8 +87,9 @@ def run_processes(fn: Callable[..., Any], world: int, *args: Any, timeout: float
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, rpc_timeout, env), daemon=True)
-             for r in range(world)]
+    release = ctx.Event()  # set once every result is in (or the run has failed): the processes may end
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, rpc_timeout, env, release),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -115,6 +119,7 @@ def run_processes(fn: Callable[..., Any], world: int, *args: Any, timeout: float
             raise AssertionError("\n".join(errors))
         return out
     finally:
+        release.set()
         for p in procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()) if not errors else 2)
             if p.is_alive():
