@@ -19,10 +19,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(job: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple[Any, ...]) -> None:
+def _entry(job: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple[Any, ...],
+           release: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         results.put((rank, "ok", job(rank, world, port, *args)))
+        # Rank 0 hosts the store that the others' RPC shutdown may still read as it ends: no process leaves before
+        # the parent has every result.
+        release.wait(60.0)
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
         results.close()
@@ -38,7 +42,9 @@ def run_processes(job: Callable[..., Any], world: int, *args: Any, timeout: floa
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(job, r, world, port, results, args), daemon=True) for r in range(world)]
+    release = ctx.Event()  # set once every result is in (or the run has failed): the processes may end
+    procs = [ctx.Process(target=_entry, args=(job, r, world, port, results, args, release), daemon=True)
+             for r in range(world)]
     out: dict[int, Any] = {}
     errors: list[str] = []
     deadline = time.monotonic() + timeout
@@ -65,6 +71,7 @@ def run_processes(job: Callable[..., Any], world: int, *args: Any, timeout: floa
             raise RuntimeError(f"{label}: a benchmark process failed:\n" + "\n".join(errors))
         return out
     finally:
+        release.set()
         for p in procs:
             if p.pid is None:
                 continue
