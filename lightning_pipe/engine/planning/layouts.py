@@ -16,6 +16,7 @@ from lightning_pipe.engine.planning.memory import (
     OptimizerModel,
     activation_peak,
     process_memory,
+    sharded_per_microbatch,
     trainable_bytes,
 )
 from lightning_pipe.engine.schedule import MULTISTAGE, placement_of, schedule_plan
@@ -193,7 +194,7 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
     # FULL_SHARD: each use of a stage's layers gathers them (what FSDP2 adds per byte, measured); t > 1: each split
     # layer's DTensor dispatch and its output's all-reduce (measured per layer and action).
     gather = [profile.total("params", lo, hi) / t * costs.sharded_per_byte
-              if layout.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD") and d > 1 else 0.0 for lo, hi in bounds]
+              if sharded_per_microbatch(layout.sharding_strategy, d) else 0.0 for lo, hi in bounds]
     split_layers = [sum(1 for k in range(lo, hi) if splittable(k, k + 1) > 0) for lo, hi in bounds]
 
     # Where the engine runs a zero-bubble backward in two: not where FSDP's or tensor parallel's hooks are on the
@@ -257,7 +258,7 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
 
         activations = activation_peak(plan, simulation.times, r, held, recomputed, split=splits.__getitem__)
         new = trainable_bytes(profile, mine, t, splittable)  # the step's gradients, made from its first backward on
-        if layout.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD") and d > 1:
+        if sharded_per_microbatch(layout.sharding_strategy, d):
             new /= d  # reduced and scattered as each backward ends: their shard
         together = activation_peak(plan, simulation.times, r, held, recomputed, grown=new, split=splits.__getitem__)
         fresh = 1.0 if together - activations >= new * (1 - 1e-9) else max(0.0, (together - activations) / new)

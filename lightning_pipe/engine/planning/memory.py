@@ -13,7 +13,8 @@ import torch
 from lightning_pipe.engine.plan import Action, Plan, held_span, peak_level
 from lightning_pipe.engine.planning.measure import BodyProfile
 
-__all__ = ["Memory", "OptimizerModel", "fsdp_backward", "optimizer_model", "process_memory"]
+__all__ = ["Memory", "OptimizerModel", "fsdp_backward", "optimizer_model", "process_memory",
+           "sharded_per_microbatch"]
 
 #: Receives the data plane keeps posted per peer (CPU stages), each as large as the largest message from it, up
 #: to the size above which a hand-off goes by RPC.
@@ -116,6 +117,13 @@ def trainable_bytes(profile: BodyProfile, bounds: Sequence[tuple[int, int]], ten
     return sum(profile.total("trainable", lo, hi) for lo, hi in bounds) * _kept(profile, bounds, tensor, splittable)
 
 
+def sharded_per_microbatch(sharding: str, replicas: int) -> bool:
+    """Whether ``sharding`` (Lightning's names) over ``replicas`` keeps the shards alone between uses: parameters
+    gathered for each use and resharded, gradients reduced and scattered as each backward ends (``FULL_SHARD``,
+    ``HYBRID_SHARD``), as the stages' ``Sharding.per_microbatch`` does."""
+    return sharding in ("FULL_SHARD", "HYBRID_SHARD") and replicas > 1
+
+
 def fsdp_backward(profile: BodyProfile, bounds: Sequence[tuple[int, int]], tensor: int,
                   splittable: Callable[[int, int], float]) -> float:
     """The most bytes FSDP2 holds whole, beyond the shards, in the backward of one layer of stages ``bounds`` sharded
@@ -147,12 +155,11 @@ def process_memory(profile: BodyProfile, bounds: Sequence[tuple[int, int]], *, t
     d = replicas if sharding != "NO_SHARD" else 1
     # FULL_SHARD keeps its shard alone between uses; SHARD_GRAD_OP its shard and the whole parameters it gathered for
     # the step (freed after the optimizer step); without sharding, the whole parameters.
-    stored = params / d if sharding in ("FULL_SHARD", "HYBRID_SHARD") else \
-        params / d + params if sharding == "SHARD_GRAD_OP" and d > 1 else params
+    per_microbatch = sharded_per_microbatch(sharding, d)
+    stored = params / d if per_microbatch else params / d + params if sharding == "SHARD_GRAD_OP" and d > 1 else params
     # The step's own gradients, beside the previous step's where the backward runs inside training_step (sharded: its
     # shard). Whole under SHARD_GRAD_OP (a stage accumulates them until its last backward reduces and scatters them);
     # under FULL_SHARD each micro-batch's backward reduces and scatters a layer's as it ends: their shard alone.
-    per_microbatch = sharding in ("FULL_SHARD", "HYBRID_SHARD") and d > 1
     gradients = (trainable / d if per_microbatch else trainable) * fresh + (trainable / d if aside else 0.0)
     states = optimizer.states * trainable / d
     # A moment's extra: the backward's gradients flowing through the largest saved tensor and a stage's input
