@@ -6,18 +6,24 @@ Two bodies: an MLP (``--layers`` x (Linear(``--width``) + ReLU), a regression lo
 (``--model lm``: an embedding, ``--layers`` transformer-like blocks, a head; the token loss), both trained by AdamW
 with the loss on the last stage. The grid: stages 1-4 (and 2 per process in a V or interleaved), tensor-parallel size
 1-2 (the MLP's layers split colwise, rowwise in turn), replicas 1-2 (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD), each
-schedule, recomputation on and off. Each layout runs twice, as a job of ``--steps`` steps each: once for its memory
+schedule, recomputation on and off. Each layout runs as jobs of ``--steps`` steps each: once for its memory
 (``MALLOC_MMAP_THRESHOLD_`` at 64 KiB: every tensor of the grid's micro-batches its own mapping, given back when freed,
 so the peaks are what the processes hold, not what glibc's heap keeps; at 1 MiB, the LM's 4-process layouts, whose
-micro-batches' tensors are 512 KiB, measured 15% above what they held), once for its step (glibc's default: as a
-user runs it; the median over the steps after ``--warmup``); every replica's driver reports the peak resident
+micro-batches' tensors are 512 KiB, measured 15% above what they held), then for its step (glibc's default: as a
+user runs it; the median over the steps after ``--warmup``; ``--repeats`` runs of each 2-process layout, the median
+of theirs); every replica's driver reports the peak resident
 memory (``VmHWM``) of each process of its pipeline, above what the process held as it
 joined its session (``memory_per_process()``'s ``base``: torch and Lightning imported, no stage yet). The prediction
 is made here, in this process, from the body
-measured once per number of processes (each process computes on ``cores / processes`` threads), before any job runs;
-the step of each layout of 2 processes from the body measured again right before its timed run (as ``plan_layout``
-measures it when a job starts: on a shared VM the speed moves by a quarter within minutes), ``--once`` to keep the
-first measurement.
+measured once per number of processes (each process computes on ``cores / processes`` threads), before any job runs.
+
+The machine's speed: on a shared VM the same kernel runs 20% faster or slower from one second to the next, and a
+job's step moved by 25-40% between runs of the same layout. The body's measurement takes the fastest of its passes
+(the machine undisturbed), so the prediction is a step at the machine's fastest. A fixed kernel (:func:`speed`, one of
+the MLP's layers on one thread) is timed at its fastest before and after the body is measured (:func:`fastest_speed`)
+and, in a job, after every step (its own time left out of the steps); each step is compared at the prediction's
+speed: times the kernel's fastest time then over its mean time around the step. The steps as timed are printed
+beside, and their largest error.
 
 Printed: per layout, each process's predicted and measured peak, their error, the step predicted and measured (median
 over the steps after the first two); then ``RESULT plan_memory_error_max=`` (the largest |predicted - measured| /
@@ -25,7 +31,7 @@ measured peak over every process of every layout), ``RESULT plan_step_error_max=
 2 processes) and ``RESULT plan_choice_over_best=`` (the planner's choice among the 2-process layouts of the grid, its
 measured step over the best measured).
 
-    python benchmarks/bench_plan.py [--model mlp|lm] [--steps 6] [--only 3,5] [--once]
+    python benchmarks/bench_plan.py [--model mlp|lm] [--steps 6] [--only 3,5] [--repeats 3]
 
 """
 
@@ -138,14 +144,51 @@ class Model(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-class StepTimes(pl.Callback):
-    """When each training batch ended."""
+#: The reference kernel's shapes: one of the MLP's layers on a micro-batch of 16 rows.
+REFERENCE = (16, 1536)
 
-    def __init__(self) -> None:
-        self.ends: list[float] = []
+
+def speed(calls: int = 20) -> float:
+    """This machine's speed now: the seconds one call of a fixed kernel takes on one thread, the mean of ``calls``
+    (a 16 x 1536 by 1536 x 1536 product and a ReLU: one of the MLP's layers on a micro-batch). On a shared VM the same
+    work runs 20% faster or slower from one second to the next."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(REFERENCE, generator=g), torch.randn(REFERENCE[1], REFERENCE[1], generator=g)
+        torch.relu(x @ w)  # warm
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.relu(x @ w)
+        return (time.perf_counter() - start) / calls
+    finally:
+        torch.set_num_threads(previous)
+
+
+def fastest_speed(samples: int = 8, calls: int = 10) -> float:
+    """The kernel of :func:`speed` at its fastest over ``samples`` of ``calls`` each: the machine undisturbed, as the
+    planner's measurement of the body takes the fastest of its passes."""
+    return min(speed(calls) for _ in range(samples))
+
+
+class StepTimes(pl.Callback):
+    """Each training batch's time from the end of the one before (the reference kernel's time left out), and the
+    reference kernel's (:func:`speed`) right after it."""
+
+    def __init__(self, kernel: bool = True) -> None:
+        self.kernel = kernel
+        self.steps: list[float] = []
+        self.speeds: list[float] = []
+        self._last: float | None = None
 
     def on_train_batch_end(self, *args: object) -> None:
-        self.ends.append(time.perf_counter())
+        end = time.perf_counter()
+        if self._last is not None:
+            self.steps.append(end - self._last)
+        if self.kernel:
+            self.speeds.append(speed())
+        self._last = time.perf_counter()  # the kernel's own time is no step's
 
 
 def balance_of(args: argparse.Namespace, layout: tuple, profile: Any) -> list[int]:
@@ -156,8 +199,9 @@ def balance_of(args: argparse.Namespace, layout: tuple, profile: Any) -> list[in
     return list(balances(profile, p * v, args.batch / m)[0])
 
 
-def job(args: argparse.Namespace, layout: tuple, balance: list[int], out: str) -> None:
-    """One layout trained; every replica's driver writes its pipeline's peaks and step times to ``out``."""
+def job(args: argparse.Namespace, layout: tuple, balance: list[int], out: str, memory: bool) -> None:
+    """One layout trained; every replica's driver writes its pipeline's peaks and step times to ``out`` (``memory``:
+    without the reference kernel between steps, whose tensors would count in the driver's peak)."""
     from lightning_pipe import PipeStrategy
 
     p, v, t, d, sharding, m, schedule, checkpoint = layout
@@ -165,7 +209,7 @@ def job(args: argparse.Namespace, layout: tuple, balance: list[int], out: str) -
     strategy = PipeStrategy(balance=balance, microbatches=m, schedule=schedule, virtual_stages=v, checkpoint=checkpoint,
                             tensor_parallel_size=t, tensor_parallel_plan=tensor_plan(args) if t > 1 else None,
                             sharding_strategy=sharding)
-    times = StepTimes()
+    times = StepTimes(kernel=not memory)
     trainer = pl.Trainer(accelerator="cpu", devices=p * t * d, strategy=strategy, max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[times])
@@ -175,9 +219,8 @@ def job(args: argparse.Namespace, layout: tuple, balance: list[int], out: str) -
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=args.batch))
     reports = trainer.strategy.memory_per_process()
     peaks = [q["peak"] - q["base"] for q in reports]  # above what each held as it joined its session
-    steps = [b - a for a, b in zip(times.ends[1:], times.ends[2:])]
     with open(os.path.join(out, f"replica{trainer.global_rank}.json"), "w") as f:
-        json.dump({"held": peaks, "steps": steps}, f)
+        json.dump({"held": peaks, "steps": times.steps[1:], "speeds": times.speeds[1:]}, f)
 
 
 def measure(args: argparse.Namespace, index: int, layout: tuple, balance: list[int], memory: bool
@@ -188,8 +231,7 @@ def measure(args: argparse.Namespace, index: int, layout: tuple, balance: list[i
     out = tempfile.mkdtemp(prefix="lp-bench-plan-")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if memory else dict(os.environ)
     command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--job", str(index),
-               ",".join(map(str, balance)),
-               out]
+               "memory" if memory else "step", ",".join(map(str, balance)), out]
     try:
         subprocess.run(command, env=env, timeout=args.timeout, check=True, stdout=subprocess.DEVNULL)
         d = layout[3]
@@ -211,15 +253,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the step's median")
     parser.add_argument("--only", default=None, help="grid indices, comma-separated")
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--once", action="store_true",
-                        help="predict every step from the body measured once per process count (by default the "
-                             "2-process layouts' steps come from the body measured again right before each)")
-    parser.add_argument("--job", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs of each 2-process layout (the median of their steps at the prediction's "
+                             "speed)")
+    parser.add_argument("--job", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model == "lm" and args.width == 1536:  # the MLP's defaults: the language model's own
         args.width, args.batch = 512, 32 if args.batch == 64 else args.batch
     if args.job:
-        job(args, GRID[int(args.job[0])], [int(b) for b in args.job[1].split(",")], args.job[2])
+        job(args, GRID[int(args.job[0])], [int(b) for b in args.job[2].split(",")], args.job[3],
+            args.job[1] == "memory")
         return
     from lightning_pipe.engine.planning import format_bytes, measure_body, plan_layout
     from lightning_pipe.engine.planning.layouts import Layout
@@ -244,9 +287,11 @@ def main() -> None:
           f"{costs.collective_bandwidth / 1e9:.2f} GB/s per process; FSDP {costs.sharded_per_byte * 1e9:.2f} ns per "
           f"byte and use, tensor parallel {costs.tensor_action * 1e3:.2f} ms per split layer and action\n")
     profiles: dict[int, Any] = {}
+    speeds: dict[int, float] = {}  # the kernel's fastest (:func:`fastest_speed`) around each profile's measurement
     costs_of: dict[int, Any] = {}
     errors_memory: list[float] = []
     errors_step: list[float] = []
+    errors_raw: list[float] = []
     measured_two: dict[Layout, float] = {}
 
     def planned(devices: int, where: Any, balance: list[int] | None = None, tensor: bool = True,
@@ -259,8 +304,18 @@ def main() -> None:
                            costs=costs_of[devices])
 
     def measured_body(devices: int) -> Any:
-        """The body measured as the planner measures it for ``devices`` processes."""
-        return measure_body(module, sample, threads=max(1, cores // devices), concurrent=min(devices, cores))
+        """The body measured as the planner measures it for ``devices`` processes; this machine's fastest then (the
+        kernel's fastest before and after)."""
+        before = fastest_speed()
+        profile = measure_body(module, sample, threads=max(1, cores // devices), concurrent=min(devices, cores))
+        speeds[devices] = min(before, fastest_speed())
+        return profile
+
+    def at_prediction_speed(run: dict[str, Any], devices: int) -> list[float]:
+        """A run's steps after the warm-up, each as long as it would have been at the speed the prediction was made
+        at: times the kernel's fastest time then over its mean time right before and right after the step."""
+        pairs = zip(run["steps"], run["speeds"], run["speeds"][1:])
+        return [step * speeds[devices] / ((before + after) / 2) for step, before, after in pairs][args.warmup:]
 
     for index, layout in zip(indices, grid):
         p, v, t, d, sharding, m, schedule, checkpoint = layout
@@ -276,12 +331,8 @@ def main() -> None:
         predicted = planned(devices, lambda lay, mine=mine: lay == mine, balance, t > 1).chosen
         start = time.perf_counter()
         reports = measure(args, index, layout, balance, memory=True)
-        if devices == 2 and not args.once:
-            # The step's prediction from the body measured again right before the layout runs, as plan_layout
-            # measures it when a job starts: this machine's speed moves by a quarter within minutes.
-            predicted = replace(predicted, step=planned(devices, lambda lay, mine=mine: lay == mine, balance, t > 1,
-                                                        measured_body(devices)).chosen.step)
-        timed = measure(args, index, layout, balance, memory=False)
+        runs = [measure(args, index, layout, balance, memory=False)
+                for _ in range(args.repeats if devices == 2 else 1)]
         measured = [q for r in reports for q in r["held"]]
         # Each replica's pipeline, per process (every tensor rank of a process reports apart: its own process).
         per_process = [mem.total for mem in predicted.memory]
@@ -292,20 +343,27 @@ def main() -> None:
             for k, h in enumerate(held):
                 want = per_process[min(k // ranks, p - 1)]
                 errors.append(abs(want - h) / h)
-        step = statistics.median(s for r in timed for s in r["steps"][args.warmup:])
+        # Each run's median step (every replica's), raw and at the prediction's speed; the median over the runs.
+        raw = statistics.median(statistics.median(s for r in timed for s in r["steps"][args.warmup:])
+                                for timed in runs)
+        step = statistics.median(statistics.median(s for r in timed for s in at_prediction_speed(r, devices))
+                                 for timed in runs)
         errors_memory.append(max(errors))
         if devices == 2:
             errors_step.append(abs(predicted.step - step) / step)
+            errors_raw.append(abs(predicted.step - raw) / raw)
             if d == 1:  # the choice among layouts of the same work per step (a replica more trains twice the rows)
                 measured_two[mine] = step
         print(f"[{index:2}] {mine} ({time.perf_counter() - start:.0f} s)\n     peak predicted "
               f"{' '.join(format_bytes(x) for x in per_process)}; measured "
               f"{' '.join(format_bytes(x) for x in measured)}"
               f"; largest error {max(errors):.1%}\n     step predicted {predicted.step * 1e3:.1f} ms, measured "
-              f"{step * 1e3:.1f} ms ({abs(predicted.step - step) / step:.1%})", flush=True)
+              f"{step * 1e3:.1f} ms at the prediction's speed ({abs(predicted.step - step) / step:.1%}; as timed "
+              f"{raw * 1e3:.1f} ms, {abs(predicted.step - raw) / raw:.1%})", flush=True)
     print(f"\nRESULT plan_memory_error_max={max(errors_memory):.3f}")
     if errors_step:
         print(f"RESULT plan_step_error_max={max(errors_step):.3f}")
+        print(f"(the steps as timed, at the machine's speed of each run: largest error {max(errors_raw):.3f})")
     if measured_two:
         # The planner's choice among the 2-process layouts of one replica run: plan_layout's over them alone.
         chosen = planned(2, lambda lay: lay in measured_two).layout
