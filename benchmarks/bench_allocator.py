@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,10 +60,14 @@ def measure(args: argparse.Namespace, kept: bool) -> tuple[float, dict[str, floa
 
     out = tempfile.mkdtemp(prefix="lp-bench-allocator-")
     env = {**os.environ, **KEPT} if kept else {k: v for k, v in os.environ.items() if k not in KEPT}
-    subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--job", out], env=env,
-                   timeout=args.timeout, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    steps = json.load(open(os.path.join(out, "steps.json")))[args.warmup:]
-    events = read_chrome_trace(os.path.join(out, "trace.json"))
+    try:
+        subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--job", out], env=env,
+                       timeout=args.timeout, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(os.path.join(out, "steps.json")) as f:
+            steps = json.load(f)[args.warmup:]
+        events = read_chrome_trace(os.path.join(out, "trace.json"))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     runs = sorted({e.run for e in events})[args.warmup:]
     actions: dict[str, list[float]] = {}
     for e in events:

@@ -294,13 +294,12 @@ def main() -> None:
     errors_raw: list[float] = []
     measured_two: dict[Layout, float] = {}
 
-    def planned(devices: int, where: Any, balance: list[int] | None = None, tensor: bool = True,
-                profile: Any = None) -> Any:
+    def planned(devices: int, where: Any, balance: list[int] | None = None, tensor: bool = True) -> Any:
         """What plan_layout predicts of the layouts ``where`` keeps (the body measured once per process count, as
-        the planner measures it for that many processes, or ``profile``)."""
+        the planner measures it for that many processes)."""
         return plan_layout(module, sample, devices=devices, memory_per_device=2**50, optimizer=torch.optim.AdamW,
                            tensor_parallel_plan=tensor_plan(args) if tensor else None,
-                           profile=profile or profiles[devices], balance=balance, where=where,
+                           profile=profiles[devices], balance=balance, where=where,
                            costs=costs_of[devices])
 
     def measured_body(devices: int) -> Any:
