@@ -139,6 +139,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     retie = keep_ties(body, remote)
     cut_own = getattr(strategy, "init_sync", True)
     built = None  # built on the meta device and split: each local layer made, then split, before the next
+    mesh = None  # the ("data", "tensor") mesh this process's stages are split over, if they are
     if recording is not None and split is not None:
         own = {name for s in held[0] for name, _ in parts[s].named_children()}
         _materialize_local(module, strategy.module_name, remote | own, recording)  # the module's other tensors
@@ -183,11 +184,12 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
                                     process_of=where)
     pipeline.pipelined = strategy.pipelined_backward
     pipeline.runner.modes_from_driver = True  # stage 0's layers are the body's: their modes are set
+    pipeline.runner.averages.mesh = mesh  # the replicas average over its data dimension
     pipelined.tied = tied
     pipelined.tied_sync = TiedSync(hosts, local_tied, local_params, tied) if local_tied is not None else None
     pipelined.retie = retie
     pipelined.sharded = split is not None  # DTensors: every pipeline of a replica takes part in each save
-    pipelined.tensor_group = dtensors.mesh()["tensor"].get_group() if split is not None else None
+    pipelined.tensor_group = mesh["tensor"].get_group() if mesh is not None else None
     pipelined.built = built
     setattr(module, strategy.module_name, pipelined)
     # When the model is freed (a script training one model after another), so is what its stages hold.

@@ -55,6 +55,9 @@ class Averages:
         self._at_commit: set[tuple[int, int]] = set()  # (run, stage): averaged once committed
         self._built: dict[int, tuple[bool, ...]] = {}  # each stage's trainable set when its DDP was built
         self._by_ddp = False  # replicate built DDPs (not FSDP2 shards, not nothing)
+        #: The ``("data", "tensor")`` mesh these stages are split over by tensor parallel (None: not split), set by
+        #: whoever splits them: their replicas are its data dimension.
+        self.mesh: Any = None
 
     def replicate(self, configure: Callable[..., DistributedDataParallel] | None, sharding: Any = None) -> None:
         """Average each stage holding trainable parameters through the ``DistributedDataParallel`` that
@@ -71,7 +74,7 @@ class Averages:
         for s, stage in sorted(self.stages.items()) if configure is not None else ():
             if sharding is not None:
                 if next(stage.partition.parameters(), None) is not None:
-                    self.replicas[s] = sharding.stage(stage, stage_group(s))
+                    self.replicas[s] = sharding.stage(stage, stage_group(s, self.mesh), self.mesh)
                 continue
             self._build(s, configure)
 
@@ -81,10 +84,11 @@ class Averages:
         self._built[s] = trainable(stage)
         if any(self._built[s]) and any(dtensors.is_split(p) for p in stage.partition.parameters()):
             # Split by tensor parallel: DTensor parameters, which torch's DDP does not take.
-            self.replicas[s] = dtensors.SplitReplicas(stage, stage_group(s))
+            self.replicas[s] = dtensors.SplitReplicas(stage, stage_group(s, self.mesh))
         elif any(self._built[s]):
             device_ids = [stage.device.index or 0] if stage.device.type == "cuda" else None
-            self.replicas[s] = ReplicatedStage(stage, configure(stage.partition, device_ids, stage_group(s), s))
+            group = stage_group(s, self.mesh)
+            self.replicas[s] = ReplicatedStage(stage, configure(stage.partition, device_ids, group, s))
 
     def refresh(self, configure: Callable[..., DistributedDataParallel]) -> list[int]:
         """Rebuild the DDP of every stage here whose trainable set changed since its DDP was built (torch's DDP

@@ -35,7 +35,6 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_pipe.engine.stage import Stage
-from lightning_pipe.transport.parallel import dtensors
 from lightning_pipe.transport.parallel.reduction import Reduction
 
 __all__: list[str] = []
@@ -47,15 +46,17 @@ OVERLAP = True
 _GROUPS: dict[int, dist.ProcessGroup] = {}
 
 
-def stage_group(stage: int) -> dist.ProcessGroup:
+def stage_group(stage: int, mesh: Any = None) -> dist.ProcessGroup:
     """This process's group for averaging stage ``stage`` with the same stage of the other replicas: all the
     processes of its default group (which are that stage's replicas), made once per process and stage. Its own
     group, not the default one: the reductions run on a thread of their own, concurrently with what else uses
-    the default group (Lightning's collectives on the drivers, barriers)."""
+    the default group (Lightning's collectives on the drivers, barriers). Split by tensor parallel over
+    ``mesh["tensor"]`` (``mesh``: its ``("data", "tensor")`` mesh), the default group holds every tensor rank:
+    the replicas are the mesh's data dimension."""
+    if mesh is not None:
+        return mesh.get_group("data")
     if stage not in _GROUPS:
-        # Split by tensor parallel, the default group holds every tensor rank: the replicas are its data dimension.
-        _GROUPS[stage] = dtensors.data_group() if dtensors.tensor_size() > 1 else \
-            dist.new_group(list(range(dist.get_world_size())))
+        _GROUPS[stage] = dist.new_group(list(range(dist.get_world_size())))
     return _GROUPS[stage]
 
 

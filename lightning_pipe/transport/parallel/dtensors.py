@@ -29,42 +29,30 @@ from lightning_pipe.transport.parallel.reduction import Reduction
 
 __all__: list[str] = []
 
-_MESH: dict[str, Any] = {}
+#: The meshes made in this process, by tensor size and device type: a cache (a mesh's groups are made by a collective
+#: of the stage group, once), never read for what a stage is split over: that is the mesh handed to it.
+_MADE: dict[tuple[int, str], Any] = {}
 
 
 def make_mesh(tensor: int, device_type: str) -> Any:
-    """This process's ``("data", "tensor")`` mesh over its stage group (the default process group), made once per
-    process (a collective of the stage group: every process of the stage, of every replica, calls it at once)."""
+    """This process's ``("data", "tensor")`` mesh over its stage group (the default process group), made on the first
+    call (a collective of the stage group: every process of the stage, of every replica, calls it at once) and
+    the same mesh given again to a later strategy (which must ask for the same size). Whoever splits a stage over its
+    ``mesh["tensor"]`` hands the mesh on to what averages the stage over ``mesh["data"]``
+    (:class:`~lightning_pipe.transport.parallel.averages.Averages`)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if "mesh" in _MESH:
-        made = _MESH["mesh"]
-        if made.size(1) != tensor:
-            raise RuntimeError(f"this process's stages are split over {made.size(1)} tensor ranks already; a later "
-                               f"strategy asked for tensor_parallel_size={tensor}: use one size in a script")
-        return made
-    world = dist.get_world_size()
-    if world % tensor:
-        raise ValueError(f"tensor_parallel_size={tensor} does not divide this stage's {world} processes")
-    mesh = torch.arange(world).view(world // tensor, tensor)
-    _MESH["mesh"] = DeviceMesh(device_type, mesh, mesh_dim_names=("data", "tensor"))
-    return _MESH["mesh"]
-
-
-def mesh() -> Any:
-    """This process's ``("data", "tensor")`` mesh (None without tensor parallel)."""
-    return _MESH.get("mesh")
-
-
-def tensor_size() -> int:
-    """How many processes split each stage (1 without tensor parallel)."""
-    made = _MESH.get("mesh")
-    return 1 if made is None else made.size(1)
-
-
-def data_group() -> dist.ProcessGroup:
-    """The group of this process's stage at its tensor rank in every replica: what replicas average over."""
-    return _MESH["mesh"].get_group("data")
+    other = [made.size(1) for (size, _), made in _MADE.items() if size != tensor]
+    if other:
+        raise RuntimeError(f"this process's stages are split over {other[0]} tensor ranks already; a later "
+                           f"strategy asked for tensor_parallel_size={tensor}: use one size in a script")
+    if (tensor, device_type) not in _MADE:
+        world = dist.get_world_size()
+        if world % tensor:
+            raise ValueError(f"tensor_parallel_size={tensor} does not divide this stage's {world} processes")
+        mesh = torch.arange(world).view(world // tensor, tensor)
+        _MADE[(tensor, device_type)] = DeviceMesh(device_type, mesh, mesh_dim_names=("data", "tensor"))
+    return _MADE[(tensor, device_type)]
 
 
 #: How many elements of each input :func:`check_same_inputs` compares, evenly spread (a different batch differs

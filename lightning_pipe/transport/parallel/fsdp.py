@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe.engine.stage import Stage
-from lightning_pipe.transport.parallel import dtensors
 from lightning_pipe.transport.parallel.reduction import Reduction
 
 __all__: list[str] = []
@@ -61,9 +60,10 @@ class Sharding:
     shard_size: int | None = None
     broadcast_buffers: bool = True
 
-    def stage(self, stage: Stage, group: dist.ProcessGroup) -> ShardedStage:
-        """``stage`` sharded so over its replicas (``group``)."""
-        return ShardedStage(stage, group, self)
+    def stage(self, stage: Stage, group: dist.ProcessGroup, split: Any = None) -> ShardedStage:
+        """``stage`` sharded so over its replicas (``group``; ``split``: the ``("data", "tensor")`` mesh it is split
+        over by tensor parallel, None if it is not)."""
+        return ShardedStage(stage, group, self, split)
 
     @property
     def per_microbatch(self) -> bool:
@@ -86,16 +86,18 @@ def _device_type(stage: Stage) -> str:
     return stage.device.type
 
 
-def mesh_for(group: dist.ProcessGroup, stage: Stage, sharding: Sharding) -> Any:
+def mesh_for(group: dist.ProcessGroup, stage: Stage, sharding: Sharding, split: Any = None) -> Any:
     """The ``DeviceMesh`` of stage ``stage``'s replicas (``group``): one dimension, or for ``HYBRID_SHARD`` two,
-    ``("replicate", "shard")``: rows of ``shard_size`` replicas (by default those on one node)."""
+    ``("replicate", "shard")``: rows of ``shard_size`` replicas (by default those on one node). A stage split by
+    tensor parallel over ``split["tensor"]`` (``split``: its ``("data", "tensor")`` mesh) shards over
+    ``split["data"]``."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if dtensors.tensor_size() > 1:  # split by tensor parallel first: sharded over its mesh's data dimension
+    if split is not None:  # split by tensor parallel first: sharded over its mesh's data dimension
         if sharding.setting == "HYBRID_SHARD":
             raise ValueError("sharding_strategy='HYBRID_SHARD' with tensor_parallel_size > 1 is not supported: use "
                              "'FULL_SHARD' or 'SHARD_GRAD_OP' (sharded over every replica), or 'NO_SHARD'")
-        return dtensors.mesh()["data"]
+        return split["data"]
     if sharding.setting != "HYBRID_SHARD":
         return DeviceMesh.from_group(group, _device_type(stage))
     size = dist.get_world_size(group)
@@ -181,13 +183,13 @@ class ShardedStage(Reduction):
 
     always = True
 
-    def __init__(self, stage: Stage, group: dist.ProcessGroup, sharding: Sharding) -> None:
+    def __init__(self, stage: Stage, group: dist.ProcessGroup, sharding: Sharding, split: Any = None) -> None:
         super().__init__(stage)
         self.sharding = sharding
         self.group = group
         partition = stage.partition
         if not is_sharded(partition):  # (every replica starts from replica 0's weights: the build broadcast them)
-            shard(partition, mesh_for(group, stage, sharding), sharding)
+            shard(partition, mesh_for(group, stage, sharding, split), sharding)
         self.root = partition
         self.root.set_reduce_scatter_unused_params(True)  # every replica joins each reduce-scatter alike
         self._during_step()

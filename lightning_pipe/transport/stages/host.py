@@ -67,6 +67,7 @@ class StageHost(StageState):
         #: Built on the meta device and split (tensor parallel): how much it held at most while it was built
         #: (:func:`~lightning_pipe.transport.parallel.building.materialize_split`); None otherwise.
         self.built: dict[str, int] | None = None
+        mesh = None  # the ("data", "tensor") mesh the stages are split over, if they are
         if programs and split is not None:  # each layer materialised, then split, before the next one is made
             mesh = dtensors.make_mesh(split.size, device.type)
             self.built = building.materialize_split([(parts[s][0], programs[s]) for s in sorted(programs)], split.plan,
@@ -86,6 +87,7 @@ class StageHost(StageState):
         for stage in self.stages:
             stage.recorder = Recorder() if setup.record else None
         self.runner = StageRunner(key, self.stages, setup.peers, layout, setup.timeout)
+        self.runner.averages.mesh = mesh
         self.params = {prefix + n: p for n, p in self.partition.named_parameters()}
         self.tied = TiedCopies(key, setup.tied, SESSION.rank)  # parameters shared with layers of other processes
         self.optimizers: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
@@ -184,6 +186,7 @@ class StageHost(StageState):
         mesh = dtensors.make_mesh(size, self.stage.device.type)
         for stage in self.stages:
             tensor.parallelize_stage(stage.partition, plan, mesh["tensor"], src_data_rank=None if cut_own else 0)
+        self.runner.averages.mesh = mesh  # the replicas average over its data dimension
         self.params = {self.prefix + n: p for n, p in self.partition.named_parameters()}
 
     def refresh_replicas(self, configure: Any) -> list[int]:
