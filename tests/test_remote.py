@@ -61,14 +61,14 @@ class _InlineStage0:
         self.forward = pipeline.forward
         self.threads: set[int] = set()
         self.caller: int | None = None
-        runner = pipeline.runner
-        original = runner.backward
+        stage = pipeline.runner.stage  # stage 0
+        original = stage.backward
 
         def backward(*args, **kwargs):
             self.threads.add(threading.get_ident())
             return original(*args, **kwargs)
 
-        runner.backward = backward
+        stage.backward = backward
 
     def backward(self, run, grads, **kwargs):
         self.caller = threading.get_ident()
@@ -101,7 +101,7 @@ def _compare(pipeline, balance: list[int], configs: list[tuple[int, str, bool | 
         torch.testing.assert_close(x2.grad, x1.grad)
         if pipelined == "inline":
             assert driver.threads == {driver.caller}
-            pipeline.runner.backward = type(pipeline.runner).backward.__get__(pipeline.runner)
+            del pipeline.runner.stage.backward  # the class's again
         grads = {}
         for j in range(len(balance)):
             grads.update(pipeline.call(j, "named_grads"))

@@ -1,13 +1,14 @@
-"""The local pipeline: stages on worker threads, each running its actions of a plan in order.
+"""The local pipeline: stages on worker threads, each worker running its share of a plan in order.
 
-Each worker (a "process" of the plan: stage ``s`` runs on worker ``s % processes``) executes its actions in
-the order of a :class:`~lightning_pipe.engine.schedule.Plan`; an action waits only for the inputs it needs
-(the previous stage's output of the same micro-batch, the skips popped here, the next stage's input
-gradients), so a stage starts an action as soon as it is ready, without waiting for a whole clock tick.
-Tensors go from stage to stage through one table, dropped as soon as they are consumed.
+Each worker (a "process" of the plan: stage ``s`` runs on worker ``s % processes``) runs its actions of a
+:class:`~lightning_pipe.engine.schedule.Plan` in order (:func:`~lightning_pipe.engine.share.run_share`, the same
+interpreter a stage's process runs); an action waits only for the inputs it needs (the previous stage's output of
+the same micro-batch, the skips popped here, the next stage's input gradients), so a stage starts an action as
+soon as it is ready, without waiting for a whole clock tick. Tensors go from stage to stage through one
+in-process channel (:class:`~lightning_pipe.engine.share.LocalChannel`), dropped as soon as they are taken.
 
-Errors come back as values: an action whose input failed is skipped, every action finishes, and the
-first real error (in schedule order) is raised in the caller with its original traceback.
+Errors come back as values: once a share fails, the others skip what is left of theirs, every share finishes,
+and the first real error (in worker order) is raised in the caller with its original traceback.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch import Tensor
 from lightning_pipe.engine.loss import LossFn, MicroLoss
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.rng import LazySeed
-from lightning_pipe.engine.schedule import Action, Plan, forward_only, gpipe
+from lightning_pipe.engine.schedule import Plan, forward_only, gpipe
+from lightning_pipe.engine.share import Handoff, LocalChannel, ShareHooks, ShareStep, Skipped, aborting, run_share
 from lightning_pipe.engine.skip.layout import SkipLayout
 from lightning_pipe.engine.stage import Grads, Stage
 from lightning_pipe.engine.worker import Inline, Worker, autocast_state
@@ -34,17 +36,6 @@ from lightning_pipe.engine.worker import Inline, Worker, autocast_state
 __all__: list[str] = []
 
 _run_ids = itertools.count()
-
-
-class Skipped(Exception):
-    """An action that did not run because one of its inputs failed."""
-
-
-def _wait(future: Future[Any]) -> None:
-    try:
-        future.result()
-    except BaseException:  # noqa: BLE001 - the failing action reports its own error
-        raise Skipped() from None
 
 
 def drain(futures: Sequence[Future[Any]], *, grace: float | None = None, ready: Future[Any] | None = None,
@@ -187,102 +178,45 @@ class LocalPipeline:
         """Run ``plan``'s actions: forwards of ``inputs`` (with ``run.loss``, the last stage returns losses),
         backwards from ``output_grads`` (or, with ``run.loss``, from each loss's weight times
         ``run.loss_scale``). Backwards that start from the loss run ahead of the caller's backward: every stage
-        sets the gradients they make aside, for :meth:`commit`."""
+        sets the gradients they make aside, for :meth:`commit`. Each worker runs its share of the plan
+        (:func:`~lightning_pipe.engine.share.run_share`) over one in-process channel."""
         m, n = plan.microbatches, len(self.stages)
         check_placement(plan, self.placement, self.processes)
-        table: dict[Any, Any] = {("x", i, -1): mb for i, mb in enumerate(inputs or ())}
-        table.update({("g", i, n): g for i, g in enumerate(output_grads or ())})
-        losses: dict[int, MicroLoss] = {}
-        done: dict[tuple[str, int, int], Future[Any]] = {}
-        later: dict[tuple[int, int], Callable[..., None]] = {}
         aside = ahead(run, plan, output_grads)
+        channel = LocalChannel(n)
+        for i, g in enumerate(output_grads or ()):
+            channel.give(Handoff("B", i, n - 1, n), g)
+        if run.loss is not None:
+            for i, target in enumerate(run.targets):
+                channel.give(Handoff("T", i, n - 1, "target"), target)
+        step = ShareStep(run.id, m, save, run.checkpoint_stop, run.seed, run.loss, aside, run.weights, run.loss_scale)
+        stages = dict(enumerate(self.stages))
+        hooks = _Stopping(run)
 
-        def forward(s: int, i: int) -> None:
-            if s > 0:
-                _wait(done[("F", s - 1, i)])
-            for src in self.layout.imports[s].values():
-                _wait(done[("F", src, i)])
-            loss = run.loss if s == n - 1 else None
-            imports = {key: table.pop(("x", i, key)) for key in self.layout.imports[s]}
-            out, exports = self.stages[s].forward(
-                run.id, i, table.pop(("x", i, s - 1)), imports, seed=run.seed, save=save,
-                checkpoint=i < run.checkpoint_stop, last=i == m - 1, loss=loss,
-                target=run.targets[i] if loss is not None else None)
-            if isinstance(out, MicroLoss):
-                losses[i] = out
-            else:
-                table[("x", i, s)] = out
-            table.update({("x", i, key): t for key, t in exports.items()})
+        def fail() -> None:
+            run.failed = True
 
-        def backward(s: int, kind: str, i: int) -> None:
-            mbs = range(m) if i < 0 else (i,)
-            for k in mbs:
-                if s < n - 1:
-                    _wait(done[("G", s + 1, k)])
-                for dst in set(self.layout.exports[s].values()):
-                    _wait(done[("G", dst, k)])
-            items = [(k, _grads_in(run, table, s, n, k),
-                      {key: table.pop(("g", k, key)) for key in self.layout.exports[s]}) for k in mbs]
-            if kind == "I":
-                results, later[(s, i)] = self.stages[s].backward_inputs_first(run.id, items)
-            else:
-                results = self.stages[s].backward(run.id, items)
-            for k, (grad_inputs, grad_imports) in zip(mbs, results):
-                table[("g", k, s)] = grad_inputs
-                table.update({("g", k, key): g for key, g in grad_imports.items()})
-
-        def task(action: Action) -> None:
-            if run.failed:
-                raise Skipped()
-            s, kind, i = action
-            try:
-                if kind == "F":
-                    forward(s, i)
-                elif kind == "W":
-                    later.pop((s, i))()
-                else:
-                    backward(s, kind, i)
-            except BaseException:
-                run.failed = True
-                raise
-
-        def begin(r: int) -> None:
-            for s in plan.stages_of(r):
-                self.stages[s].aside.defer(run.id)
-
-        def end(r: int) -> None:
-            for (s, _), finish in list(later.items()):  # W actions that never ran (a failure): drop their graphs
-                if plan.process_of(s) == r:
-                    finish(False)
+        def share(r: int) -> None:
+            mine = plan.stages_of(r)
             if aside:
-                for s in plan.stages_of(r):
-                    self.stages[s].aside.keep(run.id)
-            if run.failed:
-                raise Skipped()
+                for s in mine:
+                    self.stages[s].aside.defer(run.id)
+            try:
+                if run.failed:
+                    raise Skipped()
+                with aborting(channel, fail):
+                    run_share(stages, n, self.layout, step, plan.actions[r], channel, hooks, inputs)
+            finally:
+                if aside:
+                    for s in mine:
+                        self.stages[s].aside.keep(run.id)
 
         executors: list[Executor] = [
             Inline() if inline_device is not None and self.stages[r].device == inline_device else w
             for r, w in enumerate(self.workers)]
         ordered = [r for r in range(self.processes) if isinstance(executors[r], Worker)] + \
             [r for r in range(self.processes) if isinstance(executors[r], Inline)]  # inline ones wait: last
-        # Every action's completion exists before any task runs: a task may wait for one of a later worker's.
-        marks: dict[Action, list[tuple[str, int, int]]] = {}
-        for actions in plan.actions:
-            for a in actions:
-                if a.kind == "F" or a.kind in "BI":
-                    kind = "F" if a.kind == "F" else "G"
-                    marks[a] = [(kind, a.stage, k) for k in (range(m) if a.microbatch < 0 else (a.microbatch,))]
-                    done.update({key: Future() for key in marks[a]})
-        futures: list[Future[Any]] = []
-        for r in ordered:
-            if aside:
-                futures.append(executors[r].submit(partial(begin, r)))
-            for action in plan.actions[r]:
-                future = executors[r].submit(partial(task, action))
-                for key in marks.get(action, ()):
-                    future.add_done_callback(partial(_settle, done[key]))
-                futures.append(future)
-            futures.append(executors[r].submit(partial(end, r)))
+        futures = [executors[r].submit(partial(share, r)) for r in ordered]
         try:
             drain(futures)
         except BaseException:
@@ -290,10 +224,20 @@ class LocalPipeline:
             raise
         forwards = any(a.kind == "F" for a in plan.actions[plan.process_of(n - 1)])
         backwards = any(a.kind in "BI" for a in plan.actions[0])
-        return Step(None if not forwards or run.loss is not None else [table.pop(("x", i, n - 1)) for i in range(m)],
-                    [losses[i] for i in range(m)] if forwards and run.loss is not None else None,
-                    [table.pop(("g", i, 0)) for i in range(m)] if backwards else None)
+        return Step([channel.outputs[i] for i in range(m)] if forwards and run.loss is None else None,
+                    [channel.outputs[i] for i in range(m)] if forwards and run.loss is not None else None,
+                    [channel.input_grads[i] for i in range(m)] if backwards else None)
 
+
+class _Stopping(ShareHooks):
+    """A local share stops at its next action once another share failed."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def after_action(self) -> None:
+        if self.run.failed:
+            raise Skipped()
 
 
 def check_placement(plan: Plan, placement: tuple[int, ...], processes: int) -> None:
@@ -311,25 +255,6 @@ def ahead(run: Run, plan: Plan, output_grads: Any) -> bool:
     """Whether ``plan``'s backwards run ahead of the caller's backward: they start from a loss computed on the
     last stage (no output gradients given), so their gradients are set aside until the caller commits them."""
     return run.loss is not None and output_grads is None and any(a.kind in "BI" for r in plan.actions for a in r)
-
-
-def _grads_in(run: Run, table: dict[Any, Any], s: int, n: int, k: int) -> Grads | tuple[float]:
-    """The gradients stage ``s`` (of ``n``) starts micro-batch ``k``'s backward from: the next stage's input
-    gradients, the caller's output gradients, or (the loss on the last stage, and no gradient from the caller
-    yet) the loss's weight times the gradient that the step assumes for the batch's loss."""
-    key = ("g", k, s + 1)
-    if s == n - 1 and run.loss is not None and key not in table:
-        return (run.weights[k] * run.loss_scale,)
-    return table.pop(key)  # type: ignore[no-any-return]
-
-
-def _settle(mark: Future[Any], future: Future[Any]) -> None:
-    """Give ``mark`` the outcome of ``future`` (a task whose completion other tasks wait for)."""
-    exc = future.exception()
-    if exc is not None:
-        mark.set_exception(exc)
-    else:
-        mark.set_result(None)
 
 
 def scatter_grads(grads: Sequence[Tensor | None], sizes: Sequence[int]) -> list[Grads]:

@@ -9,6 +9,7 @@ Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,8 +22,9 @@ from torch import nn
 
 from lightning_pipe.engine.microbatch import Batch
 from lightning_pipe.engine.partition import normalize_device, split_module
-from lightning_pipe.engine.pipeline import Run, Skipped, Step, ahead, check_placement, drain
+from lightning_pipe.engine.pipeline import Run, Step, ahead, check_placement, drain
 from lightning_pipe.engine.schedule import Plan, forward_only, gpipe
+from lightning_pipe.engine.share import Skipped
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Grads, Stage, move_to
 from lightning_pipe.engine.worker import Inline
@@ -330,10 +332,8 @@ class RemotePipeline:
                 futures[r] = future
             send_later()  # stage 0 has started on its worker: what did not fit into a step goes now
             if collect is not None:
-                try:
+                with contextlib.suppress(Skipped):  # a stage failed: the error is in its future
                     collected = collect()
-                except Skipped:
-                    pass  # a stage failed: the error is in its future
             error: BaseException | None = None
             by_rpc = [r for r in range(self.processes) if r not in on_plane]  # this process first
             try:

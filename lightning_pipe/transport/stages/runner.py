@@ -25,15 +25,15 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from lightning_pipe.engine.loss import MicroLoss
 from lightning_pipe.engine.microbatch import Batch
-from lightning_pipe.engine.pipeline import Skipped
 from lightning_pipe.engine.rng import LazySeed
 from lightning_pipe.engine.schedule import Action
+from lightning_pipe.engine.share import ShareStep, Skipped, run_share
 from lightning_pipe.engine.skip.layout import SkipLayout
-from lightning_pipe.engine.stage import Finisher, Grads, Stage
-from lightning_pipe.engine.worker import Inline, Worker, autocast_context
+from lightning_pipe.engine.stage import Grads, Stage
+from lightning_pipe.engine.worker import Inline, Worker
 from lightning_pipe.transport.parallel.averages import Averages
+from lightning_pipe.transport.stages.channel import StageChannel, StageHooks
 from lightning_pipe.transport.wire.messages import (
     MAILBOX,
     Slot,
@@ -42,10 +42,6 @@ from lightning_pipe.transport.wire.messages import (
     deliver_to_mailbox,
     maps_device,
     note_alive,
-    on_cpu,
-    pack_batch,
-    to_wire,
-    unpack_batch,
     where,
     with_location,
 )
@@ -163,133 +159,45 @@ class StageRunner:
                 return self.plane.take(peer, slot, timeout or self.timeout, describe)
         return MAILBOX.take(slot, timeout or self.timeout, describe)
 
-    def forward(self, run: int, s: int, i: int, spec: StepSpec, inputs: Batch | None = None,
-                riders: Sequence[tuple[Slot, Any]] = ()) -> list[Future[Any]]:
-        """Stage ``s``'s forward of micro-batch ``i`` in the step's mode, under the driver's autocast; sends the
-        outputs on (the last stage with a loss: the loss) and returns the sends in flight. ``riders``: other
-        ``(slot, payload)`` to send then, in the outputs' message where they go to the same process."""
-        stage = self.stages[s]
-        if not self.modes_from_driver and stage.partition.training != spec.training:
-            stage.partition.train(spec.training)
-        if inputs is None:
-            tensors, flags, atomic = self.take(Slot(self.key, run, "F", i, s, s - 1))
-            inputs = Batch(unpack_batch(tensors, flags), atomic)
-        imports = {}
-        for skip in self.layout.imports[s]:
-            tensors, flags = self.take(Slot(self.key, run, "F", i, s, skip))
-            imports[skip] = unpack_batch(tensors, flags)[0]
-        loss = spec.loss if s == self.n - 1 else None
-        target = self.take(Slot(self.key, run, "T", i, s, "target")) if loss is not None else None
-        seed = self._seeds.setdefault(run, LazySeed())
-        with autocast_context(spec.autocast):
-            out, exports = stage.forward(run, i, inputs, imports, seed=seed, save=spec.save,
-                                         checkpoint=i < spec.checkpoint_stop, last=i == spec.microbatches - 1,
-                                         loss=loss, target=target)
-        if not spec.save and i == spec.microbatches - 1 and s == max(self.stages):
-            self._seeds.pop(run, None)  # nothing to recompute: the seed is not needed any more
-        if s + 1 == self.n and self.peers[self.n] != self.me:
-            # Through host memory: it goes back in an RPC answer, which the driver waits for on no stream.
-            held = out if isinstance(out, MicroLoss) else (*pack_batch(out.tensors), out.atomic)
-            self._held.setdefault(run, {})[i] = on_cpu(held)
-            sends = []
-        else:
-            payload = out if isinstance(out, MicroLoss) else \
-                (*pack_batch(out.tensors, self.direct(s + 1, s)), out.atomic)
-            slot, peer = Slot(self.key, run, "F", i, s + 1, s), self.peers[s + 1]
-            along = [item for item in riders if self.peers[item[0].stage] == peer]
-            bundled = self.plane.send_many(peer, run, [(slot, payload), *along]) if along and self.plane else None
-            sends = [bundled or self.send_to(s + 1, slot, payload)]
-            if bundled is not None:
-                riders = [item for item in riders if self.peers[item[0].stage] != peer]
-        sends += [self.send_to(item[0].stage, *item) for item in riders]
-        for skip, dst in self.layout.exports[s].items():
-            sends.append(self.send_to(dst, Slot(self.key, run, "F", i, dst, skip),
-                                    pack_batch([exports[skip]], self.direct(dst, s))))
-        return [sent for sent in sends if sent is not None]
-
-    def backward(self, run: int, s: int, microbatches: Sequence[int], spec: StepSpec,
-                 later: dict[tuple[int, int], Callable[..., None]] | None = None, key: int = -1,
-                 finisher: Finisher | None = None) -> tuple[list[Future[Any]], dict[int, Grads]]:
-        """Stage ``s``'s backward of ``microbatches`` (several: one autograd call); sends input grads upstream
-        and returns the sends in flight, and stage 0's input gradients by micro-batch (it sends none). With
-        ``later``, only what goes upstream is computed now where that is safe (:meth:`Stage.backward_inputs_first`),
-        and the function that computes the rest goes into ``later`` under ``(s, key)`` (the action's
-        micro-batch, -1 for a backward of every micro-batch at once).
-
-        The last stage with a loss and no gradient from the driver starts from the loss's weight times the
-        gradient the step assumes (a step that runs its backwards ahead of the caller's)."""
-        stage = self.stages[s]
-        items = []
-        for i in microbatches:
-            if s == self.n - 1 and spec.eager and spec.loss is not None:
-                grads: Any = (spec.weights[i] * spec.loss_scale,)
-            else:
-                grads = self.take(Slot(self.key, run, "B", i, s, s + 1))
-            skip_grads = {skip: self.take(Slot(self.key, run, "B", i, s, skip))[0] for skip in self.layout.exports[s]}
-            items.append((i, grads, skip_grads))
-        if later is None:
-            results = stage.backward(run, items, finisher)
-        else:
-            results, later[(s, key)] = stage.backward_inputs_first(run, items, finisher)
-        if not any(st.has_saved(run) for st in self.stages.values()):
-            self._seeds.pop(run, None)  # the run's last backward here: nothing will be recomputed
-        if s == 0:
-            return [], {i: grad_inputs for i, (grad_inputs, _) in zip(microbatches, results)}
-        sends = []
-        for i, (grad_inputs, grad_imports) in zip(microbatches, results):
-            upstream = to_wire(grad_inputs, self.direct(s - 1, s))
-            sends.append(self.send_to(s - 1, Slot(self.key, run, "B", i, s - 1, s), upstream))
-            for skip, src in self.layout.imports[s].items():
-                sends.append(self.send_to(src, Slot(self.key, run, "B", i, src, skip),
-                                        to_wire((grad_imports.get(skip),), self.direct(src, s))))
-        return [sent for sent in sends if sent is not None], {}
+    def hold(self, run: int, microbatch: int, value: Any) -> None:
+        """Keep the last stage's output (or loss) of ``microbatch`` for the driver's answer to run ``run``."""
+        self._held.setdefault(run, {})[microbatch] = value
 
     def run_actions(self, run: int, actions: Sequence[Action], spec: StepSpec, inputs: Sequence[Batch] | None = None,
                     riders: Callable[[int], list[tuple[Slot, Any]]] | None = None
                     ) -> tuple[list[Future[Any]], dict[int, Grads]]:
-        """This process's share of one step, in the plan's order (``inputs``: stage 0's micro-batches, on the
+        """This process's share of one step (:func:`~lightning_pipe.engine.share.run_share`, over the wire's channel,
+        :class:`~lightning_pipe.transport.stages.channel.StageChannel`; ``inputs``: stage 0's micro-batches, on the
         driver), with the driver's anomaly detection and default dtype (``precision="64-true"`` sets it there:
         tensors a layer creates must have it here too). Returns the sends still in flight and stage 0's input
         gradients by micro-batch. With replicas, each stage's last backward runs through DDP's reducer.
-        ``riders(i)`` (the driver's): what to send with stage 0's output of micro-batch ``i`` (see ``forward``)."""
+        ``riders(i)`` (the driver's): what to send with stage 0's output of micro-batch ``i``."""
         self.averages.settle()  # the previous step's reductions here are over
-        sends: list[Future[Any]] = []
-        grads: dict[int, Grads] = {}
         self._beat = time.monotonic()
         if spec.dtype is not None and torch.get_default_dtype() != spec.dtype and 0 not in self.stages:
             torch.set_default_dtype(spec.dtype)  # a worker's own; never the driver's program's (bf16-true's leaked)
-        later: dict[tuple[int, int], Callable[..., None]] = {}
         averages = self.averages.step(run, actions, spec.reduce, spec.eager)
         if spec.eager:
             for stage in self.stages.values():
                 stage.aside.defer(run)
+        channel = StageChannel(self, run, riders)
+        seed = self._seeds.setdefault(run, LazySeed())
+        step = ShareStep(run, spec.microbatches, spec.save, spec.checkpoint_stop, seed, spec.loss,
+                         spec.eager and spec.loss is not None, spec.weights, spec.loss_scale)
         with torch.autograd.set_detect_anomaly(spec.anomaly):
             try:
-                for k, (s, kind, i) in enumerate(actions):
-                    if kind == "F":
-                        averages.forward(s, spec.save)
-                        sends += self.forward(run, s, i, spec, inputs[i] if inputs is not None and s == 0 else None,
-                                              riders(i) if riders is not None and s == 0 else ())
-                    elif kind == "W":
-                        with averages.backward(k, later) as last:  # ``last``: the stage's last backward
-                            later.pop((s, i))(True, last)
-                    else:
-                        mbs = list(range(spec.microbatches)) if i < 0 else [i]
-                        with averages.backward(k, later) as last:
-                            sent, mine = self.backward(run, s, mbs, spec, later if kind == "I" else None, i, last)
-                        sends += sent
-                        grads.update(mine)
-                    self._still_working(run)
+                run_share(self.stages, self.n, self.layout, step, actions, channel,
+                          StageHooks(self, run, spec, averages), inputs)
                 averages.finish()
             finally:
                 if self.plane is not None:
                     self.plane.flush(run in self._failed)  # the step's sends are taken: their futures complete
-                for finish in later.values():  # after a failure: what an I left for its W is dropped
-                    finish(False)
                 averages.close((lambda stage: stage.aside.keep(run)) if spec.eager else None)
-        return sends, grads
+                if not any(stage.has_saved(run) for stage in self.stages.values()):
+                    self._seeds.pop(run, None)  # nothing will be recomputed: the seed is not needed any more
+        return channel.sends, channel.input_grads
 
-    def _still_working(self, run: int) -> None:
+    def still_working(self, run: int) -> None:
         """Tell a driver in another process that this process is making progress, at most every third of the
         timeout: a slow stage that keeps finishing micro-batches is not taken for a stuck one (a stuck one
         finishes none). Fast stages never send it."""

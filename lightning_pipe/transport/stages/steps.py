@@ -33,8 +33,8 @@ import torch
 import torch.distributed.rpc as rpc
 
 from lightning_pipe.engine.loss import MicroLoss
-from lightning_pipe.engine.pipeline import Skipped
 from lightning_pipe.engine.schedule import Action
+from lightning_pipe.engine.share import Skipped
 from lightning_pipe.transport.stages.entries import abort_run
 from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.wire.dataplane import ANSWER

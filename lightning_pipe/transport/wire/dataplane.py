@@ -32,7 +32,7 @@ import numpy
 import torch
 from torch import Tensor
 
-from lightning_pipe.engine.pipeline import Skipped
+from lightning_pipe.engine.share import Skipped
 from lightning_pipe.transport.wire.codec import (
     ABORT,
     ALIVE,

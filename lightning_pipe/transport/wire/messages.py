@@ -25,7 +25,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from lightning_pipe.engine.loss import LossFn, MicroLoss
-from lightning_pipe.engine.pipeline import Skipped
+from lightning_pipe.engine.share import Skipped
 from lightning_pipe.engine.stage import settled
 
 __all__: list[str] = []
