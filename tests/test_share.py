@@ -91,3 +91,16 @@ def test_two_shares_on_threads_run_a_1f1b_plan_to_one_devices_outputs_and_gradie
     body(x).sum().backward()
     for name, p in body.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_a_plan_whose_inputs_are_not_given_is_refused_instead_of_waiting_for_them():
+    from lightning_pipe.engine.pipeline import LocalPipeline, Run
+
+    body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    stages = [Stage(0, body[:1], torch.device("cpu")), Stage(1, body[1:], torch.device("cpu"), offset=1)]
+    pipeline = LocalPipeline(stages, inspect_skip_layout([s.partition for s in stages]))
+    run = Run(stages, [2, 2], checkpoint_stop=0)
+    with pytest.raises(ValueError, match=r"runs forwards of stage 0: give its micro-batches \(inputs\)"):
+        pipeline.execute(run, schedule_plan("gpipe", 2, 2))
+    with pytest.raises(ValueError, match=r"runs backwards of the last stage: give the gradients of its outputs"):
+        pipeline.execute(run, schedule_plan("1f1b", 2, 2), inputs=[Batch((torch.randn(2, 4),), True)] * 2)

@@ -183,6 +183,13 @@ class LocalPipeline:
         m, n = plan.microbatches, len(self.stages)
         check_placement(plan, self.placement, self.processes)
         aside = ahead(run, plan, output_grads)
+        acts = [a for actions in plan.actions for a in actions]
+        if inputs is None and any(a.kind == "F" and a.stage == 0 for a in acts):
+            raise ValueError(f"the plan of schedule {plan.schedule!r} runs forwards of stage 0: give its micro-batches "
+                             "(inputs)")
+        if output_grads is None and run.loss is None and any(a.kind in "BI" and a.stage == n - 1 for a in acts):
+            raise ValueError(f"the plan of schedule {plan.schedule!r} runs backwards of the last stage: give the "
+                             "gradients of its outputs (output_grads), or compute the loss there (run.loss)")
         channel = LocalChannel(n)
         for i, g in enumerate(output_grads or ()):
             channel.give(Handoff("B", i, n - 1, n), g)

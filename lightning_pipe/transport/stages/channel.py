@@ -64,12 +64,13 @@ class StageChannel:
         if dst < 0:
             self.input_grads[i] = payload
             return
+        riders = self.riders(i) if self.riders is not None and kind == "F" and src == 0 else []
         if kind == "F" and dst == runner.n and runner.peers[dst] != runner.me:
             # Through host memory: it goes back in an RPC answer, which the driver waits for on no stream.
             runner.hold(self.run, i, on_cpu(payload if isinstance(payload, MicroLoss)
                                             else (*pack_batch(payload.tensors), payload.atomic)))
+            self.sends += [sent for item in riders if (sent := runner.send_to(item[0].stage, *item)) is not None]
             return
-        riders = self.riders(i) if self.riders is not None and kind == "F" and src == 0 else []
         direct = runner.direct(dst)  # (every stage of a process is on its device)
         if kind == "F" and isinstance(src, tuple):  # a skip, to the stage that pops it
             packed: Any = pack_batch([payload], direct)

@@ -209,7 +209,7 @@ class StageRunner:
                 rpc.rpc_async(driver, note_alive, args=(self.key, run), timeout=self.timeout)
 
     def take_held(self, run: int) -> dict[int, Any] | None:
-        """The outputs held for the driver from run ``run`` (see ``forward``), forgotten here."""
+        """The outputs held for the driver from run ``run`` (see :meth:`hold`), forgotten here."""
         return self._held.pop(run, None)
 
     def commit(self, run: int, scale: float) -> None:
