@@ -186,6 +186,8 @@ class LocalChannel:
         self._future(handoff).set_result(payload)
 
     def send(self, handoff: Handoff, payload: Any) -> None:
+        """Hand ``payload`` on: to its taker's future, or to the caller's side (stage ``n``: an output, ``-1``: input
+        gradients); dropped once the channel is aborted."""
         if handoff.stage == self.n:
             self.outputs[handoff.microbatch] = payload
         elif handoff.stage < 0:
@@ -199,6 +201,8 @@ class LocalChannel:
                 # aborted: the taker, if any, skips
 
     def take(self, handoff: Handoff) -> Any:
+        """What was sent for ``handoff``, waiting for it (dropped from the channel once taken); :class:`Skipped`
+        where the channel was aborted first."""
         future = self._future(handoff)
         try:
             value = future.result()

@@ -102,17 +102,21 @@ class StageHooks(ShareHooks):
         self.runner, self.run, self.spec, self.averages = runner, run, spec, averages
 
     def before_forward(self, stage: int) -> None:
+        """The step's averaging told of the forward; the stage's layers put in the driver's mode."""
         self.averages.forward(stage, self.spec.save)
         partition = self.runner.stages[stage].partition
         if not self.runner.modes_from_driver and partition.training != self.spec.training:
             partition.train(self.spec.training)
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The driver's autocast."""
         return autocast_context(self.spec.autocast)
 
     def backward_context(self, k: int, later: Mapping[tuple[int, int], Callable[..., None]]
                          ) -> contextlib.AbstractContextManager[Finisher | None]:
+        """The averaging's context for backward action ``k``: its finisher where it is the stage's last."""
         return self.averages.backward(k, later)  # type: ignore[no-any-return]
 
     def after_action(self) -> None:
+        """A sign of life to the driver where it waits in another process."""
         self.runner.still_working(self.run)
