@@ -37,8 +37,7 @@ def job(args: argparse.Namespace, out: str) -> None:
 
     from lightning_pipe import PipeStrategy
 
-    body = argparse.Namespace(model=args.model, layers=8, width=512 if args.model == "lm" else 1536, vocab=8192,
-                              sequence=64, batch=32 if args.model == "lm" else 64)
+    body = bench_plan.body_settings(args.model)
     balance = [6, 4] if args.model == "lm" else [4, 4]
     pl.seed_everything(0)
     times = bench_plan.StepTimes(kernel=False)

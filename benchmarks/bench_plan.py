@@ -144,6 +144,18 @@ class Model(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
+#: Each body's settings where the command line leaves them out: its layers, width, vocabulary and sequence (the
+#: language model's), and the rows of a replica's batch.
+BODIES = {"mlp": {"layers": 8, "width": 1536, "vocab": 8192, "sequence": 64, "batch": 64},
+          "lm": {"layers": 8, "width": 512, "vocab": 8192, "sequence": 64, "batch": 32}}
+
+
+def body_settings(model: str, **given: int | None) -> argparse.Namespace:
+    """The settings of body ``model`` (``"mlp"`` or ``"lm"``): :data:`BODIES`' where ``given`` has None or nothing."""
+    return argparse.Namespace(model=model, **{k: v if given.get(k) is None else given[k]
+                                              for k, v in BODIES[model].items()})
+
+
 #: The reference kernel's shapes: one of the MLP's layers on a micro-batch of 16 rows.
 REFERENCE = (16, 1536)
 
@@ -244,11 +256,11 @@ def main() -> None:
     """Predict every layout of the grid, run each, and print the errors."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("mlp", "lm"), default="mlp")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1536)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--sequence", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=64, help="rows per replica's batch")
+    parser.add_argument("--layers", type=int, default=None, help="default: 8")
+    parser.add_argument("--width", type=int, default=None, help="default: 1536 (mlp), 512 (lm)")
+    parser.add_argument("--vocab", type=int, default=None, help="lm: default 8192")
+    parser.add_argument("--sequence", type=int, default=None, help="lm: default 64")
+    parser.add_argument("--batch", type=int, default=None, help="rows per replica's batch; default: 64 (mlp), 32 (lm)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the step's median")
     parser.add_argument("--only", default=None, help="grid indices, comma-separated")
@@ -258,8 +270,7 @@ def main() -> None:
                              "speed)")
     parser.add_argument("--job", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.model == "lm" and args.width == 1536:  # the MLP's defaults: the language model's own
-        args.width, args.batch = 512, 32 if args.batch == 64 else args.batch
+    vars(args).update(vars(body_settings(args.model, **{k: getattr(args, k) for k in BODIES[args.model]})))
     if args.job:
         job(args, GRID[int(args.job[0])], [int(b) for b in args.job[2].split(",")], args.job[3],
             args.job[1] == "memory")
