@@ -643,6 +643,59 @@ def test_a_commit_that_fails_on_the_plane_fails_the_next_step_naming_its_process
     assert "the commit broke" in error and "committing the gradients of pipeline 'planned' in rank 2" in error
 
 
+def _riding_commits(rank: int, world: int):
+    from lightning_pipe.transport.wire.dataplane import DataPlane
+
+    pipeline = pipeline_over_rpc("riding", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    sent = []  # (process, what): every message to a step listener, as the driver sent it
+    send_step = DataPlane.send_step
+
+    def noted(plane, name, run, step):
+        sent.append((name, ("commit", step[1]) if step[0] == "commit" else ("step", run, step[-1])))
+        return send_step(plane, name, run, step)
+
+    DataPlane.send_step = noted
+    reference = build()
+    x = torch.randn(8, 6, requires_grad=True)
+    y = torch.randn_like(reference(x))
+    try:
+        runs = []
+        for _ in range(3):
+            loss = pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True,
+                                 parameters=iter([]), schedule="1f1b")
+            runs.append(max(run for _, (kind, run, *_) in sent if kind == "step"))
+            loss.backward()
+        before_call = list(sent)
+        grads = {name: grad.tolist() for name, grad in pipeline.call(1, "named_grads").items()}
+    finally:
+        DataPlane.send_step = send_step
+    _mse(reference(x), y).backward()
+    once = {name: p.grad.tolist() for name, p in reference.named_parameters()}
+    pipeline.close()
+    return runs, before_call, sent, grads, once
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_rides_with_the_next_step_and_sends_no_message_of_its_own():
+    """Over the plane, a step's commit is not sent at ``loss.backward()``: it goes with the next step to each process
+    (applied there before that step's share); where something else reaches the process first (here a read of its
+    gradients), it is sent alone then. The gradients read are three steps' worth."""
+    runs, before_call, sent, grads, once = run_processes(_riding_commits, 3, timeout=100)[0]
+    for peer in ("worker1", "worker2"):
+        mine = [what for name, what in before_call if name == peer]
+        # Step k carries step k-1's commit (scale 1: the loss's own gradient), and nothing went alone.
+        assert mine == [("step", runs[0], []), ("step", runs[1], [(runs[0], 1.0)]),
+                        ("step", runs[2], [(runs[1], 1.0)])], mine
+        # The read of worker1's gradients settles every process's last commit first: alone, on the plane.
+        assert [what for name, what in sent[len(before_call):] if name == peer] == [("commit", runs[2])]
+    for name, grad in grads.items():
+        layer = int(name.split(".")[0])  # worker1 holds layers 2-4, named as in the whole body
+        expected = 3 * torch.tensor(once[f"{layer}.{name.split('.', 1)[1]}"])
+        torch.testing.assert_close(torch.tensor(grad), expected, msg=name)
+
+
 def _large_targets(rank: int, world: int, stages: list[int]):
     torch.manual_seed(0)
     width = 256

@@ -197,10 +197,16 @@ def _releases(rank: int, world: int):
     import gc
     import time
 
+    from lightning_pipe.transport.wire.messages import settle_commits
+
     pipeline = pipeline_over_rpc("test", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
     if pipeline is None:
         return None
-    states = lambda: [rpc.rpc_sync(f"worker{j}", _stage_state, args=("test",)) for j in (1, 2)]  # noqa: E731
+    def states():
+        # As whatever reaches a process next for the pipeline: the commits not sent yet go (or went) first.
+        settle_commits("test")
+        return [rpc.rpc_sync(f"worker{j}", _stage_state, args=("test",)) for j in (1, 2)]
+
     states()
     seen = {}
     for case in ("backward", "eval", "unused", "backward of one micro-batch group", "1f1b loss", "1f1b loss unused"):

@@ -173,12 +173,12 @@ class RemotePipeline:
         anything else reaches them for this pipeline)."""
         timeout = self.runner.timeout
         settle_commits(self.key)
-        futures = [steps.commit(self.runner, peer, r, run.id, scale) or
+        futures = [steps.riding_commit(self.runner, peer, r, run.id, scale) or
                    to_concurrent(rpc.rpc_async(peer, commit_run, args=(self.key, run.id, scale), timeout=timeout),
                                  self._describe(r)) for r, peer in enumerate(self.peers) if r > 0]
         self.runner.commit(run.id, scale)
-        # Not waited for here (a round trip at the end of every step): whatever reaches those processes next
-        # for this pipeline (the next step, an optimizer step, a read of their gradients) waits for them first.
+        # Not waited for (a round trip a step); not even sent where the plane carries the process's steps: it goes
+        # with what reaches that process next for this pipeline (a step, an optimizer step), which applies it first.
         defer_commits(self.key, futures)
         self._settled.add(run.id, self.processes - 1)
         self.runner.averages.settle()  # the gradients here are averaged before the caller goes on

@@ -31,7 +31,7 @@ from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.stages.setup import StageSetup
 from lightning_pipe.transport.stages.stagestate import StageState, broadcast_from_replica0
 from lightning_pipe.transport.stages.tied import TiedCopies
-from lightning_pipe.transport.wire.messages import settle_commits, to_concurrent, where
+from lightning_pipe.transport.wire.messages import riding_along, to_concurrent, where
 from lightning_pipe.transport.wire.session import SESSION
 
 __all__: list[str] = []
@@ -324,11 +324,18 @@ def drop(key: str) -> None:
         host.close()
 
 
-def call(key: str, method: str, *args: Any) -> Any:
-    """Call ``method`` of this process's host of pipeline ``key`` (an RPC entry point)."""
+def call(key: str, method: str, *args: Any, commits: Sequence[tuple[int, float]] = ()) -> Any:
+    """Call ``method`` of this process's host of pipeline ``key`` (an RPC entry point), once ``commits`` (the last
+    steps' commits that came with the call: ``(run, scale)`` each) are applied."""
     host = _HOSTS.get(key)
     if host is None:
         raise RuntimeError(f"this process hosts no stage of pipeline '{key}'")
+    for run, scale in commits:
+        try:
+            host.runner.commit(run, scale)
+        except BaseException as exc:
+            exc.add_note(f"committing the gradients of pipeline '{key}' before {method}")
+            raise
     host.runner.averages.settle()  # what reads or changes gradients waits for this stage's reduction
     return getattr(host, method)(*args)
 
@@ -343,9 +350,12 @@ class HostGroup:
 
     def _start(self, stage: int, method: str, args: tuple[Any, ...], timeout: float | None = None) -> Future[Any]:
         peer = self.peers[stage - 1]
-        settle_commits(self.key)  # the last step's gradients are in before anything reads or changes them
-        future = rpc.rpc_async(peer, call, args=(self.key, method, *args),
-                               timeout=self.timeout if timeout is None else timeout)
+        # The last steps' gradients are in before anything reads or changes them: the commits not sent yet go
+        # with this call, which applies them first; those in flight are waited for.
+        with riding_along(self.key, peer) as commits:
+            future = rpc.rpc_async(peer, call, args=(self.key, method, *args),
+                                   kwargs={"commits": commits} if commits else None,
+                                   timeout=self.timeout if timeout is None else timeout)
         return to_concurrent(future, lambda: f"in {method} of stage {stage} of pipeline '{self.key}' ({where(peer)})")
 
     def start(self, method: str, *args: Any, timeout: float | None = None) -> list[Future[Any]]:

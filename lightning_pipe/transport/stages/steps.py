@@ -35,10 +35,21 @@ import torch.distributed.rpc as rpc
 from lightning_pipe.engine.loss import MicroLoss
 from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.share import Skipped
-from lightning_pipe.transport.stages.entries import abort_run
+from lightning_pipe.transport.stages.entries import abort_run, commit_run
 from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.wire.dataplane import ANSWER
-from lightning_pipe.transport.wire.messages import MAILBOX, Failure, Slot, StepSpec, tensors_in, where, with_location
+from lightning_pipe.transport.wire.messages import (
+    MAILBOX,
+    Failure,
+    Slot,
+    StepSpec,
+    riding,
+    rode,
+    tensors_in,
+    to_concurrent,
+    where,
+    with_location,
+)
 
 __all__: list[str] = []
 
@@ -76,6 +87,49 @@ def commit(runner: StageRunner, peer: str, process: int, run: int, scale: float)
     return _Commit(runner, peer, process, run)
 
 
+class Riding:
+    """A step's commit (run ``run``'s gradients made aside, times ``scale``) to process ``peer`` (``process``), whose
+    plane carries its steps, not sent yet: it goes with the next message to that process, its next step or an RPC
+    to its host (:func:`~lightning_pipe.transport.wire.messages.riding`), which applies it before anything else and
+    answers for it; no message and no answer of its own. Where something else needs it done first
+    (:func:`~lightning_pipe.transport.wire.messages.settle_commits`), :meth:`result` sends it alone and waits."""
+
+    def __init__(self, runner: StageRunner, peer: str, process: int, run: int, scale: float) -> None:
+        self.runner, self.peer, self.process, self.run, self.scale = runner, peer, process, run, scale
+        self.unsent = True  # False once it went, alone or with another message
+        self._sent: Any = None
+
+    @property
+    def before_steps(self) -> bool:
+        """Whether the next step cannot overtake it: not sent yet (it goes with that step), or sent on the plane."""
+        return self._sent is None or isinstance(self._sent, _Commit)
+
+    def result(self) -> None:
+        """Send it alone, unless it went already, and wait for its answer; raise its error, located."""
+        if self._sent is None:
+            if not self.unsent:
+                return  # it went with another message, which answered for it
+            self.unsent = False
+            runner = self.runner
+            self._sent = commit(runner, self.peer, self.process, self.run, self.scale) or to_concurrent(
+                rpc.rpc_async(self.peer, commit_run, args=(runner.key, self.run, self.scale), timeout=runner.timeout),
+                lambda: f"committing the gradients of pipeline '{runner.key}' in {where(self.peer)}")
+        self._sent.result()
+
+
+def riding_commit(runner: StageRunner, peer: str, process: int, run: int, scale: float) -> Riding | None:
+    """Run ``run``'s commit to process ``peer``, to go with what reaches it next (:class:`Riding`); None where the
+    plane does not carry that process's steps (the caller commits by RPC)."""
+    if runner.plane is None or not runner.plane.carries(peer):
+        return None
+    return Riding(runner, peer, process, run, scale)
+
+
+def _commits(step: tuple[Any, ...], commits: Sequence[Riding]) -> tuple[Any, ...]:
+    """``step`` with the commits that go with it: ``(run, scale)`` each."""
+    return (*step, [(c.run, c.scale) for c in commits])
+
+
 # ---------------------------------------------------------------------- the driver's side
 def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], spec: StepSpec,
           deliveries: Sequence[tuple[Slot, Any]]) -> list[tuple[Slot, Any]] | None:
@@ -87,11 +141,14 @@ def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], s
     if plane is None:
         return None
     actions = [tuple(action) for action in actions]  # plain tuples: pickled by pickle's C code alone
+    commits = riding(runner.key, peer)  # the last steps' commits go first, in the same message
     inline = sum(map(_nbytes, deliveries)) <= INLINE
-    if inline and plane.send_step(peer, run, (run, actions, spec, *_joined(deliveries))):
+    if inline and plane.send_step(peer, run, _commits((run, actions, spec, *_joined(deliveries)), commits)):
+        rode(runner.key, commits)
         return []
-    if not plane.send_step(peer, run, (run, actions, spec, None, [])):
+    if not plane.send_step(peer, run, _commits((run, actions, spec, None, []), commits)):
         return None
+    rode(runner.key, commits)
     return list(deliveries)
 
 
@@ -211,12 +268,18 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
             value = Failure(exc)
         runner.send_to(runner.n, answer_slot(runner.key, run, runner.index, 1), value)
         return
-    run, actions, spec, index, payloads = step
+    run, actions, spec, index, payloads, commits = step
     actions = [Action(*action) for action in actions]
     for slot, payload in _split(index, payloads):
         MAILBOX.put(slot, payload)
 
     try:
+        for done, scale in commits:  # the steps' before it: their gradients are in before this one starts
+            try:
+                runner.commit(done, scale)
+            except BaseException as exc:
+                raise with_location(exc, lambda: f"committing the gradients of pipeline '{runner.key}' in "
+                                                 f"{where(runner.me)}") from None
         sends, _ = runner.run_actions(run, actions, spec)
         for sent in sends:  # those that went by RPC (the plane's are done once the share is)
             sent.result(timeout=runner.timeout)

@@ -11,11 +11,12 @@ back as a value (:class:`Failure`) with its type, message, notes and the remote 
 from __future__ import annotations
 
 import collections
+import contextlib
 import pickle
 import threading
 import time
 import traceback
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -152,16 +153,51 @@ def defer_commits(key: str, futures: Sequence[Future[Any]]) -> None:
     _COMMITS.setdefault(key, []).extend(futures)
 
 
-def settle_commits(key: str, before_steps: bool = False) -> None:
-    """Wait for the commits in flight to pipeline ``key``'s other processes; raise the first one's error.
-    ``before_steps``: leave those that the next step cannot overtake (sent on the data plane to the process's
-    step listener, which runs them in order), to be settled once that step is done."""
+def settle_commits(key: str, before_steps: bool = False, peer: str | None = None) -> None:
+    """Wait for the commits in flight to pipeline ``key``'s other processes; raise the first one's error. One not
+    sent yet (see :func:`riding`) is sent now, alone. ``before_steps``: leave those that the next step cannot
+    overtake (sent on the data plane to the process's step listener, which runs them in order, or waiting to go with
+    that step), to be settled once that step is done. ``peer``: only the commits to that process (and those whose
+    process is not known)."""
     pending = _COMMITS.pop(key, [])
-    if before_steps:
-        _COMMITS[key] = [future for future in pending if getattr(future, "before_steps", False)]
-        pending = [future for future in pending if not getattr(future, "before_steps", False)]
+    kept = [c for c in pending if (before_steps and getattr(c, "before_steps", False)) or
+            (peer is not None and getattr(c, "peer", peer) != peer)]
+    if kept:
+        _COMMITS[key] = kept
     for future in pending:
-        future.result()
+        if not any(future is k for k in kept):
+            future.result()
+
+
+def riding(key: str, peer: str) -> list[Any]:
+    """The commits to process ``peer`` of pipeline ``key`` not sent yet: those :func:`defer_commits` got whose
+    ``unsent`` is true, for the caller to send with its next message to that process, which applies them before
+    anything else and answers for them (see :func:`rode`)."""
+    return [c for c in _COMMITS.get(key, ()) if getattr(c, "peer", None) == peer and getattr(c, "unsent", False)]
+
+
+def rode(key: str, commits: Sequence[Any]) -> None:
+    """Forget ``commits`` (from :func:`riding`): they went with a message whose answer reports their errors."""
+    _COMMITS[key] = [c for c in _COMMITS.get(key, []) if not any(c is r for r in commits)]
+    for commit in commits:
+        commit.unsent = False
+
+
+@contextlib.contextmanager
+def riding_along(key: str, peer: str) -> Iterator[list[tuple[int, float]]]:
+    """The commits to process ``peer`` of pipeline ``key`` not sent yet (``(run, scale)`` each), for the message the
+    caller sends it inside, which applies them first and answers for them; kept for the next message where sending
+    raises. The commits in flight to ``peer`` are waited for before."""
+    commits = riding(key, peer)
+    rode(key, commits)
+    try:
+        settle_commits(key, peer=peer)
+        yield [(c.run, c.scale) for c in commits]
+    except BaseException:
+        for commit in commits:
+            commit.unsent = True
+        defer_commits(key, commits)
+        raise
 
 
 def note_alive(key: str, run: int) -> None:
