@@ -40,7 +40,7 @@ def job(args: argparse.Namespace, out: str) -> None:
     body = bench_plan.body_settings(args.model)
     balance = [6, 4] if args.model == "lm" else [4, 4]
     pl.seed_everything(0)
-    times = bench_plan.StepTimes(kernel=False)
+    times = bench_plan.StepTimes(body, kernel=False)
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=args.steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
                          strategy=PipeStrategy(balance=balance, microbatches=4, schedule="1f1b", checkpoint="never",

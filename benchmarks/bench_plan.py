@@ -19,10 +19,12 @@ measured once per number of processes (each process computes on ``cores / proces
 
 The machine's speed: on a shared VM the same kernel runs 20% faster or slower from one second to the next, and a
 job's step moved by 25-40% between runs of the same layout. The body's measurement takes the fastest of its passes
-(the machine undisturbed), so the prediction is a step at the machine's fastest. A fixed kernel (:func:`speed`, one of
-the MLP's layers on one thread) is timed at its fastest before and after the body is measured (:func:`fastest_speed`)
-and, in a job, after every step (its own time left out of the steps); each step is compared at the prediction's
-speed: times the kernel's fastest time then over its mean time around the step. The steps as timed are printed
+(the machine undisturbed), so the prediction is a step at the machine's fastest. A reference piece of the body's work
+(:func:`reference_speed`: one of the MLP's layers on a micro-batch; one of the language model's blocks forward and
+backward) is timed at its fastest before and after the body is measured (:func:`fastest_speed`, as many copies at
+once as the job has processes, up to the cores, as the body is measured) and, in a job, after every step by as many
+of the pipeline's processes at once (its own time left out of the steps); each step is compared at the prediction's
+speed: times the reference's fastest time then over its mean time around the step. The steps as timed are printed
 beside, and their largest error.
 
 Printed: per layout, each process's predicted and measured peak, their error, the step predicted and measured (median
@@ -158,12 +160,14 @@ def body_settings(model: str, **given: int | None) -> argparse.Namespace:
 
 #: The reference kernel's shapes: one of the MLP's layers on a micro-batch of 16 rows.
 REFERENCE = (16, 1536)
+#: The language model's reference: one of its blocks on this many sequences (a micro-batch of 8 rows).
+REFERENCE_ROWS = 8
 
 
 def speed(calls: int = 20) -> float:
-    """This machine's speed now: the seconds one call of a fixed kernel takes on one thread, the mean of ``calls``
-    (a 16 x 1536 by 1536 x 1536 product and a ReLU: one of the MLP's layers on a micro-batch). On a shared VM the same
-    work runs 20% faster or slower from one second to the next."""
+    """This machine's speed now for the MLP: the seconds one call of a fixed kernel takes on one thread, the mean of
+    ``calls`` (a 16 x 1536 by 1536 x 1536 product and a ReLU: one of the MLP's layers on a micro-batch). On a shared VM
+    the same work runs 20% faster or slower from one second to the next."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -178,29 +182,66 @@ def speed(calls: int = 20) -> float:
         torch.set_num_threads(previous)
 
 
-def fastest_speed(samples: int = 8, calls: int = 10) -> float:
-    """The kernel of :func:`speed` at its fastest over ``samples`` of ``calls`` each: the machine undisturbed, as the
+def block_speed(width: int, sequence: int, calls: int = 2) -> float:
+    """This machine's speed now for the language model: the seconds one of its blocks takes forward and backward on
+    :data:`REFERENCE_ROWS` sequences, on one thread (the mean of ``calls``): its products are as large as the LM's
+    actions', which move with the machine where the MLP's small kernel does not (docs/benchmarks.md)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        block = Block(width)
+        x = torch.randn(REFERENCE_ROWS, sequence, width, requires_grad=True)
+        block(x).sum().backward()  # warm
+        start = time.perf_counter()
+        for _ in range(calls):
+            block(x).sum().backward()
+        return (time.perf_counter() - start) / calls
+    finally:
+        torch.set_num_threads(previous)
+
+
+def reference_speed(model: str, width: int, sequence: int) -> float:
+    """The reference of body ``model``: :func:`block_speed` for the language model, :func:`speed` for the MLP."""
+    return block_speed(width, sequence) if model == "lm" else speed()
+
+
+def fastest_speed(args: argparse.Namespace, copies: int, samples: int = 8) -> float:
+    """The body's reference (:func:`reference_speed`) at its fastest over ``samples``, ``copies`` of it running at
+    once (as the body is measured, and as a job's processes run it between steps): the machine undisturbed, as the
     planner's measurement of the body takes the fastest of its passes."""
-    return min(speed(calls) for _ in range(samples))
+    from lightning_pipe.engine.planning.measure import concurrently
+
+    work = lambda: (reference_speed(args.model, args.width, args.sequence),)  # noqa: E731
+    return min(concurrently(work, copies)[0] for _ in range(samples))
 
 
 class StepTimes(pl.Callback):
-    """Each training batch's time from the end of the one before (the reference kernel's time left out), and the
-    reference kernel's (:func:`speed`) right after it."""
+    """Each training batch's time from the end of the one before (the reference's time left out), and the body's
+    reference (:func:`reference_speed`) right after it, run by the pipeline's first processes at once, as many as the
+    machine has cores (their mean)."""
 
-    def __init__(self, kernel: bool = True) -> None:
+    def __init__(self, args: argparse.Namespace, kernel: bool = True) -> None:
+        self.reference = (args.model, args.width, args.sequence)
         self.kernel = kernel
         self.steps: list[float] = []
         self.speeds: list[float] = []
         self._last: float | None = None
 
-    def on_train_batch_end(self, *args: object) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        import torch.distributed.rpc as rpc
+
         end = time.perf_counter()
         if self._last is not None:
             self.steps.append(end - self._last)
         if self.kernel:
-            self.speeds.append(speed())
-        self._last = time.perf_counter()  # the kernel's own time is no step's
+            # As many processes at once as the machine has cores (as at the prediction; one process alone: none).
+            pipeline, cores = trainer.strategy._pipeline, os.cpu_count() or 1
+            others = [rpc.rpc_async(peer, reference_speed, args=self.reference)
+                      for peer in (pipeline.peers[1:cores] if pipeline is not None else ())]
+            mine = reference_speed(*self.reference)
+            self.speeds.append(statistics.mean([mine, *(f.wait() for f in others)]))
+        self._last = time.perf_counter()  # the reference's own time is no step's
 
 
 def balance_of(args: argparse.Namespace, layout: tuple, profile: Any) -> list[int]:
@@ -221,7 +262,7 @@ def job(args: argparse.Namespace, layout: tuple, balance: list[int], out: str, m
     strategy = PipeStrategy(balance=balance, microbatches=m, schedule=schedule, virtual_stages=v, checkpoint=checkpoint,
                             tensor_parallel_size=t, tensor_parallel_plan=tensor_plan(args) if t > 1 else None,
                             sharding_strategy=sharding)
-    times = StepTimes(kernel=not memory)
+    times = StepTimes(args, kernel=not memory)
     trainer = pl.Trainer(accelerator="cpu", devices=p * t * d, strategy=strategy, max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[times])
@@ -316,9 +357,9 @@ def main() -> None:
     def measured_body(devices: int) -> Any:
         """The body measured as the planner measures it for ``devices`` processes; this machine's fastest then (the
         kernel's fastest before and after)."""
-        before = fastest_speed()
+        before = fastest_speed(args, min(devices, cores))
         profile = measure_body(module, sample, threads=max(1, cores // devices), concurrent=min(devices, cores))
-        speeds[devices] = min(before, fastest_speed())
+        speeds[devices] = min(before, fastest_speed(args, min(devices, cores)))
         return profile
 
     def at_prediction_speed(run: dict[str, Any], devices: int) -> list[float]:
