@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -164,41 +165,37 @@ REFERENCE = (16, 1536)
 REFERENCE_ROWS = 8
 
 
+def one_thread_mean(call: Callable[[], object], calls: int) -> float:
+    """The seconds one ``call`` takes on one intra-op thread, the mean of ``calls`` after one to warm up."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        call()  # warm
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        return (time.perf_counter() - start) / calls
+    finally:
+        torch.set_num_threads(previous)
+
+
 def speed(calls: int = 20) -> float:
     """This machine's speed now for the MLP: the seconds one call of a fixed kernel takes on one thread, the mean of
     ``calls`` (a 16 x 1536 by 1536 x 1536 product and a ReLU: one of the MLP's layers on a micro-batch). On a shared VM
     the same work runs 20% faster or slower from one second to the next."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        g = torch.Generator().manual_seed(0)
-        x, w = torch.randn(REFERENCE, generator=g), torch.randn(REFERENCE[1], REFERENCE[1], generator=g)
-        torch.relu(x @ w)  # warm
-        start = time.perf_counter()
-        for _ in range(calls):
-            torch.relu(x @ w)
-        return (time.perf_counter() - start) / calls
-    finally:
-        torch.set_num_threads(previous)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(REFERENCE, generator=g), torch.randn(REFERENCE[1], REFERENCE[1], generator=g)
+    return one_thread_mean(lambda: torch.relu(x @ w), calls)
 
 
 def block_speed(width: int, sequence: int, calls: int = 2) -> float:
     """This machine's speed now for the language model: the seconds one of its blocks takes forward and backward on
     :data:`REFERENCE_ROWS` sequences, on one thread (the mean of ``calls``): its products are as large as the LM's
     actions', which move with the machine where the MLP's small kernel does not (docs/benchmarks.md)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        block = Block(width)
-        x = torch.randn(REFERENCE_ROWS, sequence, width, requires_grad=True)
-        block(x).sum().backward()  # warm
-        start = time.perf_counter()
-        for _ in range(calls):
-            block(x).sum().backward()
-        return (time.perf_counter() - start) / calls
-    finally:
-        torch.set_num_threads(previous)
+    torch.manual_seed(0)
+    block = Block(width)
+    x = torch.randn(REFERENCE_ROWS, sequence, width, requires_grad=True)
+    return one_thread_mean(lambda: block(x).sum().backward(), calls)
 
 
 def reference_speed(model: str, width: int, sequence: int) -> float:

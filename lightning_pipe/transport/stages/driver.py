@@ -32,7 +32,6 @@ from lightning_pipe.transport.stages import steps
 from lightning_pipe.transport.stages.entries import (
     abort_run,
     call_runner,
-    commit_run,
     is_registered,
     register,
     run_share,
@@ -171,11 +170,10 @@ class RemotePipeline:
         """Add what ``run``'s backwards made aside, times ``scale``, into every stage's gradients (a plan that
         ran its backwards ahead of its caller's), here and in every other process at once (there, done before
         anything else reaches them for this pipeline)."""
-        timeout = self.runner.timeout
         settle_commits(self.key)
         futures = [steps.riding_commit(self.runner, peer, r, run.id, scale) or
-                   to_concurrent(rpc.rpc_async(peer, commit_run, args=(self.key, run.id, scale), timeout=timeout),
-                                 self._describe(r)) for r, peer in enumerate(self.peers) if r > 0]
+                   steps.commit_by_rpc(self.runner, peer, run.id, scale, self._describe(r))
+                   for r, peer in enumerate(self.peers) if r > 0]
         self.runner.commit(run.id, scale)
         # Not waited for (a round trip a step); not even sent where the plane carries the process's steps: it goes
         # with what reaches that process next for this pipeline (a step, an optimizer step), which applies it first.

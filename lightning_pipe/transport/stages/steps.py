@@ -111,10 +111,18 @@ class Riding:
                 return  # it went with another message, which answered for it
             self.unsent = False
             runner = self.runner
-            self._sent = commit(runner, self.peer, self.process, self.run, self.scale) or to_concurrent(
-                rpc.rpc_async(self.peer, commit_run, args=(runner.key, self.run, self.scale), timeout=runner.timeout),
+            self._sent = commit(runner, self.peer, self.process, self.run, self.scale) or commit_by_rpc(
+                runner, self.peer, self.run, self.scale,
                 lambda: f"committing the gradients of pipeline '{runner.key}' in {where(self.peer)}")
         self._sent.result()
+
+
+def commit_by_rpc(runner: StageRunner, peer: str, run: int, scale: float, describe: Callable[[], str]
+                  ) -> Future[Any]:
+    """Send process ``peer`` the commit of run ``run`` (times ``scale``) by RPC; its future, an error noted with
+    ``describe()``."""
+    return to_concurrent(rpc.rpc_async(peer, commit_run, args=(runner.key, run, scale), timeout=runner.timeout),
+                         describe)
 
 
 def riding_commit(runner: StageRunner, peer: str, process: int, run: int, scale: float) -> Riding | None:

@@ -159,14 +159,16 @@ def settle_commits(key: str, before_steps: bool = False, peer: str | None = None
     overtake (sent on the data plane to the process's step listener, which runs them in order, or waiting to go with
     that step), to be settled once that step is done. ``peer``: only the commits to that process (and those whose
     process is not known)."""
-    pending = _COMMITS.pop(key, [])
-    kept = [c for c in pending if (before_steps and getattr(c, "before_steps", False)) or
-            (peer is not None and getattr(c, "peer", peer) != peer)]
+    kept: list[Any] = []
+    due: list[Any] = []
+    for commit in _COMMITS.pop(key, []):
+        later = (before_steps and getattr(commit, "before_steps", False)) or \
+            (peer is not None and getattr(commit, "peer", peer) != peer)
+        (kept if later else due).append(commit)
     if kept:
         _COMMITS[key] = kept
-    for future in pending:
-        if not any(future is k for k in kept):
-            future.result()
+    for commit in due:
+        commit.result()
 
 
 def riding(key: str, peer: str) -> list[Any]:
