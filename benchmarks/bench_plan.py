@@ -327,14 +327,20 @@ def main() -> None:
           f"{cores} cores\n")
     from dataclasses import replace
 
-    from lightning_pipe.engine.planning import Costs, optimizer_time
-    from lightning_pipe.transport.parallel.measured import collective_costs
-    from lightning_pipe.transport.wire.measured import handoff_costs
+    from lightning_pipe.engine.planning import optimizer_time, tensor_probes
+    from lightning_pipe.lightning.planned import measured_costs
 
-    costs = Costs(**collective_costs(min(2, cores), extra=handoff_costs))  # as plan_layout's callers measure them
-    print(f"collectives measured: {costs.collective * 1e3:.2f} ms fixed, all-reduce "
-          f"{costs.collective_bandwidth / 1e9:.2f} GB/s per process; FSDP {costs.sharded_per_byte * 1e9:.2f} ns per "
-          f"byte and use, tensor parallel {costs.tensor_action * 1e3:.2f} ms per split layer and action\n")
+    def machine_costs(profile: Any) -> Any:
+        """This machine's collectives, as plan_layout's callers measure them: tensor parallel's on pairs of layers
+        shaped as the body's split ones (:func:`tensor_probes`)."""
+        found = measured_costs(min(2, cores), tensor_probes(module, tensor_plan(args), profile))
+        print(f"collectives measured: {found.collective * 1e3:.2f} ms fixed, all-reduce "
+              f"{found.collective_bandwidth / 1e9:.2f} GB/s per process; FSDP {found.sharded_per_byte * 1e9:.2f} ns "
+              f"per byte and use; tensor parallel per split module and action {found.tensor_action * 1e3:.2f} ms "
+              f"and {found.tensor_per_byte * 1e9:.2f} ns per byte of its input\n")
+        return found
+
+    costs = None
     profiles: dict[int, Any] = {}
     speeds: dict[int, float] = {}  # the kernel's fastest (:func:`fastest_speed`) around each profile's measurement
     costs_of: dict[int, Any] = {}
@@ -370,6 +376,7 @@ def main() -> None:
         devices = p * t * d
         if devices not in profiles:  # measured once per process count, as plan_layout measures them
             profiles[devices] = measured_body(devices)
+            costs = costs or machine_costs(profiles[devices])
             torch.set_num_threads(max(1, cores // devices))
             costs_of[devices] = replace(costs, optimizer_per_byte=optimizer_time(
                 torch.optim.AdamW, torch.device("cpu"), min(devices, cores)))

@@ -136,16 +136,17 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def plan(args: argparse.Namespace) -> None:
     """``plan MODEL``: measure the model's body, predict every layout, and print the table of the best that fit
     (status 1 with what is largest where none fits)."""
+    from functools import partial
+
     import torch
 
-    from lightning_pipe.engine.planning import Costs, plan_layout
-    from lightning_pipe.transport.parallel.measured import collective_costs
-    from lightning_pipe.transport.wire.measured import handoff_costs
+    from lightning_pipe.engine.planning import plan_layout
+    from lightning_pipe.lightning.planned import measured_costs
 
     model, example, tensor_plan = _model(args)
     costs = None
     if args.device == "cpu" and args.devices > 1:  # this machine's collectives, between processes started for it
-        costs = Costs(**collective_costs(min(args.devices, os.cpu_count() or 1), extra=handoff_costs))
+        costs = partial(measured_costs, min(args.devices, os.cpu_count() or 1))
     try:
         found = plan_layout(model, example, devices=args.devices, memory_per_device=args.memory_per_device,
                             optimizer={"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,

@@ -163,13 +163,67 @@ def test_collectives_and_handoffs_are_measured_between_processes_started_for_it(
     from lightning_pipe.transport.parallel.measured import collective_costs
     from lightning_pipe.transport.wire.measured import handoff_costs
 
-    costs = collective_costs(2, nbytes=1 << 20, repeats=2, extra=handoff_costs)
-    assert set(costs) == {"collective", "collective_bandwidth", "sharded_per_byte", "tensor_action", "handoff",
-                          "bandwidth"}
+    costs = collective_costs(2, nbytes=1 << 20, repeats=2, extra=handoff_costs, tensor_pairs=[(64, 256, 512)])
+    assert set(costs) == {"collective", "collective_bandwidth", "sharded_per_byte", "tensor_action",
+                          "tensor_per_byte", "handoff", "bandwidth"}
     assert all(costs[name] > 0 for name in ("collective", "collective_bandwidth", "handoff", "bandwidth"))
+    # One shape: its cost fixed, none per byte; a split pair's two all-reduces cost more than its halves alone.
+    assert costs["tensor_per_byte"] == 0.0 and costs["tensor_action"] > 0
     assert costs["handoff"] < 0.05  # a message of a few numbers between two processes of one machine
     made = Costs(**costs)
     assert (made.collective_bandwidth, made.handoff) == (costs["collective_bandwidth"], costs["handoff"])
+
+
+class Block(nn.Module):
+    """A transformer-like block: a feed-forward of 4x the width, layer-normed, on (rows, sequence, width)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def test_the_split_modules_and_the_probes_are_read_from_the_plan_and_the_body():
+    """Each layer's split modules are those the plan's names reach (``*`` any layer; not those kept whole), a
+    function plan's its Linear layers; the probe stands for the split layer with the longest forward: its first
+    split Linear's sizes, on a micro-batch of an eighth and of half the rows, each row the layer's tokens."""
+    from lightning_pipe.engine.planning.tensor import PROBE_WEIGHT_BYTES, split_modules, tensor_probes
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(32, 32), Block(), Block(), nn.Linear(32, 8))
+    plan = {"1.up": "colwise", "1.down": "rowwise", "*.up": "colwise", "*.norm": "replicate"}
+    assert split_modules(module, plan) == [0, 2, 1, 0]
+    assert split_modules(module, {"1": "colwise"}) == [0, 1, 0, 0]  # the layer itself
+    assert split_modules(module, lambda layer, mesh: layer) == [1, 2, 2, 1]
+    assert split_modules(module, None) == [0, 0, 0, 0]
+    profile = measure_body(module, torch.randn(16, 5, 32), repeats=1)
+    assert tensor_probes(module, plan, profile) == [(2 * 5, 32, 128), (8 * 5, 32, 128)]
+    assert tensor_probes(module, None, profile) == []
+    wide = nn.Sequential(nn.Linear(64, 2 * PROBE_WEIGHT_BYTES // (64 * 4)))
+    found = tensor_probes(wide, {"0": "colwise"}, measure_body(wide, torch.randn(4, 64), repeats=1))
+    assert found == [(1, 64, PROBE_WEIGHT_BYTES // (64 * 4)), (2, 64, PROBE_WEIGHT_BYTES // (64 * 4))]  # cut
+
+
+def test_tensor_parallel_costs_each_split_module_and_action_by_its_inputs_bytes():
+    """A layer of two split modules costs twice one's; the cost per byte follows the micro-batch's input bytes,
+    once per module, forward and backward, on one stage's every micro-batch."""
+    layout = Layout(1, 1, (6,), 2, 1, "NO_SHARD", 4, "gpipe", "never")
+    module = body()
+    profile = measure_body(module, torch.randn(16, 64), repeats=1)
+
+    def step(modules: list[int], costs: Costs) -> float:
+        return predict(layout, profile, batch=16, fixed_global=False, optimizer=ADAM, costs=costs,
+                       splittable=lambda lo, hi: profile.total("params", lo, hi), cores=64,
+                       split_modules=modules).step  # cores enough: the simulated step, not the work over them
+
+    base = Costs(tensor_action=0.0, tensor_per_byte=0.0)
+    none, fixed = step([1] * 6, base), Costs(tensor_action=1e-3, tensor_per_byte=0.0)
+    assert step([1] * 6, fixed) - none == pytest.approx(6 * 4 * 2 * 1e-3)
+    assert step([2] * 6, fixed) - none == pytest.approx(2 * 6 * 4 * 2 * 1e-3)
+    per_byte = Costs(tensor_action=0.0, tensor_per_byte=1e-9)
+    assert step([1] * 6, per_byte) - none == pytest.approx(6 * 4 * 2 * 1e-9 * 4 * profile.boundary(0))
 
 
 def test_the_command_prints_the_table_and_refuses_a_budget_too_small(tmp_path):

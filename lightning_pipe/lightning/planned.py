@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -90,6 +91,13 @@ def constraints(strategy: Any) -> Any:
     return allowed
 
 
+def measured_costs(processes: int, probes: Sequence[tuple[int, int, int]] = ()) -> Costs:
+    """This machine's collectives and hand-offs, measured between ``processes`` processes started for it; tensor
+    parallel's on pairs of Linear layers of ``probes``' shapes (:func:`~lightning_pipe.engine.planning.tensor_probes`:
+    as the body's split layers)."""
+    return Costs(**collective_costs(processes, extra=handoff_costs, tensor_pairs=probes))
+
+
 def plan(strategy: Any, module: Any, precision: str, optimizer: Any, last: bool) -> LayoutPlan:
     """The plan of ``module``'s body for ``strategy``'s devices, within its ``memory_per_device`` (on a GPU its
     memory; on the CPU this machine's divided among the processes), trained at ``precision`` by ``optimizer`` (a
@@ -110,7 +118,7 @@ def plan(strategy: Any, module: Any, precision: str, optimizer: Any, last: bool)
     auto = set(strategy._auto)
     costs = None
     if device.type == "cpu" and devices > 1:  # this machine's collectives, between processes started for it
-        costs = Costs(**collective_costs(min(strategy.num_processes, os.cpu_count() or 1), extra=handoff_costs))
+        costs = partial(measured_costs, min(strategy.num_processes, os.cpu_count() or 1))
     return plan_layout(
         module, example, devices=devices, memory_per_device=budget, optimizer=optimizer, precision=precision,
         device=device, module_name=strategy.module_name,

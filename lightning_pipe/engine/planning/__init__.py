@@ -26,11 +26,12 @@ from lightning_pipe.engine.planning.layouts import (
 )
 from lightning_pipe.engine.planning.measure import BodyProfile, concurrently, measure_body
 from lightning_pipe.engine.planning.memory import Memory, optimizer_model
+from lightning_pipe.engine.planning.tensor import split_bytes, split_modules, tensor_probes
 from lightning_pipe.engine.schedule import SCHEDULES
 
 __all__ = ["BodyProfile", "Costs", "Layout", "LayoutPlan", "Memory", "Prediction", "format_bytes", "measure_body",
            "body_and_input", "optimizer_time", "parse_bytes",
-           "plan_layout"]
+           "plan_layout", "tensor_probes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -124,18 +125,6 @@ def body_and_input(module: nn.Module, example: Any, module_name: str) -> tuple[n
     return body, captured[0]
 
 
-def _splittable(body: nn.Sequential, plan: Mapping[str, Any] | Callable[..., Any] | None
-                ) -> Callable[[int, int], float]:
-    """Bytes of parameters of layers ``lo .. hi - 1`` that a tensor-parallel ``plan`` splits: those of the layers
-    its names reach (by their first part, ``*`` any); a function plan: every layer."""
-    if plan is None:
-        return lambda lo, hi: 0.0
-    heads = None if callable(plan) else {name.split(".")[0] for name in plan}
-    sizes = [sum(p.numel() * p.element_size() for p in layer.parameters())
-             if heads is None or "*" in heads or str(k) in heads else 0 for k, layer in enumerate(body)]
-    return lambda lo, hi: float(sum(sizes[lo:hi]))
-
-
 def optimizer_time(optimizer: Any, device: torch.device, concurrent: int = 1) -> float:
     """Seconds per byte of trainable parameter of ``optimizer``'s step, measured on a probe of 32 MiB (beyond the
     caches: a step streams its states from memory) while ``concurrent`` such steps run at once (the processes of a
@@ -163,7 +152,8 @@ def plan_layout(module: nn.Module, example_input: Any, *, devices: int, memory_p
                 device: torch.device | str = "cpu", tensor_parallel_plan: Any = None, loss_on_last_stage: bool = True,
                 schedules: Sequence[str] | None = None, checkpoints: Sequence[str] = CHECKPOINTS,
                 shardings: Sequence[str] = SHARDINGS, microbatches: Sequence[int] | None = None,
-                costs: Costs | None = None, cores: int | None = None, profile: BodyProfile | None = None,
+                costs: Costs | Callable[[list[tuple[int, int, int]]], Costs] | None = None,
+                cores: int | None = None, profile: BodyProfile | None = None,
                 module_name: str = "sequential_module", balance: Sequence[int] | None = None,
                 where: Callable[[Layout], bool] | None = None) -> LayoutPlan:
     """Choose how to run ``module``'s body on ``devices`` processes of ``memory_per_device`` each.
@@ -173,10 +163,12 @@ def plan_layout(module: nn.Module, example_input: Any, *, devices: int, memory_p
     from it: each process's peak (parameters, gradients, ``optimizer``'s state, the activations its stages hold as
     the schedule's simulation runs, a backward's or the optimizer step's passing buffers, the hand-off receives, the
     runtime's own) and the step (the schedule simulated with the measured stage times, the hand-offs and
-    collectives of ``costs``). The fastest that fits is chosen: per step with ``global_batch`` (the rows a step
-    trains over all replicas: each replica gets its share), else per sample trained (each replica trains the
-    example's rows, as Lightning's loaders give each replica a batch). ``optimizer``: a class or a function of
-    the parameters (``torch.optim.AdamW``, ``lambda ps: SGD(ps, lr=0.1, momentum=0.9)``); ``schedules`` all of
+    collectives of ``costs``: given, or a function of :func:`tensor_probes`' shapes, called once the body is
+    measured, that measures them, tensor parallel's on a pair of layers shaped as the body's split ones). The
+    fastest that fits is chosen: per step with ``global_batch`` (the rows a step trains over all replicas: each
+    replica gets its share), else per sample trained (each replica trains the example's rows, as Lightning's
+    loaders give each replica a batch). ``optimizer``: a class or a function of the parameters
+    (``torch.optim.AdamW``, ``lambda ps: SGD(ps, lr=0.1, momentum=0.9)``); ``schedules`` all of
     :data:`~lightning_pipe.engine.schedule.SCHEDULES` with ``loss_on_last_stage``, else GPipe's alone; tensor
     parallel is tried where a ``tensor_parallel_plan`` is given; ``balance`` fixes the stages, ``where`` keeps the
     layouts it is true of (the arguments a caller fixed). Raises ``ValueError`` where no layout fits, naming
@@ -192,6 +184,8 @@ def plan_layout(module: nn.Module, example_input: Any, *, devices: int, memory_p
     if profile is None:
         profile = measure_body(body, sample, device=device, precision=precision,
                                threads=max(1, cores // devices) if device.type == "cpu" else None, concurrent=local)
+    if callable(costs):  # measured now that the body is: tensor parallel's on a pair shaped as its split layers
+        costs = costs(tensor_probes(body, tensor_parallel_plan, profile) if tensor_parallel_plan is not None else [])
     costs = costs or Costs.for_device(device.type)
     if costs.optimizer_per_byte == 0.0:
         costs = replace(costs, optimizer_per_byte=optimizer_time(optimizer, device, local))
@@ -201,9 +195,9 @@ def plan_layout(module: nn.Module, example_input: Any, *, devices: int, memory_p
     if unknown:
         raise ValueError(f"schedules {unknown} are not among {list(SCHEDULES)}")
     rows = global_batch if global_batch is not None else profile.rows
-    splittable = _splittable(body, tensor_parallel_plan)
+    splittable, modules = split_bytes(body, tensor_parallel_plan), split_modules(body, tensor_parallel_plan)
     found = [predict(layout, profile, batch=rows, fixed_global=global_batch is not None, optimizer=model, costs=costs,
-                     splittable=splittable, cores=cores, aside=loss_on_last_stage)
+                     splittable=splittable, split_modules=modules, cores=cores, aside=loss_on_last_stage)
              for layout in candidates(profile, devices, batch=rows, fixed_global=global_batch is not None,
                                       tensor_sizes=tensor_sizes(devices, tensor_parallel_plan is not None),
                                       schedules=names, checkpoints=checkpoints, shardings=shardings,

@@ -33,7 +33,8 @@ class Costs:
     all-reduce's bandwidth (per process: what it sends of a ring's), the runtime's cost per
     action and per step (and per process beyond the first),
     a collective's fixed cost, FSDP's hooks per action of a sharded stage, what FSDP adds per use of a layer per byte
-    of its weights, tensor parallel per split layer and action, the optimizer's time per byte of trainable
+    of its weights, tensor parallel per split module and action (fixed, and per byte of its layer's input: the
+    collective it waits for behind the compute before it), the optimizer's time per byte of trainable
     parameter, and the memory each process holds beyond its tensors (the runtime: RPC, the process groups; the
     driver's, Lightning's loop too; a tensor group's). Defaults measured on a 2-vCPU CPU machine (docs/planning.md):
     the step's is Lightning's loop around a plain model's forward, backward and optimizer step; :meth:`for_device`
@@ -52,7 +53,8 @@ class Costs:
     tensor_memory: float = 8 * 2**20
     sharded_action: float = 0.3e-3
     sharded_per_byte: float = 1.75e-9
-    tensor_action: float = 0.6e-3
+    tensor_action: float = 1.5e-3
+    tensor_per_byte: float = 1e-9
 
     @classmethod
     def for_device(cls, device_type: str) -> Costs:
@@ -60,7 +62,8 @@ class Costs:
         if device_type == "cuda":
             return cls(handoff=0.1e-3, bandwidth=20e9, collective_bandwidth=20e9,
                        action=0.05e-3, step=1e-3, per_process=0.3e-3, collective=0.05e-3, runtime_memory=0.0,
-                       driver_memory=0.0, sharded_per_byte=1 / 20e9, tensor_action=0.05e-3)
+                       driver_memory=0.0, sharded_per_byte=1 / 20e9, tensor_action=0.05e-3,
+                       tensor_per_byte=1 / 20e9)
         return cls()
 
 
@@ -175,8 +178,9 @@ def candidates(profile: BodyProfile, devices: int, *, batch: int, fixed_global: 
 
 def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: bool, optimizer: OptimizerModel,
             costs: Costs, splittable: Callable[[int, int], float], cores: int, bucket_view: bool = False,
-            aside: bool = True) -> Prediction:
-    """``layout``'s step and each pipeline process's peak (see :class:`Prediction`)."""
+            aside: bool = True, split_modules: Sequence[int] | None = None) -> Prediction:
+    """``layout``'s step and each pipeline process's peak (see :class:`Prediction`); ``split_modules``: how many
+    modules of each layer tensor parallel splits (one per layer ``splittable`` counts where not given)."""
     p, v, t, d, m = (layout.processes, layout.virtual_stages, layout.tensor_parallel_size, layout.replicas,
                      layout.microbatches)
     rows = (batch // d if fixed_global else batch) / m
@@ -192,10 +196,14 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
     capacity = max(1.0, cores / max(1, profile.threads))
     share = [splittable(lo, hi) / max(1, profile.total("params", lo, hi)) for lo, hi in bounds]
     # FULL_SHARD: each use of a stage's layers gathers them (what FSDP2 adds per byte, measured); t > 1: each split
-    # layer's DTensor dispatch and its output's all-reduce (measured per layer and action).
+    # module's DTensor dispatch and its collective (measured per module and action, fixed and per byte of its
+    # layer's input).
     gather = [profile.total("params", lo, hi) / t * costs.sharded_per_byte
               if sharded_per_microbatch(layout.sharding_strategy, d) else 0.0 for lo, hi in bounds]
-    split_layers = [sum(1 for k in range(lo, hi) if splittable(k, k + 1) > 0) for lo, hi in bounds]
+    modules = list(split_modules) if split_modules is not None else \
+        [1 if splittable(k, k + 1) > 0 else 0 for k in range(len(profile))]
+    tensor = [sum(modules[k] * (costs.tensor_action + costs.tensor_per_byte * rows * profile.boundary(k))
+                  for k in range(lo, hi)) for lo, hi in bounds]
 
     # Where the engine runs a zero-bubble backward in two: not where FSDP's or tensor parallel's hooks are on the
     # layers (``twice_safe``), whose each I is then a whole backward.
@@ -208,7 +216,7 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
             return compute(s, "backward") if direction == "inputs" else 0.0
         seconds = profile.time(direction, lo, hi, rows)
         if t > 1 and share[s]:
-            seconds = seconds * (1 - share[s] + share[s] / t) + split_layers[s] * costs.tensor_action
+            seconds = seconds * (1 - share[s] + share[s] / t) + tensor[s]
         return seconds
 
     forward = [compute(s, "forward") for s in range(n)]
