@@ -196,6 +196,7 @@ def test_the_split_modules_and_the_probes_are_read_from_the_plan_and_the_body():
     plan = {"1.up": "colwise", "1.down": "rowwise", "*.up": "colwise", "*.norm": "replicate"}
     assert split_modules(module, plan) == [0, 2, 1, 0]
     assert split_modules(module, {"1": "colwise"}) == [0, 1, 0, 0]  # the layer itself
+    assert split_modules(module, {"*.*": "colwise"}) == [0, 3, 3, 0]  # each * one name part
     assert split_modules(module, lambda layer, mesh: layer) == [1, 2, 2, 1]
     assert split_modules(module, None) == [0, 0, 0, 0]
     profile = measure_body(module, torch.randn(16, 5, 32), repeats=1)

@@ -3,8 +3,8 @@ the shapes of the Linear pair that stands for its split layers when tensor paral
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
-from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
@@ -20,18 +20,21 @@ PROBE_WEIGHT_BYTES = 16 << 20
 Plan = Mapping[str, Any] | Callable[..., Any] | None
 
 
+def _matches(pattern: str, name: str) -> bool:
+    """Whether module name ``name`` is what ``pattern`` names, each ``*`` one dotted part."""
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
+
+
 def _named(layer: nn.Module, k: int, plan: Mapping[str, Any]) -> list[nn.Module]:
-    """The modules of layer ``k`` that ``plan``'s names reach (``*`` any part; a name of the layer alone: itself),
-    but those it keeps whole (``"replicate"``)."""
+    """The modules of layer ``k`` that ``plan``'s names reach (``*`` one name part; a name of the layer alone:
+    itself), but those it keeps whole (``"replicate"``)."""
     found: dict[int, nn.Module] = {}
     for key, style in plan.items():
-        if style == "replicate":
-            continue
         head, _, rest = key.partition(".")
-        if head != str(k) and not fnmatchcase(str(k), head):
+        if style == "replicate" or not _matches(head, str(k)):
             continue
         for name, module in layer.named_modules():
-            if fnmatchcase(name, rest):
+            if _matches(rest, name):
                 found[id(module)] = module
     return list(found.values())
 

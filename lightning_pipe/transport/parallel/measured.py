@@ -83,9 +83,9 @@ def _pair_cost(mesh: Any, world: int, shape: Shape, repeats: int) -> float:
     """Seconds tensor parallel adds per split module and action to a colwise and rowwise pair of ``shape`` against
     its local halves, at the machine's fastest (as the body is measured): the medians' difference (the two run in
     turn, at the same moments of the machine), over 4, times the halves' fastest over their median. The medians, not
-    the fastest: each collective waits behind the compute before it on every process, and what that costs on a
-    shared machine (the slower process, the wake-up: 2-6 ms per all-reduce of a block's activation on a 2-vCPU VM,
-    0.5 ms at the fastest) is paid by every step, not by its fastest alone."""
+    the fastest: a collective right after compute waits longer than between idle processes (on a 2-vCPU VM an
+    all-reduce of 64 KiB-1 MiB after 10 ms of compute: about 4 ms at the median, 0.4-0.9 ms at the fastest), and
+    every step pays it, not its fastest pass alone."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tokens, width, hidden = shape
