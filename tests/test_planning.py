@@ -189,7 +189,7 @@ def test_the_split_modules_and_the_probes_are_read_from_the_plan_and_the_body():
     """Each layer's split modules are those the plan's names reach (``*`` any layer; not those kept whole), a
     function plan's its Linear layers; the probe stands for the split layer with the longest forward: its first
     split Linear's sizes, on a micro-batch of an eighth and of half the rows, each row the layer's tokens."""
-    from lightning_pipe.engine.planning.tensor import PROBE_WEIGHT_BYTES, split_modules, tensor_probes
+    from lightning_pipe.engine.planning.tensor import PROBE_WEIGHT_BYTES, PROBE_WORK, split_modules, tensor_probes
 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(32, 32), Block(), Block(), nn.Linear(32, 8))
@@ -205,6 +205,11 @@ def test_the_split_modules_and_the_probes_are_read_from_the_plan_and_the_body():
     wide = nn.Sequential(nn.Linear(64, 2 * PROBE_WEIGHT_BYTES // (64 * 4)))
     found = tensor_probes(wide, {"0": "colwise"}, measure_body(wide, torch.randn(4, 64), repeats=1))
     assert found == [(1, 64, PROBE_WEIGHT_BYTES // (64 * 4)), (2, 64, PROBE_WEIGHT_BYTES // (64 * 4))]  # cut
+    # Half the rows' product passes PROBE_WORK: its tokens cut to it.
+    most = PROBE_WORK // (512 * 2048)
+    long = nn.Sequential(Block(512))
+    profile = measure_body(long, torch.randn(16, most // 4, 512), repeats=1)  # half the rows: 2 x most
+    assert tensor_probes(long, {"0.up": "colwise"}, profile) == [(most // 2, 512, 2048), (most, 512, 2048)]
 
 
 def test_tensor_parallel_costs_each_split_module_and_action_by_its_inputs_bytes():

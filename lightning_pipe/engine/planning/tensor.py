@@ -11,11 +11,15 @@ from torch import nn
 
 from lightning_pipe.engine.planning.measure import BodyProfile
 
-__all__ = ["PROBE_WEIGHT_BYTES", "split_bytes", "split_modules", "tensor_probes"]
+__all__ = ["PROBE_WEIGHT_BYTES", "PROBE_WORK", "split_bytes", "split_modules", "tensor_probes"]
 
 #: The largest weight of a probe's Linear layer (bytes): a wider body's hidden size is cut to it, its width and
 #: tokens (what each all-reduce carries) kept.
 PROBE_WEIGHT_BYTES = 16 << 20
+#: The most multiply-adds of one of a probe's Linear layers (tokens x width x hidden): a larger micro-batch's tokens
+#: are cut to it, so that the probe's passes take seconds, not minutes (the LM of ``bench_plan.py``'s half-batch
+#: probe is this size: a pass of its halves about 70 ms on one CPU core).
+PROBE_WORK = 1 << 30
 
 Plan = Mapping[str, Any] | Callable[..., Any] | None
 
@@ -67,7 +71,8 @@ def tensor_probes(body: nn.Sequential, plan: Plan, profile: BodyProfile) -> list
     pair on ``tokens`` rows, standing for ``body``'s split layers where tensor parallel's cost is measured: the first
     split Linear of the split layer whose forward is longest, on the tokens of a micro-batch of an eighth and of half
     the example's rows (what each all-reduce carries, and the compute each waits behind). A hidden size whose weight
-    passes :data:`PROBE_WEIGHT_BYTES` is cut to it. Empty without a plan or a split Linear."""
+    passes :data:`PROBE_WEIGHT_BYTES` is cut to it, and tokens whose work passes :data:`PROBE_WORK`. Empty without a
+    plan or a split Linear."""
     counts = split_modules(body, plan)
     layers = sorted((k for k in range(len(body)) if counts[k]), key=lambda k: -profile.layers[k].forward)
     for k in layers:
@@ -79,6 +84,7 @@ def tensor_probes(body: nn.Sequential, plan: Plan, profile: BodyProfile) -> list
         size = linear.weight.element_size()
         tokens_per_row = max(1, round(profile.boundary(k) / (width * size)))
         hidden = max(1, min(hidden, PROBE_WEIGHT_BYTES // (width * size)))
-        rows = sorted({max(1, profile.rows // 8), max(1, profile.rows // 2)})
-        return [(r * tokens_per_row, width, hidden) for r in rows]
+        most = max(1, PROBE_WORK // (width * hidden))
+        tokens = sorted({min(most, max(1, profile.rows // r) * tokens_per_row) for r in (8, 2)})
+        return [(n, width, hidden) for n in tokens]
     return []
