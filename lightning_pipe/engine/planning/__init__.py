@@ -185,7 +185,7 @@ def plan_layout(module: nn.Module, example_input: Any, *, devices: int, memory_p
         profile = measure_body(body, sample, device=device, precision=precision,
                                threads=max(1, cores // devices) if device.type == "cpu" else None, concurrent=local)
     if callable(costs):  # measured now that the body is: tensor parallel's on a pair shaped as its split layers
-        costs = costs(tensor_probes(body, tensor_parallel_plan, profile) if tensor_parallel_plan is not None else [])
+        costs = costs(tensor_probes(body, tensor_parallel_plan, profile))
     costs = costs or Costs.for_device(device.type)
     if costs.optimizer_per_byte == 0.0:
         costs = replace(costs, optimizer_per_byte=optimizer_time(optimizer, device, local))

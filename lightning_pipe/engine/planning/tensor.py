@@ -60,9 +60,9 @@ def split_bytes(body: nn.Sequential, plan: Plan) -> Callable[[int, int], float]:
     its names reach (by their first part, ``*`` any); a function plan: every layer."""
     if plan is None:
         return lambda lo, hi: 0.0
-    heads = None if callable(plan) else {name.split(".")[0] for name in plan}
+    heads = [] if callable(plan) else [name.partition(".")[0] for name in plan]
     sizes = [sum(p.numel() * p.element_size() for p in layer.parameters())
-             if heads is None or "*" in heads or str(k) in heads else 0 for k, layer in enumerate(body)]
+             if callable(plan) or any(_matches(head, str(k)) for head in heads) else 0 for k, layer in enumerate(body)]
     return lambda lo, hi: float(sum(sizes[lo:hi]))
 
 
@@ -76,7 +76,7 @@ def tensor_probes(body: nn.Sequential, plan: Plan, profile: BodyProfile) -> list
     counts = split_modules(body, plan)
     layers = sorted((k for k in range(len(body)) if counts[k]), key=lambda k: -profile.layers[k].forward)
     for k in layers:
-        modules = body[k].modules() if callable(plan) or plan is None else _named(body[k], k, plan)
+        modules = body[k].modules() if callable(plan) else _named(body[k], k, plan)
         linear = next((m for m in modules if isinstance(m, nn.Linear)), None)
         if linear is None:
             continue

@@ -62,13 +62,18 @@ def _forward_backward(module: nn.Module, x: torch.Tensor, repeats: int) -> float
     return min(times[1:])
 
 
+def _side(nbytes: int, world: int) -> int:
+    """The side of a square float32 layer of about ``nbytes``, a multiple of ``world`` (split evenly over it)."""
+    return max(world, int((nbytes // 4) ** 0.5) // world * world)
+
+
 def _layer_costs(world: int, nbytes: int, repeats: int) -> dict[str, float]:
     """What FSDP2 adds to a layer of ``nbytes`` of weights per use (its gather before the forward and again before
     the backward, its copies and hooks, the gradient's reduce-scatter), per byte."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    k = max(world, int((nbytes // 4) ** 0.5) // world * world)
+    k = _side(nbytes, world)
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     x = torch.randn(8, k)
@@ -136,7 +141,7 @@ def collective_costs(processes: int = 2, nbytes: int = 16 << 20, repeats: int = 
     imports torch). ``extra(rank, world, store)``: another measurement the same processes make (a function of a
     module, for them to import), whose process 0's findings join the rest."""
     if not tensor_pairs:
-        k = max(processes, int((nbytes // 4) ** 0.5) // processes * processes)
+        k = _side(nbytes, processes)
         tensor_pairs = [(8, k, k), (32, k, k)]
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
