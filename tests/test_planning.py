@@ -318,6 +318,22 @@ def test_under_torchrun_or_slurm_the_tensor_size_cannot_be_left_to_the_plan():
     assert strategy._plan_after_launch and not getattr(strategy, "_planned", False)
 
 
+def test_a_plan_with_the_tensor_size_left_to_the_layouts_plan_is_taken():
+    """``tensor_parallel_size="auto"`` with a plan: the plan may split the stages or not, so its placeholder size of
+    1 does not refuse the plan; the plan is still checked as for a split, and a size of 1 given refuses it."""
+    from lightning_pipe import PipeStrategy
+
+    plan = {"*.up": "colwise", "*.down": "rowwise"}
+    strategy = PipeStrategy(balance="auto", tensor_parallel_size="auto", tensor_parallel_plan=plan,
+                            memory_per_device="1GiB")
+    assert "tensor_parallel_size" in strategy._auto and strategy.tensor_parallel_plan == plan
+    with pytest.raises(ValueError, match="tensor_parallel_size='auto' is not supported"):
+        PipeStrategy(balance="auto", tensor_parallel_size="auto", tensor_parallel_plan=plan,
+                     sharding_strategy="HYBRID_SHARD", memory_per_device="1GiB")
+    with pytest.raises(ValueError, match="tensor_parallel_size=1, which splits nothing"):
+        PipeStrategy(balance="auto", tensor_parallel_size=1, tensor_parallel_plan=plan, memory_per_device="1GiB")
+
+
 def test_fabric_refuses_auto_tensor_parallel_size_saying_how_to_plan():
     """Fabric starts its processes before any model exists, and the tensor size decides their roles there."""
     from lightning_pipe.lightning.fabric.strategy import PipeStrategy

@@ -103,22 +103,25 @@ def check_sharding(setting: Any, shard_size: Any, ddp_given: list[str]) -> str:
     return name
 
 
-def check_tensor_parallel(size: Any, plan: Any, sharding: str, ddp_given: list[str]) -> None:
+def check_tensor_parallel(size: Any, plan: Any, sharding: str, ddp_given: list[str], planned: bool = False) -> None:
     """Reject a ``tensor_parallel_size`` that is not a positive integer, a ``tensor_parallel_plan`` that is neither a
     mapping nor a function, ``HYBRID_SHARD`` with it, and DDP arguments that would do nothing (stages split by tensor
-    parallel are averaged over their replicas without DDP). The plan itself is checked against the body at setup."""
+    parallel are averaged over their replicas without DDP). The plan itself is checked against the body at setup.
+    ``planned``: the size is left to the layout's plan (``"auto"``, ``size`` its placeholder): a plan given is
+    checked as for a split, which the layout's plan may choose, and not refused for the placeholder's 1."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size is how many processes split each stage, a positive integer (got: "
                          f"{size!r})")
     if plan is not None and not isinstance(plan, Mapping) and not callable(plan):
         raise TypeError(f"tensor_parallel_plan must be a dict from the body's module names to styles, or a function "
                         f"(stage_module, tp_mesh) -> None (got: {type(plan).__name__})")
-    if size == 1:
+    if size == 1 and (plan is None or not planned):
         if plan is not None:
             raise ValueError("tensor_parallel_plan is given with tensor_parallel_size=1, which splits nothing: the "
                              "plan would be ignored. Set tensor_parallel_size to how many processes split each stage "
                              "(2 or more), or leave tensor_parallel_plan out")
         return
+    shown = "'auto'" if planned else size
     if callable(plan) and not isinstance(plan, Mapping):  # it travels to every stage's processes, pickled
         import pickle
 
@@ -130,11 +133,11 @@ def check_tensor_parallel(size: Any, plan: Any, sharding: str, ddp_given: list[s
                             "a module (not a lambda, a nested function or a bound method of an object that does "
                             "not pickle)") from exc
     if sharding == "HYBRID_SHARD":
-        raise ValueError(f"sharding_strategy='HYBRID_SHARD' with tensor_parallel_size={size} is not supported: use "
+        raise ValueError(f"sharding_strategy='HYBRID_SHARD' with tensor_parallel_size={shown} is not supported: use "
                          "'FULL_SHARD' or 'SHARD_GRAD_OP' (each stage sharded over every replica), or 'NO_SHARD'")
     ignored = [k for k in ddp_given if k not in SHARDED_DDP_ARGUMENTS]
     if ignored:
-        raise ValueError(f"tensor_parallel_size={size} averages each split stage over its replicas without "
+        raise ValueError(f"tensor_parallel_size={shown} averages each split stage over its replicas without "
                          f"DistributedDataParallel (which takes no DTensor), so {', '.join(ignored)} would do nothing: "
                          "leave them out, or use tensor_parallel_size=1")
 

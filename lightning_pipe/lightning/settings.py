@@ -57,7 +57,7 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
     values["sharding_strategy"] = checks.check_sharding(values["sharding_strategy"], values["hybrid_shard_size"],
                                                         explicit)
     checks.check_tensor_parallel(values["tensor_parallel_size"], values["tensor_parallel_plan"],
-                                 values["sharding_strategy"], explicit)
+                                 values["sharding_strategy"], explicit, planned="tensor_parallel_size" in auto)
     if values["tensor_parallel_size"] > 1 and getattr(cls, "configure_ddp", None) is not base.configure_ddp:
         raise ValueError(f"{cls.__name__} overrides configure_ddp, which stages split by tensor parallel never call "
                          f"(tensor_parallel_size={values['tensor_parallel_size']}: their replicas average their "
