@@ -747,3 +747,5 @@ def test_every_process_of_every_replica_hands_off_over_its_plane_and_trains_the_
                 assert process is None
             else:
                 assert process["sent"] > 0 and process["received"] > 0, planes
+                # One machine: "auto" hands off through shared memory, "p2p" over gloo.
+                assert process["links"] == ("gloo" if config.get("data_plane") == "p2p" else "shared memory"), planes

@@ -709,7 +709,8 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
     if isinstance(trainer.strategy, lightning_pipe.PipeStrategy):  # what each process's data plane carried
         plane = trainer.strategy._pipeline.runner.plane
         with open(os.path.join(out, f"plane_replica{trainer.global_rank}.json"), "w") as f:
-            json.dump([None if plane is None else {"sent": plane.sent, "received": plane.received},
+            json.dump([None if plane is None else {"sent": plane.sent, "received": plane.received,
+                                                    "links": plane.links},
                        *[s["plane"] for s in trainer.strategy._body.hosts.call("stats")]], f)
     if config["dump_replica_state"] and not plain:  # every stage's weights and buffers, as each replica has them
         torch.save(model.state_dict(), os.path.join(out, f"state_replica{trainer.global_rank}.pt"))

@@ -213,7 +213,8 @@ class StageHost(StageState):
         plane = self.runner.plane  # what its data plane carried (None: every hand-off by RPC)
         return {**self.counts, "materialized": self.materialized,
                 "held": fsdp.held(self.partition.parameters(), optimizers),
-                "plane": None if plane is None else {"sent": plane.sent, "received": plane.received},
+                "plane": None if plane is None else {"sent": plane.sent, "received": plane.received,
+                                                      "links": plane.links},
                 "threads": torch.get_num_threads(), "built": self.built}
 
     def memory(self) -> dict[str, int]:

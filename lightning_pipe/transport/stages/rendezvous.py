@@ -16,7 +16,7 @@ from lightning_pipe.transport.stages import steps
 from lightning_pipe.transport.stages.entries import RUNNERS
 from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.wire.dataplane import AUTO_MAX_BYTES, DATA_PLANES, DataPlane
-from lightning_pipe.transport.wire.session import SESSION, sender_groups
+from lightning_pipe.transport.wire.session import SESSION, plane_groups
 
 __all__ = ["connect", "detach"]
 
@@ -28,12 +28,12 @@ def _store(address: tuple[str, int] | None, timeout: float) -> Any:
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
 
 
-def _attach(key: str, token: str, names: Sequence[str], address: tuple[str, int] | None, max_bytes: int | None
-            ) -> None:
+def _attach(key: str, token: str, names: Sequence[str], address: tuple[str, int] | None, max_bytes: int | None,
+            shared: bool = False) -> None:
     """Join pipeline ``key``'s data plane here (an RPC entry point, called by the driver)."""
     runner = RUNNERS[key]
     rank = list(names).index(rpc.get_worker_info().name)
-    groups = sender_groups(_store(address, runner.timeout), token, rank, len(names), runner.timeout)
+    groups = plane_groups(_store(address, runner.timeout), token, rank, len(names), runner.timeout, shared)
     runner.plane = DataPlane(key, groups, rank, names, runner.timeout, max_bytes)
     runner.plane.serve(names[0], lambda step: steps.serve(runner, step))  # the driver's steps, on the plane
 
@@ -61,9 +61,10 @@ def connect(runner: StageRunner, names: Sequence[str], mode: str) -> None:
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=runner.timeout))
         address = (host, store.port)
-    futures = [rpc.rpc_async(name, _attach, args=(runner.key, token, list(names), address, max_bytes),
+    shared = mode == "auto"  # rings in shared memory between the processes of one machine, else gloo
+    futures = [rpc.rpc_async(name, _attach, args=(runner.key, token, list(names), address, max_bytes, shared),
                              timeout=runner.timeout) for name in names[1:]]
-    groups = sender_groups(store, token, 0, len(names), runner.timeout)
+    groups = plane_groups(store, token, 0, len(names), runner.timeout, shared)
     for future in futures:
         future.wait()
     runner.plane = DataPlane(runner.key, groups, 0, names, runner.timeout, max_bytes)

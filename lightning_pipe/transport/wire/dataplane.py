@@ -48,6 +48,7 @@ from lightning_pipe.transport.wire.codec import (
     header,
 )
 from lightning_pipe.transport.wire.messages import MAILBOX, Slot, no_input, note_alive, where, with_location
+from lightning_pipe.transport.wire.shm import SharedMemoryLinks
 
 __all__ = ["AUTO_MAX_BYTES", "DATA_PLANES", "DataPlane"]
 
@@ -119,9 +120,11 @@ class DataPlane:
         self.names = list(names)
         self._rank_of = {name: r for r, name in enumerate(self.names)}  # looked up on every message
         self.timeout = timeout
-        self.max_bytes = max_bytes
+        largest = getattr(self.group, "largest", None)  # what one message may be through shared memory's rings
+        self.max_bytes = largest if max_bytes is None else max_bytes if largest is None else min(max_bytes, largest)
         self.closed = False
         self.sent = self.received = 0  # hand-offs (data messages but the answers to steps), for tests and benchmarks
+        self.links = "shared memory" if isinstance(self.group, SharedMemoryLinks) else "gloo"  # what carries them
         self._channels = {peer: _Channel(groups[peer], peer, depth) for peer in range(len(self.names)) if peer != rank}
         # Per peer, the capacities of the receives it has posted for this process's messages, in order; it posts
         # one more, at its capacity then, as it starts waiting for each message (see ``_Channel.receive``).

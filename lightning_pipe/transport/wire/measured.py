@@ -11,7 +11,7 @@ import torch
 
 from lightning_pipe.transport.wire.dataplane import DataPlane
 from lightning_pipe.transport.wire.messages import Slot
-from lightning_pipe.transport.wire.session import sender_groups
+from lightning_pipe.transport.wire.session import plane_groups
 
 __all__ = ["handoff_costs"]
 
@@ -24,13 +24,14 @@ BUSY = 2e-3
 
 def handoff_costs(rank: int, world: int, store: Any, repeats: int = 30, timeout: float = 60.0) -> dict[str, float]:
     """In processes ``rank`` of ``world`` that share ``store`` (each calls it): ping-pong between processes 0 and 1
-    over a data plane of their own, a message each way per round after :data:`BUSY` of work, ``repeats`` rounds at
-    each size after a few to warm up. Process 0 returns ``handoff`` (seconds one way of a small message: encoding,
-    gloo, the wake-up and decoding, as between two stages) and ``bandwidth`` (bytes per second of what a larger
+    over a data plane of their own (shared memory, as ``"auto"`` hands off between the processes of one machine, else
+    gloo), a message each way per round after :data:`BUSY` of work, ``repeats`` rounds at each size after a few to
+    warm up. Process 0 returns ``handoff`` (seconds one way of a small message: encoding, the copy, the wake-up and
+    decoding, as between two stages) and ``bandwidth`` (bytes per second of what a larger
     message adds); the others, nothing."""
     if rank > 1:
         return {}
-    groups = sender_groups(store, "handoff-costs", rank, 2, timeout)
+    groups = plane_groups(store, "handoff-costs", rank, 2, timeout, shared=True)  # as "auto" makes them
     names = ["measure0", "measure1"]
     plane = DataPlane("handoff-costs", groups, rank, names, timeout, None)
     peer = names[1 - rank]

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from lightning_pipe.transport.topology import Topology
+from lightning_pipe.transport.wire.shm import shared_memory_links
 
 __all__: list[str] = []
 
@@ -70,6 +71,14 @@ def sender_groups(store: Any, token: str, rank: int, size: int, timeout: float) 
     connection then carries data one way), met under ``token`` in ``store``: a :class:`DataPlane`'s."""
     return [dist.ProcessGroupGloo(dist.PrefixStore(f"lightning_pipe/plane/{token}/{sender}/", store), rank, size,
                                   timedelta(seconds=timeout)) for sender in range(size)]
+
+
+def plane_groups(store: Any, token: str, rank: int, size: int, timeout: float, shared: bool) -> list[Any]:
+    """What process ``rank`` of a data plane of ``size`` processes sends and receives through, one per sending
+    process: rings in shared memory where ``shared`` and every process can have them (one machine), else gloo
+    groups. A collective: every process calls it with the same ``shared``."""
+    links = shared_memory_links(store, token, rank, size, timeout) if shared else None
+    return [links] * size if links is not None else sender_groups(store, token, rank, size, timeout)
 
 
 def start_session(topology: Topology, rank: int, main_address: str, main_port: int, *, backend: str,

@@ -1,0 +1,326 @@
+"""Hand-offs between the processes of one machine through shared memory: a ring each way, a FIFO to wake its reader.
+
+Over gloo a hand-off between two processes of one machine crosses loopback TCP: the sender's system call, the
+receiver's gloo thread woken by the socket, then the waiting thread woken by it. Here the sender copies the message
+into a ring in shared memory and writes one byte to a FIFO; the receiver, waiting in ``poll`` on that FIFO, wakes
+once and copies the message out. A round trip between two idle processes took ~12 µs against gloo's ~100 µs
+(2-core VM; ``benchmarks/bench_handoff.py`` compares them inside a pipeline).
+
+:class:`SharedMemoryLinks` has the two calls of a gloo group that the data plane makes (``send`` and ``recv`` of
+one uint8 tensor, each returning a work with ``wait``), so :class:`~lightning_pipe.transport.wire.dataplane.DataPlane`
+runs over it unchanged: its posted receives, capacities and control messages keep their meaning, in order.
+
+- **One ring per sender and receiver** (a file in ``/dev/shm``, mapped by both), written by the sender alone, read by
+  the receiver alone: a record is the message's length (8 bytes) then the message, padded to 8 bytes, wrapping
+  around the end. The sender advances ``tail`` once the record is in, the receiver ``head`` once it is out.
+- **A send never waits for its receiver** (as a gloo send does not: the data plane's sends complete at the end of a
+  share, and two processes sending to each other must not stall each other): a message that does not fit in the
+  ring now waits in order on a thread of its own until the receiver has made room, and its work completes then.
+- **Set up or not at all**: every process of the plane creates the rings it receives on, opens those it sends on,
+  and says in the store whether it could; where any could not (another machine, no ``/dev/shm``, no room), every
+  process gets None and the plane runs over gloo. The files are unlinked as soon as every process has them open:
+  nothing is left behind once a plane is set up, whatever happens to its processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import mmap
+import os
+import select
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy
+from torch import Tensor
+
+__all__ = ["RING_BYTES", "SharedMemoryLinks", "shared_memory_links"]
+
+log = logging.getLogger(__name__)
+
+#: Bytes of each ring (one per sender and receiver). The data plane's largest message under ``"auto"`` is 1.5 MiB.
+RING_BYTES = 4 << 20
+_HEADER = 128  # head (bytes 0-7) and tail (64-71), on cache lines of their own
+_HEAD, _TAIL = 0, 8  # their indexes as int64
+_ROOT = "/dev/shm"
+_CHUNK = 3600.0  # s: the longest single poll (a year's wait is a loop of them)
+
+
+def _host() -> str:
+    """This machine, as the processes of a plane compare it: its name and, where Linux says, its boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            boot = file.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class _Ring:
+    """A ring of ``capacity`` bytes at ``path`` (created here, or opened) and the FIFO ``path + '.fifo'`` that wakes
+    its reader."""
+
+    def __init__(self, path: str, capacity: int, create: bool) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+            try:
+                if create:  # its memory taken now: a full /dev/shm refuses here, not with SIGBUS at a later write
+                    os.posix_fallocate(fd, 0, _HEADER + capacity)
+                # Its pages mapped now (where Linux can): a process's resident memory then holds the whole ring from
+                # the start, and does not grow as the ring wraps round.
+                self._map = mmap.mmap(fd, _HEADER + capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
+            if create:
+                os.mkfifo(path + ".fifo", 0o600)
+            # Read and write on one descriptor: opening a FIFO for one end alone blocks until the other is open.
+            self.fifo = os.open(path + ".fifo", os.O_RDWR)
+        except OSError:
+            if create:
+                self.unlink()
+            raise
+        self._poller = select.poll()
+        self._poller.register(self.fifo, select.POLLIN)
+        self.writer: int | None = None  # a descriptor of the writing process (a pidfd): readable once it exits
+        raw = numpy.frombuffer(self._map, dtype=numpy.uint8)
+        self.counters = raw[:_HEADER].view(numpy.int64)
+        self.data = raw[_HEADER:]
+        self.capacity = capacity
+
+    def watch(self, pid: int) -> None:
+        """Wake a wait here when process ``pid`` (the writer) exits, as a closed connection would (Linux 5.3+)."""
+        try:
+            self.writer = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # elsewhere, a lost writer is found by the wait's timeout
+            return
+        self._poller.register(self.writer, select.POLLIN)
+
+    def put(self, message: numpy.ndarray) -> bool:
+        """Write ``message`` as the next record and wake the reader; False (nothing written) where it does not
+        fit now."""
+        n = len(message)
+        need = 8 + (n + 7) // 8 * 8
+        tail = int(self.counters[_TAIL])
+        if self.capacity - (tail - int(self.counters[_HEAD])) < need:
+            return False
+        start = tail % self.capacity
+        self.data[start:start + 8].view(numpy.int64)[0] = n  # (records are 8-aligned: never split)
+        _copy_in(self.data, (start + 8) % self.capacity, message)
+        self.counters[_TAIL] = tail + need
+        os.write(self.fifo, b"\0")
+        return True
+
+    def get(self, into: numpy.ndarray, timeout: float) -> int:
+        """Wait at most ``timeout`` seconds for the next record, copy it into ``into``; its length."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = {fd for fd, _ in self._poller.poll(int(max(0.0, min(deadline - time.monotonic(), _CHUNK)) * 1000))}
+            if self.fifo in ready:
+                break
+            if ready:  # the writer exited, and nothing is left from it
+                raise RuntimeError("the writing process exited (closed by peer; shared memory)")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"no message within {timeout:.1f} s (shared memory)")
+        os.read(self.fifo, 1)
+        head = int(self.counters[_HEAD])
+        start = head % self.capacity
+        n = int(self.data[start:start + 8].view(numpy.int64)[0])
+        if n > len(into):
+            raise RuntimeError(f"a message of {n} bytes for a receive of {len(into)}")  # the plane mirrors them
+        _copy_out(self.data, (start + 8) % self.capacity, into[:n])
+        self.counters[_HEAD] = head + 8 + (n + 7) // 8 * 8
+        return n
+
+    def unlink(self) -> None:
+        for path in (self.path, self.path + ".fifo"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _copy_in(data: numpy.ndarray, start: int, message: numpy.ndarray) -> None:
+    first = min(len(message), len(data) - start)
+    data[start:start + first] = message[:first]
+    if first < len(message):
+        data[:len(message) - first] = message[first:]
+
+
+def _copy_out(data: numpy.ndarray, start: int, into: numpy.ndarray) -> None:
+    first = min(len(into), len(data) - start)
+    into[:first] = data[start:start + first]
+    if first < len(into):
+        into[first:] = data[:len(into) - first]
+
+
+class _Done:
+    """A send already in its ring."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _Queued:
+    """A send waiting for room in its ring: :meth:`wait` until it is in, or raise why it never went."""
+
+    def __init__(self, message: numpy.ndarray) -> None:
+        self.message = message
+        self.done = threading.Event()
+        self.error: str | None = None
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if not self.done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("a send still waits for room in its ring (shared memory): its receiver takes nothing")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return True
+
+
+class _Receive:
+    """A receive posted into ``buffer``: :meth:`wait` takes the next message from ``ring`` into it."""
+
+    def __init__(self, ring: _Ring, buffer: Tensor) -> None:
+        self.ring, self.buffer = ring, buffer
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = 365 * 86400.0 if timeout is None else timeout.total_seconds()
+        self.ring.get(self.buffer.numpy(), seconds)
+        return True
+
+
+class SharedMemoryLinks:
+    """This process's (``rank``) rings to and from every other process of a plane, as the data plane uses a gloo
+    group: :meth:`send` and :meth:`recv` of one uint8 tensor to or from process ``peer``."""
+
+    def __init__(self, rank: int, outgoing: dict[int, _Ring], incoming: dict[int, _Ring], timeout: float) -> None:
+        self.rank = rank
+        self._out, self._in = outgoing, incoming
+        #: The largest message a ring takes (the data plane sends a larger one by RPC).
+        self.largest = min((ring.capacity for ring in outgoing.values()), default=0) - 8
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._queued: dict[int, deque[_Queued]] = {peer: deque() for peer in outgoing}
+        self._drainer: threading.Thread | None = None
+        fds = [ring.fifo for ring in (*outgoing.values(), *incoming.values())]
+        fds += [ring.writer for ring in incoming.values() if ring.writer is not None]
+        weakref.finalize(self, _close_all, fds)
+
+    def send(self, tensors: Sequence[Tensor], peer: int, tag: int = 0) -> Any:
+        """Put the message ``tensors[0]`` in the ring to ``peer`` (``tag`` is always 0 here); a message that does not
+        fit now goes as soon as it does, after any before it."""
+        message = tensors[0].numpy()
+        ring = self._out[peer]
+        if 8 + len(message) > ring.capacity:
+            raise ValueError(f"a message of {len(message)} bytes does not fit in a ring of {ring.capacity}")
+        with self._lock:
+            queue = self._queued[peer]
+            if not queue and self._out[peer].put(message):
+                return _Done()
+            queued = _Queued(message.copy())
+            queue.append(queued)
+            if self._drainer is None:
+                self._drainer = threading.Thread(target=self._drain, name="lightning_pipe.shm.send", daemon=True)
+                self._drainer.start()
+        return queued
+
+    def recv(self, tensors: Sequence[Tensor], peer: int, tag: int = 0) -> _Receive:
+        """A receive of the next message from ``peer`` into ``tensors[0]``, taken when it is waited for."""
+        return _Receive(self._in[peer], tensors[0])
+
+    def _drain(self) -> None:
+        """Put the messages that waited for room in their rings as room comes, in order; give up on one whose
+        receiver made no room within the timeout."""
+        since, pause = time.monotonic(), 1e-4
+        while True:
+            with self._lock:
+                moved = False
+                for peer, queue in self._queued.items():
+                    while queue and self._out[peer].put(queue[0].message):
+                        queue.popleft().done.set()
+                        moved = True
+                if not any(self._queued.values()):
+                    self._drainer = None
+                    return
+                if moved:
+                    since, pause = time.monotonic(), 1e-4
+                elif time.monotonic() - since > self.timeout:
+                    for peer, queue in self._queued.items():
+                        for queued in queue:
+                            queued.error = (f"process {peer} made no room in its ring within {self.timeout:.1f} s "
+                                            "(shared memory): it takes nothing")
+                            queued.done.set()
+                        queue.clear()
+                    self._drainer = None
+                    return
+            time.sleep(pause)  # the receiver makes room as it takes: looked at again, less often while it does not
+            pause = min(2 * pause, 2e-3)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def shared_memory_links(store: Any, token: str, rank: int, size: int, timeout: float,
+                        capacity: int = RING_BYTES) -> SharedMemoryLinks | None:
+    """Process ``rank``'s rings to and from the other ``size - 1`` processes of a plane met under ``token`` in
+    ``store`` (each calls it; a collective); None in every process where any of them cannot have them (another
+    machine, no ``/dev/shm``, no room): the plane then goes over gloo. Waits at most ``timeout`` for the others."""
+    prefix = f"lightning_pipe/shm/{token}"
+    wait = datetime.timedelta(seconds=timeout)
+    path = lambda sender, receiver: f"{_ROOT}/lightning_pipe-{token}-{sender}-{receiver}"  # noqa: E731
+    incoming: dict[int, _Ring] = {}
+    outgoing: dict[int, _Ring] = {}
+    ok = False
+    try:
+        why = ""
+        try:
+            if not os.path.isdir(_ROOT):
+                raise OSError(f"no {_ROOT}")
+            for peer in range(size):
+                if peer != rank:
+                    incoming[peer] = _Ring(path(peer, rank), capacity, create=True)
+        except OSError as exc:
+            why = f"process {rank}: {exc}"
+        store.set(f"{prefix}/pid/{rank}", str(os.getpid()))
+        store.set(f"{prefix}/made/{rank}", f"{_host()}\n{why}")
+        ok = _agree(store, f"{prefix}/made", size, wait, lambda hosts: len(set(hosts)) == 1)
+        if ok:
+            try:
+                for peer in range(size):
+                    if peer != rank:
+                        outgoing[peer] = _Ring(path(rank, peer), capacity, create=False)
+            except OSError as exc:
+                why = f"process {rank}: {exc}"
+            store.set(f"{prefix}/opened/{rank}", f"\n{why}")
+            ok = _agree(store, f"{prefix}/opened", size, wait, lambda hosts: True)
+    finally:  # every process has them open, or none will use them: gone from the file system either way
+        for ring in incoming.values():
+            ring.unlink()
+    if not ok:
+        _close_all([ring.fifo for ring in (*incoming.values(), *outgoing.values())])
+        log.info("the data plane goes over gloo, not shared memory: %s", why or "another process cannot have its "
+                 "rings (another machine, or no room in /dev/shm)")
+        return None
+    for peer, ring in incoming.items():
+        ring.watch(int(store.get(f"{prefix}/pid/{peer}")))
+    return SharedMemoryLinks(rank, outgoing, incoming, timeout)
+
+
+def _agree(store: Any, prefix: str, size: int, wait: datetime.timedelta, same: Any) -> bool:
+    """Whether every process set ``prefix/<rank>`` without an error (what follows its first line) and ``same``
+    holds of their first lines."""
+    keys = [f"{prefix}/{r}" for r in range(size)]
+    store.wait(keys, wait)
+    found = [store.get(key).decode().split("\n", 1) for key in keys]
+    return all(not why for _, why in found) and bool(same([first for first, _ in found]))

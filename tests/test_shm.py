@@ -1,0 +1,151 @@
+"""Hand-offs through shared memory (``transport/wire/shm.py``): every message in order and intact through rings that
+wrap and fill, sends that never wait for their receiver, waits bounded and woken by a writer's exit, and a setup
+that every process agrees on or none uses, leaving nothing in ``/dev/shm``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from lightning_pipe.transport.wire import shm
+from lightning_pipe.transport.wire.shm import shared_memory_links
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: the plane goes over gloo there")
+
+
+def _links(size: int = 2, capacity: int = 1 << 16, timeout: float = 5.0):
+    """Every process's links of one plane of ``size`` processes, all made here (one thread each: they meet in the
+    store), and the token their files were named by."""
+    import torch.distributed as dist
+
+    store, token, made = dist.HashStore(), uuid.uuid4().hex, {}
+
+    def join(rank: int) -> None:
+        made[rank] = shared_memory_links(store, token, rank, size, timeout, capacity)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return [made[rank] for rank in range(size)], token
+
+
+def _left(token: str) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if token in name]
+
+
+def _message(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_messages_arrive_in_order_and_intact_through_rings_that_wrap_and_fill():
+    """300 messages of 0 to 20 000 bytes from process 0 to process 1 and back, through rings of 64 KiB (each wraps
+    dozens of times; a burst fills it, so later sends wait for room): each taken in order, byte for byte."""
+    (zero, one), token = _links()
+    assert _left(token) == []  # unlinked once every process had them open
+    sizes = [(k * 7919) % 20_001 for k in range(300)]
+    for sender, receiver, peer_of_sender, peer_of_receiver in ((zero, one, 1, 0), (one, zero, 0, 1)):
+        works = [sender.send([_message(n, k)], peer_of_sender) for k, n in enumerate(sizes)]
+        assert any(isinstance(work, shm._Queued) for work in works)  # the burst filled the ring: some waited
+        for k, n in enumerate(sizes):
+            buffer = torch.zeros(20_008, dtype=torch.uint8)
+            receiver.recv([buffer], peer_of_receiver).wait()
+            torch.testing.assert_close(buffer[:n], _message(n, k))
+        for work in works:
+            assert work.wait() is True  # each one that waited for room went once it was made
+
+
+def test_a_wait_is_bounded_and_a_writers_exit_ends_it_at_once():
+    """Nothing sent: the wait raises after its timeout. A writer watched by its process id (here a process this test
+    starts, and ends) that exits wakes the wait at once, as a closed connection does over gloo, so the data plane
+    says its process exited or was killed instead of waiting out the timeout."""
+    import datetime
+
+    (zero, one), _ = _links()
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"no message within 0\.3 s"):
+        one.recv([buffer], 0).wait(datetime.timedelta(seconds=0.3))
+    assert 0.25 < time.monotonic() - start < 3
+
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("no pidfd_open: a lost writer is found by the timeout alone")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        one._in[0].watch(child.pid)
+        threading.Timer(0.3, child.kill).start()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            one.recv([buffer], 0).wait(datetime.timedelta(seconds=20))
+        assert time.monotonic() - start < 5
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def test_a_message_larger_than_its_ring_is_refused_and_a_send_with_no_room_fails_after_the_timeout():
+    """Larger than the ring: refused as it is sent (the data plane then sends it by RPC). A send that waits for room
+    its receiver never makes fails after the timeout, saying so, instead of hanging its flush."""
+    import datetime
+
+    (zero, _), _ = _links(capacity=1 << 12, timeout=0.5)
+    with pytest.raises(ValueError, match="does not fit in a ring of 4096"):
+        zero.send([torch.zeros(5000, dtype=torch.uint8)], 1)
+    works = [zero.send([torch.zeros(3000, dtype=torch.uint8)], 1) for _ in range(2)]  # the second finds no room
+    with pytest.raises(RuntimeError, match="made no room in its ring within 0.5 s"):
+        works[1].wait(datetime.timedelta(seconds=10))
+
+
+def test_where_one_process_cannot_have_its_rings_none_does_and_nothing_is_left(monkeypatch):
+    """Process 2 of 3 finds no room for its rings: every process gets None (the plane goes over gloo in all of them,
+    a collective they must agree on), and no file of the plane is left in /dev/shm, made by whichever process."""
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("-2"):  # the rings process 2 receives on
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    links, token = _links(size=3)
+    assert links == [None, None, None]
+    assert _left(token) == []
+
+
+def test_a_plane_over_shared_memory_carries_hand_offs_and_steps_between_processes():
+    """The data plane as a pipeline's processes use it, over the links: hand-offs both ways (one that needs a larger
+    receive first: the capacities mirrored as over gloo), then ``CLOSE``, after which the other process waits in
+    the mailbox (where what goes by RPC lands) instead of on the ring."""
+    from lightning_pipe.transport.wire.dataplane import DataPlane
+    from lightning_pipe.transport.wire.messages import Slot
+
+    (zero, one), _ = _links(capacity=1 << 20)
+    planes = [DataPlane("shm-plane", [links] * 2, rank, ["p0", "p1"], 5.0, None) for rank, links in
+              enumerate((zero, one))]
+    assert [plane.links for plane in planes] == ["shared memory", "shared memory"]
+    small, large = torch.randn(4, 8), torch.randn(300, 300)  # the second over the first receives' 64 KiB
+    for i, payload in enumerate((small, large, small)):
+        planes[0].send("p1", Slot("shm-plane", 0, "F", i, 1, 0), (payload,))
+        (got,) = planes[1].take("p0", Slot("shm-plane", 0, "F", i, 1, 0), 5.0, lambda: "a test")
+        torch.testing.assert_close(got, payload)
+        planes[1].send("p0", Slot("shm-plane", 0, "B", i, 0, 1), (2 * payload,))
+        (back,) = planes[0].take("p1", Slot("shm-plane", 0, "B", i, 0, 1), 5.0, lambda: "a test")
+        torch.testing.assert_close(back, 2 * payload)
+    # Over what a ring takes (1 MiB here): refused (the runner then sends it by RPC), not sent to wait forever.
+    assert planes[0].max_bytes == (1 << 20) - 8
+    assert planes[0].send("p1", Slot("shm-plane", 0, "F", 9, 1, 0), (torch.zeros(300_000),)) is None
+    for plane in planes:
+        plane.flush()
+    planes[0].close()  # CLOSE on the ring: process 1 stops looking there, and waits in the mailbox instead
+    assert planes[1].carries("p0")
+    with pytest.raises(TimeoutError, match="waited 0.5 s for its input"):
+        planes[1].take("p0", Slot("shm-plane", 1, "F", 0, 1, 0), 0.5, lambda: "a test")
+    assert not planes[1].carries("p0")
