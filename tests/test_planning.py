@@ -96,6 +96,12 @@ def test_each_term_follows_the_layout():
     assert split.memory[0].parameters == stage / 2
     aside, _ = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 4, "1f1b", "never"), aside=True)
     assert aside.memory[0].gradients == 2 * stage  # the previous step's, and this one's made aside
+    # The data plane's rings (shared memory), two per other process of the pipeline, in every process's runtime.
+    three, _ = predicted(Layout(3, 1, (2, 2, 2), 1, 1, "NO_SHARD", 4, "1f1b", "never"), aside=False)
+    costs = Costs()
+    assert [m.runtime for m in three.memory] == \
+        [costs.driver_memory + 2 * costs.peer_memory] + [costs.runtime_memory + 2 * costs.peer_memory] * 2
+    assert m.runtime == costs.driver_memory + costs.peer_memory  # 2 processes: one peer
     # GPipe's activations peak before its first backward: the step's gradients are made as that backward frees its
     # micro-batch's, so the peak holds the activations of all but one beside them, not all of them.
     gpipe, _ = predicted(Layout(2, 1, (3, 3), 1, 1, "NO_SHARD", 4, "gpipe", "never"), aside=True)
@@ -165,7 +171,11 @@ def test_collectives_and_handoffs_are_measured_between_processes_started_for_it(
 
     costs = collective_costs(2, nbytes=1 << 20, repeats=2, extra=handoff_costs, tensor_pairs=[(64, 256, 512)])
     assert set(costs) == {"collective", "collective_bandwidth", "sharded_per_byte", "tensor_action",
-                          "tensor_per_byte", "handoff", "bandwidth"}
+                          "tensor_per_byte", "handoff", "bandwidth", "peer_memory"}
+    # One machine: the plane through shared memory, whose two rings per peer each process holds; the default the same.
+    from lightning_pipe.transport.wire.shm import RING_MEMORY
+
+    assert costs["peer_memory"] == 2 * RING_MEMORY == Costs().peer_memory
     assert all(costs[name] > 0 for name in ("collective", "collective_bandwidth", "handoff", "bandwidth"))
     # One shape: its cost fixed, none per byte; a split pair's two all-reduces cost more than its halves alone.
     assert costs["tensor_per_byte"] == 0.0 and costs["tensor_action"] > 0

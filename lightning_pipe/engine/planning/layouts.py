@@ -36,7 +36,8 @@ class Costs:
     of its weights, tensor parallel per split module and action (fixed, and per byte of its layer's input: the
     collective it waits for behind the compute before it), the optimizer's time per byte of trainable
     parameter, and the memory each process holds beyond its tensors (the runtime: RPC, the process groups; the
-    driver's, Lightning's loop too; a tensor group's). Defaults measured on a 2-vCPU CPU machine (docs/planning.md):
+    driver's, Lightning's loop too; a tensor group's; per other process of its pipeline, the data plane's: shared
+    memory's two rings). Defaults measured on a 2-vCPU CPU machine (docs/planning.md):
     the step's is Lightning's loop around a plain model's forward, backward and optimizer step; :meth:`for_device`
     gives a GPU's."""
 
@@ -51,6 +52,7 @@ class Costs:
     runtime_memory: float = 16 * 2**20
     driver_memory: float = 7 * 2**20
     tensor_memory: float = 8 * 2**20
+    peer_memory: float = 2 * (4 * 2**20 + 128)  # the rings to and from each other process (transport/wire/shm.py)
     sharded_action: float = 0.3e-3
     sharded_per_byte: float = 1.75e-9
     tensor_action: float = 1.5e-3
@@ -63,7 +65,7 @@ class Costs:
             return cls(handoff=0.1e-3, bandwidth=20e9, collective_bandwidth=20e9,
                        action=0.05e-3, step=1e-3, per_process=0.3e-3, collective=0.05e-3, runtime_memory=0.0,
                        driver_memory=0.0, sharded_per_byte=1 / 20e9, tensor_action=0.05e-3,
-                       tensor_per_byte=1 / 20e9)
+                       tensor_per_byte=1 / 20e9, peer_memory=0.0)
         return cls()
 
 
@@ -277,7 +279,7 @@ def predict(layout: Layout, profile: BodyProfile, *, batch: int, fixed_global: b
                                      optimizer=optimizer, activations=activations, rows=rows, incoming=incoming,
                                      runtime=0.0 if layout.devices == 1 else
                                      (costs.driver_memory if r == 0 else costs.runtime_memory)
-                                     + (costs.tensor_memory if t > 1 else 0.0),
+                                     + (costs.tensor_memory if t > 1 else 0.0) + costs.peer_memory * (p - 1),
                                      splittable=splittable, bucket_view=bucket_view, aside=aside, fresh=fresh))
     samples = batch if fixed_global else batch * d
     return Prediction(layout, step, simulation.bubble, tuple(memory), samples)

@@ -1,5 +1,5 @@
-"""Tensors between a pipeline's processes by torch.distributed point-to-point (gloo), beside RPC: each hand-off
-one message into a receive posted ahead, taken by the thread that needs it.
+"""Tensors between a pipeline's processes point to point (gloo, or shared memory on one machine), beside RPC: each
+hand-off one message into a receive posted ahead, taken by the thread that needs it.
 
 RPC stays the control plane (what each stage runs, errors, timeouts, optimizer steps, checkpoints); this plane
 carries what stages hand each other (activations, their gradients, skips). The processes of a pipeline form
@@ -16,6 +16,7 @@ receiver to look in the mailbox. A failed run sends ``ABORT`` on every channel, 
 A receive must be at least as large as what arrives (gloo aborts the process otherwise), so each sender
 mirrors the capacities of the receives posted for it: a message larger than the next one is preceded by
 ``GROW`` messages, one for each smaller receive still posted, after which the receiver posts at the new size.
+On one machine, :mod:`~lightning_pipe.transport.wire.shm`'s rings take gloo's place, all else unchanged.
 """
 
 from __future__ import annotations
@@ -52,12 +53,11 @@ from lightning_pipe.transport.wire.shm import SharedMemoryLinks
 
 __all__ = ["AUTO_MAX_BYTES", "DATA_PLANES", "DataPlane"]
 
-#: What ``data_plane`` takes: ``"auto"`` (point-to-point for CPU hand-offs up to :data:`AUTO_MAX_BYTES`, RPC
-#: above and for GPU tensors), ``"p2p"`` (every CPU hand-off point-to-point), ``"rpc"`` (every hand-off by RPC).
+#: What ``data_plane`` takes: ``"auto"`` (CPU hand-offs up to :data:`AUTO_MAX_BYTES` point to point, through shared
+#: memory on one machine, else gloo; RPC above and for GPU tensors), ``"p2p"`` (every CPU hand-off over gloo), ``"rpc"``
 DATA_PLANES = ("auto", "p2p", "rpc")
-#: Above this many bytes a message goes by RPC under ``"auto"`` (``benchmarks/bench_handoff.py``, between two
-#: processes of one machine: point-to-point 0.42x RPC's time at 16 KiB, 0.75-0.93x at 1 MiB, 1.08x at 2 MiB,
-#: 1.30-1.47x at 4 MiB, where TensorPipe moves large messages faster than gloo's loopback TCP).
+#: Above this many bytes a message goes by RPC under ``"auto"`` (``benchmarks/bench_handoff.py``, over gloo: 0.42x RPC's
+#: time at 16 KiB, 1.08x at 2 MiB, 1.30-1.47x at 4 MiB, where TensorPipe moves large messages faster than loopback TCP).
 AUTO_MAX_BYTES = 3 << 19  # 1.5 MiB
 _START = 64 << 10  # every channel's first capacity
 #: The kind (third field) of the slot of a message holding several ``(slot, payload)`` items (``send_many``).
@@ -107,9 +107,9 @@ def _complete(sent: Future[Any], error: BaseException | None) -> None:
 
 
 class DataPlane:
-    """Point-to-point channels between this process and the other processes ``names`` of pipeline ``key``,
-    over ``groups`` (gloo, one per sending process; this process is ``names[rank]``). Messages over
-    ``max_bytes`` (None: no limit) and payloads it cannot carry go by RPC: :meth:`send` returns None for them.
+    """Point-to-point channels between this process (``names[rank]``) and the other processes ``names`` of pipeline
+    ``key``, over ``groups`` (gloo, one per sending process, or shared memory's links). Messages over ``max_bytes``
+    (None: no limit but a ring's) and payloads it cannot carry go by RPC: :meth:`send` returns None for them.
     Sends complete when :meth:`flush` waits for them (the end of a process's share of a step)."""
 
     def __init__(self, key: str, groups: Sequence[Any], rank: int, names: Sequence[str], timeout: float,
@@ -120,8 +120,8 @@ class DataPlane:
         self.names = list(names)
         self._rank_of = {name: r for r, name in enumerate(self.names)}  # looked up on every message
         self.timeout = timeout
-        largest = getattr(self.group, "largest", None)  # what one message may be through shared memory's rings
-        self.max_bytes = largest if max_bytes is None else max_bytes if largest is None else min(max_bytes, largest)
+        limits = (max_bytes, getattr(self.group, "largest", None))  # the largest message a shared memory ring takes
+        self.max_bytes = min((b for b in limits if b is not None), default=None)
         self.closed = False
         self.sent = self.received = 0  # hand-offs (data messages but the answers to steps), for tests and benchmarks
         self.links = "shared memory" if isinstance(self.group, SharedMemoryLinks) else "gloo"  # what carries them

@@ -12,6 +12,7 @@ import torch
 from lightning_pipe.transport.wire.dataplane import DataPlane
 from lightning_pipe.transport.wire.messages import Slot
 from lightning_pipe.transport.wire.session import plane_groups
+from lightning_pipe.transport.wire.shm import RING_MEMORY
 
 __all__ = ["handoff_costs"]
 
@@ -27,13 +28,16 @@ def handoff_costs(rank: int, world: int, store: Any, repeats: int = 30, timeout:
     over a data plane of their own (shared memory, as ``"auto"`` hands off between the processes of one machine, else
     gloo), a message each way per round after :data:`BUSY` of work, ``repeats`` rounds at each size after a few to
     warm up. Process 0 returns ``handoff`` (seconds one way of a small message: encoding, the copy, the wake-up and
-    decoding, as between two stages) and ``bandwidth`` (bytes per second of what a larger
+    decoding, as between two stages), ``peer_memory`` (bytes each process holds per other process of its pipeline
+    for the plane: shared memory's rings) and ``bandwidth`` (bytes per second of what a larger
     message adds); the others, nothing."""
     if rank > 1:
         return {}
     groups = plane_groups(store, "handoff-costs", rank, 2, timeout, shared=True)  # as "auto" makes them
     names = ["measure0", "measure1"]
     plane = DataPlane("handoff-costs", groups, rank, names, timeout, None)
+    # What each process holds per other process of its pipeline for the plane: shared memory's ring each way.
+    rings = 2.0 * RING_MEMORY if plane.links == "shared memory" else 0.0
     peer = names[1 - rank]
     found = {}
     work = torch.randn(256, 256)
@@ -60,4 +64,5 @@ def handoff_costs(rank: int, world: int, store: Any, repeats: int = 30, timeout:
     if rank != 0:
         return {}
     extra = (LARGE - SMALL) * 4
-    return {"handoff": found[SMALL], "bandwidth": extra / max(1e-9, found[LARGE] - found[SMALL])}
+    return {"handoff": found[SMALL], "bandwidth": extra / max(1e-9, found[LARGE] - found[SMALL]),
+            "peer_memory": rings}

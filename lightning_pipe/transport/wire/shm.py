@@ -40,13 +40,15 @@ from typing import Any
 import numpy
 from torch import Tensor
 
-__all__ = ["RING_BYTES", "SharedMemoryLinks", "shared_memory_links"]
+__all__ = ["RING_BYTES", "RING_MEMORY", "SharedMemoryLinks", "shared_memory_links"]
 
 log = logging.getLogger(__name__)
 
 #: Bytes of each ring (one per sender and receiver). The data plane's largest message under ``"auto"`` is 1.5 MiB.
 RING_BYTES = 4 << 20
 _HEADER = 128  # head (bytes 0-7) and tail (64-71), on cache lines of their own
+#: What one ring holds in memory, in each of the two processes that map it (the planner counts two per peer).
+RING_MEMORY = _HEADER + RING_BYTES
 _HEAD, _TAIL = 0, 8  # their indexes as int64
 _ROOT = "/dev/shm"
 _CHUNK = 3600.0  # s: the longest single poll (a year's wait is a loop of them)
