@@ -96,6 +96,8 @@ def test_a_message_larger_than_its_ring_is_refused_and_a_send_with_no_room_fails
     its receiver never makes fails after the timeout, saying so, instead of hanging its flush."""
     import datetime
 
+    with pytest.raises(ValueError, match="multiple of 8 bytes, at least 64 \\(got 1001\\)"):
+        shared_memory_links(None, "never-made", 0, 2, 1.0, capacity=1001)  # records are 8-aligned, never split
     (zero, _), _ = _links(capacity=1 << 12, timeout=0.5)
     with pytest.raises(ValueError, match="does not fit in a ring of 4096"):
         zero.send([torch.zeros(5000, dtype=torch.uint8)], 1)

@@ -278,6 +278,8 @@ def shared_memory_links(store: Any, token: str, rank: int, size: int, timeout: f
     """Process ``rank``'s rings to and from the other ``size - 1`` processes of a plane met under ``token`` in
     ``store`` (each calls it; a collective); None in every process where any of them cannot have them (another
     machine, no ``/dev/shm``, no room): the plane then goes over gloo. Waits at most ``timeout`` for the others."""
+    if capacity % 8 or capacity < 64:
+        raise ValueError(f"a ring's capacity must be a multiple of 8 bytes, at least 64 (got {capacity})")
     prefix = f"lightning_pipe/shm/{token}"
     wait = datetime.timedelta(seconds=timeout)
     path = lambda sender, receiver: f"{_ROOT}/lightning_pipe-{token}-{sender}-{receiver}"  # noqa: E731
