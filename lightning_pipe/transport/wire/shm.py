@@ -169,6 +169,9 @@ class _Done:
         return True
 
 
+_DONE = _Done()  # every such send's work: nothing to keep per send
+
+
 class _Queued:
     """A send waiting for room in its ring: :meth:`wait` until it is in, or raise why it never went."""
 
@@ -223,8 +226,8 @@ class SharedMemoryLinks:
             raise ValueError(f"a message of {len(message)} bytes does not fit in a ring of {ring.capacity}")
         with self._lock:
             queue = self._queued[peer]
-            if not queue and self._out[peer].put(message):
-                return _Done()
+            if not queue and ring.put(message):
+                return _DONE
             queued = _Queued(message.copy())
             queue.append(queued)
             if self._drainer is None:
@@ -298,7 +301,8 @@ def shared_memory_links(store: Any, token: str, rank: int, size: int, timeout: f
             why = f"process {rank}: {exc}"
         store.set(f"{prefix}/pid/{rank}", str(os.getpid()))
         store.set(f"{prefix}/made/{rank}", f"{_host()}\n{why}")
-        ok = _agree(store, f"{prefix}/made", size, wait, lambda hosts: len(set(hosts)) == 1)
+        hosts = _agreed(store, f"{prefix}/made", size, wait)
+        ok = hosts is not None and len(set(hosts)) == 1
         if ok:
             try:
                 for peer in range(size):
@@ -307,7 +311,7 @@ def shared_memory_links(store: Any, token: str, rank: int, size: int, timeout: f
             except OSError as exc:
                 why = f"process {rank}: {exc}"
             store.set(f"{prefix}/opened/{rank}", f"\n{why}")
-            ok = _agree(store, f"{prefix}/opened", size, wait, lambda hosts: True)
+            ok = _agreed(store, f"{prefix}/opened", size, wait) is not None
     finally:  # every process has them open, or none will use them: gone from the file system either way
         for ring in incoming.values():
             ring.unlink()
@@ -321,10 +325,10 @@ def shared_memory_links(store: Any, token: str, rank: int, size: int, timeout: f
     return SharedMemoryLinks(rank, outgoing, incoming, timeout)
 
 
-def _agree(store: Any, prefix: str, size: int, wait: datetime.timedelta, same: Any) -> bool:
-    """Whether every process set ``prefix/<rank>`` without an error (what follows its first line) and ``same``
-    holds of their first lines."""
+def _agreed(store: Any, prefix: str, size: int, wait: datetime.timedelta) -> list[str] | None:
+    """What every process set as ``prefix/<rank>``'s first line, once all have; None where any set an error (what
+    follows its first line)."""
     keys = [f"{prefix}/{r}" for r in range(size)]
     store.wait(keys, wait)
     found = [store.get(key).decode().split("\n", 1) for key in keys]
-    return all(not why for _, why in found) and bool(same([first for first, _ in found]))
+    return None if any(why for _, why in found) else [first for first, _ in found]
