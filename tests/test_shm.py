@@ -20,7 +20,7 @@ from lightning_pipe.transport.wire.shm import shared_memory_links
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: the plane goes over gloo there")
 
 
-def _links(size: int = 2, capacity: int = 1 << 16, timeout: float = 5.0):
+def _links(size: int = 2, capacity: int = 1 << 16, timeout: float = 5.0, spin: float | None = None):
     """Every process's links of one plane of ``size`` processes, all made here (one thread each: they meet in the
     store), and the token their files were named by."""
     import torch.distributed as dist
@@ -28,7 +28,7 @@ def _links(size: int = 2, capacity: int = 1 << 16, timeout: float = 5.0):
     store, token, made = dist.HashStore(), uuid.uuid4().hex, {}
 
     def join(rank: int) -> None:
-        made[rank] = shared_memory_links(store, token, rank, size, timeout, capacity)
+        made[rank] = shared_memory_links(store, token, rank, size, timeout, capacity, spin)
 
     threads = [threading.Thread(target=join, args=(rank,)) for rank in range(size)]
     for thread in threads:
@@ -151,3 +151,92 @@ def test_a_plane_over_shared_memory_carries_hand_offs_and_steps_between_processe
     with pytest.raises(TimeoutError, match="waited 0.5 s for its input"):
         planes[1].take("p0", Slot("shm-plane", 1, "F", 0, 1, 0), 0.5, lambda: "a test")
     assert not planes[1].carries("p0")
+
+
+def _wakeups(ring: shm._Ring) -> int:
+    """The wake-ups written to ``ring``'s FIFO and not read yet (read now)."""
+    try:
+        return len(os.read(ring.fifo, 4096))
+    except BlockingIOError:
+        return 0
+
+
+def _until(condition, seconds: float = 10.0) -> bool:
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.001)
+    return condition()
+
+
+def test_a_writer_wakes_its_reader_only_where_it_sleeps_and_a_reader_looks_again_before_it_sleeps():
+    """The writer writes to the FIFO only where its reader raised its flag: a message sent while the reader does not
+    wait leaves no wake-up; a reader asleep long past its first short sleep (no spin) is woken by the message, which
+    it would otherwise wait for until its timeout. A reader that looks again (a spin longer than the test) takes a
+    message sent meanwhile without raising its flag, so its writer made no system call; a receive marked idle (the
+    step listener's, between steps) sleeps at once, its flag raised, even where its reader would look again."""
+    import datetime
+
+    timeout = datetime.timedelta(seconds=60)
+    (zero, one), _ = _links(spin=0.0)
+    ring = one._in[0]
+    zero.send([_message(100, 0)], 1)
+    assert _wakeups(ring) == 0  # nobody waited: no system call to wake anybody
+    buffer = torch.zeros(512, dtype=torch.uint8)
+    one.recv([buffer], 0).wait(timeout)  # there already: taken without a wait
+    torch.testing.assert_close(buffer[:100], _message(100, 0))
+
+    got: list[BaseException | None] = []
+
+    def receive(links: shm.SharedMemoryLinks, awake: bool = True) -> None:
+        try:
+            work = links.recv([buffer], 0)
+            work.awake = awake
+            work.wait(timeout)
+            got.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test's thread reports it
+            got.append(exc)
+
+    reader = threading.Thread(target=receive, args=(one,), daemon=True)
+    reader.start()
+    assert _until(lambda: ring.counters[shm._WAITING] == 1)  # asleep, its flag up
+    time.sleep(0.2)  # past the first short sleep: only the FIFO wakes it before its timeout (60 s)
+    zero.send([_message(200, 1)], 1)
+    reader.join(timeout=20)
+    assert not reader.is_alive() and got == [None]  # woken, long before its timeout
+    torch.testing.assert_close(buffer[:200], _message(200, 1))
+    assert ring.counters[shm._WAITING] == 0
+
+    (zero, one), _ = _links(spin=60.0)  # looks again for longer than the test
+    ring = one._in[0]
+    got.clear()
+    reader = threading.Thread(target=receive, args=(one,), daemon=True)
+    reader.start()
+    time.sleep(0.2)
+    assert ring.counters[shm._WAITING] == 0  # still looking, awake
+    zero.send([_message(300, 2)], 1)
+    reader.join(timeout=30)
+    assert got == [None] and _wakeups(ring) == 0
+    torch.testing.assert_close(buffer[:300], _message(300, 2))
+
+    got.clear()
+    reader = threading.Thread(target=receive, args=(one, False), daemon=True)  # idle: asleep at once, however long the spin
+    reader.start()
+    assert _until(lambda: ring.counters[shm._WAITING] == 1)
+    zero.send([_message(50, 3)], 1)
+    reader.join(timeout=30)
+    assert got == [None]
+    torch.testing.assert_close(buffer[:50], _message(50, 3))
+
+
+def test_readers_look_again_only_where_every_process_of_the_machine_has_a_core(monkeypatch):
+    """``spin_for``: the plane's processes, or ``LOCAL_WORLD_SIZE`` where larger (replicas' pipelines on the same
+    machine), against this process's cores: one more process than cores and nobody looks again (a process looking
+    would take a core from one computing)."""
+    monkeypatch.setattr(shm.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert shm.spin_for(4) == shm.SPIN > 0
+    assert shm.spin_for(5) == 0.0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # two pipelines of 4 on this machine
+    assert shm.spin_for(4) == 0.0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the plane's own count is the larger
+    assert shm.spin_for(4) == shm.SPIN

@@ -1,23 +1,21 @@
 """Tensors between a pipeline's processes point to point (gloo, or shared memory on one machine), beside RPC: each
 hand-off one message into a receive posted ahead, taken by the thread that needs it.
 
-RPC stays the control plane (what each stage runs, errors, timeouts, optimizer steps, checkpoints); this plane
-carries what stages hand each other (activations, their gradients, skips). The processes of a pipeline form
-gloo groups of their own, one per sending process (each TCP connection then carries data one way: on one
-connection, two processes sending to each other at once stall each other's sends by milliseconds, measured
-in ``benchmarks/bench_handoff.py``); each keeps ``depth`` receives posted from each other process (a gloo send
-completes once its receive is posted, so a sender never waits for the receiver's threads). The stage thread that needs a
-message waits on that receive itself, with no thread in between; a message for another slot goes into the
-:data:`~lightning_pipe.transport.wire.messages.MAILBOX`, where the RPC path delivers too, so schedules, timeouts and
-failures do not know which plane carried a message. What the plane does not carry (large messages under
-``"auto"``, GPU tensors, tensor subclasses) goes by RPC, and a ``BY_RPC`` message in its place tells the
-receiver to look in the mailbox. A failed run sends ``ABORT`` on every channel, which wakes a waiting stage.
+RPC stays the control plane (what each stage runs, errors, timeouts, optimizer steps, checkpoints); this plane carries
+what stages hand each other (activations, their gradients, skips). The processes of a pipeline form gloo groups of their
+own, one per sending process (each TCP connection then carries data one way: on one connection, two processes sending to
+each other at once stall each other's sends by milliseconds, measured in ``benchmarks/bench_handoff.py``); each keeps
+``depth`` receives posted from each other process (a gloo send completes once its receive is posted, so a sender never
+waits for the receiver's threads). The stage thread that needs a message waits on that receive itself, with no thread in
+between; a message for another slot goes into the :data:`~lightning_pipe.transport.wire.messages.MAILBOX`, where the RPC
+path delivers too, so schedules, timeouts and failures do not know which plane carried a message. What the plane does
+not carry (large messages under ``"auto"``, GPU tensors, tensor subclasses) goes by RPC, and a ``BY_RPC`` message in its
+place tells the receiver to look in the mailbox. A failed run sends ``ABORT`` on every channel: a waiting stage wakes.
 
-A receive must be at least as large as what arrives (gloo aborts the process otherwise), so each sender
-mirrors the capacities of the receives posted for it: a message larger than the next one is preceded by
-``GROW`` messages, one for each smaller receive still posted, after which the receiver posts at the new size.
-On one machine, :mod:`~lightning_pipe.transport.wire.shm`'s rings take gloo's place, all else unchanged.
-"""
+A receive must be at least as large as what arrives (gloo aborts the process otherwise), so each sender mirrors the
+capacities of the receives posted for it: a message larger than the next one is preceded by ``GROW`` messages, one for
+each smaller receive still posted, after which the receiver posts at the new size. On one machine, rings in shared
+memory (:mod:`~lightning_pipe.transport.wire.shm`) take gloo's place, all else unchanged."""
 
 from __future__ import annotations
 
@@ -85,11 +83,13 @@ class _Channel:
         buffer = torch.from_numpy(numpy.empty(self.capacity, dtype=numpy.uint8))  # one call into torch, not two
         self.posted.append((self.group.recv([buffer], self.peer, 0), buffer))
 
-    def receive(self, timeout: float) -> tuple[int, int, Tensor]:
-        """The next message: its kind, value and buffer. A receive is posted first, at the capacity of now
-        (``depth`` are then posted), so that posting costs nothing while the message is awaited."""
+    def receive(self, timeout: float, idle: bool = False) -> tuple[int, int, Tensor]:
+        """The next message (kind, value, buffer); ``idle``: none due soon. A receive is posted first, at the capacity
+        of now (``depth`` are then posted), so that posting costs nothing while the message is awaited."""
         self._post()
         work, buffer = self.posted.popleft()
+        if idle and hasattr(work, "awake"):
+            work.awake = False  # a ring's reader sleeps at once: no message is due soon (gloo's works: nothing)
         work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
         kind, value = header(buffer)
         if kind == GROW:
@@ -362,7 +362,7 @@ class DataPlane:
                 if self._steps:
                     continue
                 try:
-                    kind, value, buffer = channel.receive(_IDLE)
+                    kind, value, buffer = channel.receive(_IDLE, idle=True)
                 except Exception as exc:  # noqa: BLE001 - the driver exited, or closed the channel
                     channel.error = f"the channel failed: {exc}"
                     return None

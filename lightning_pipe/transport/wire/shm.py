@@ -13,6 +13,12 @@ runs over it unchanged: its posted receives, capacities and control messages kee
 - **One ring per sender and receiver** (a file in ``/dev/shm``, mapped by both), written by the sender alone, read by
   the receiver alone: a record is the message's length (8 bytes) then the message, padded to 8 bytes, wrapping
   around the end. The sender advances ``tail`` once the record is in, the receiver ``head`` once it is out.
+- **A wake-up only for a sleeping reader**: a reader that finds its ring empty looks again for up to :data:`SPIN`
+  (yielding its core between looks) where every process of the machine has a core of its own, then raises its flag
+  and sleeps in ``poll``; the writer writes to the FIFO only where the flag is up. In a step, whose messages follow
+  each other closer than that, neither side then makes a system call, and the reader sees the message within
+  microseconds instead of a wake-up's tens (on a virtual CPU, the writer's ``write`` took 37 µs at the median,
+  0.8 ms at the 99th percentile, where it woke its reader).
 - **A send never waits for its receiver** (as a gloo send does not: the data plane's sends complete at the end of a
   share, and two processes sending to each other must not stall each other): a message that does not fit in the
   ring now waits in order on a thread of its own until the receiver has made room, and its work completes then.
@@ -40,18 +46,35 @@ from typing import Any
 import numpy
 from torch import Tensor
 
-__all__ = ["RING_BYTES", "RING_MEMORY", "SharedMemoryLinks", "shared_memory_links"]
+__all__ = ["RING_BYTES", "RING_MEMORY", "SPIN", "SharedMemoryLinks", "shared_memory_links", "spin_for"]
 
 log = logging.getLogger(__name__)
 
 #: Bytes of each ring (one per sender and receiver). The data plane's largest message under ``"auto"`` is 1.5 MiB.
 RING_BYTES = 4 << 20
-_HEADER = 128  # head (bytes 0-7) and tail (64-71), on cache lines of their own
+_HEADER = 128  # head (bytes 0-7) and the reader's flag (32-39); tail (64-71): the reader's line, the writer's line
 #: What one ring holds in memory, in each of the two processes that map it (the planner counts two per peer).
 RING_MEMORY = _HEADER + RING_BYTES
-_HEAD, _TAIL = 0, 8  # their indexes as int64
+_HEAD, _WAITING, _TAIL = 0, 4, 8  # their indexes as int64
+#: s: how long a reader whose ring is empty looks at it again before it sleeps, where every process of this machine
+#: can have a core of its own (:func:`spin_for`); the messages of a step follow each other closer than that.
+SPIN = 2e-3
+#: s: the first sleep of a wait is at most this long: a reader that announced its sleep as the writer looked (their
+#: stores and loads seen out of order) finds the message then, not at the timeout.
+_FIRST_SLEEP = 2e-3
 _ROOT = "/dev/shm"
 _CHUNK = 3600.0  # s: the longest single poll (a year's wait is a loop of them)
+_FENCE = threading.Lock()  # taken and given back between a store and a load of the other side's counter: a barrier
+
+
+def spin_for(processes: int) -> float:
+    """How long a reader of a plane of ``processes`` processes on this machine looks at its empty ring before it
+    sleeps: :data:`SPIN` where every process of the machine (the larger of ``processes`` and ``LOCAL_WORLD_SIZE``, as
+    torchrun and the strategy's launch set it) can have one of this process's cores, else 0: a process that looks
+    would take a core from one that computes."""
+    here = max(processes, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return SPIN if here <= cores else 0.0
 
 
 def _host() -> str:
@@ -83,7 +106,8 @@ class _Ring:
             if create:
                 os.mkfifo(path + ".fifo", 0o600)
             # Read and write on one descriptor: opening a FIFO for one end alone blocks until the other is open.
-            self.fifo = os.open(path + ".fifo", os.O_RDWR)
+            # Non-blocking: a full FIFO already wakes its reader, an empty one has nothing to drain.
+            self.fifo = os.open(path + ".fifo", os.O_RDWR | os.O_NONBLOCK)
         except OSError:
             if create:
                 self.unlink()
@@ -95,6 +119,7 @@ class _Ring:
         self.counters = raw[:_HEADER].view(numpy.int64)
         self.data = raw[_HEADER:]
         self.capacity = capacity
+        self.spin = 0.0  # s: how long the reader looks again before it sleeps (see :data:`SPIN`)
 
     def watch(self, pid: int) -> None:
         """Wake a wait here when process ``pid`` (the writer) exits, as a closed connection would (Linux 5.3+)."""
@@ -116,29 +141,61 @@ class _Ring:
         self.data[start:start + 8].view(numpy.int64)[0] = n  # (records are 8-aligned: never split)
         _copy_in(self.data, (start + 8) % self.capacity, message)
         self.counters[_TAIL] = tail + need
-        os.write(self.fifo, b"\0")
+        with _FENCE:  # the tail stored before the flag is read (a lock is a full barrier on x86)
+            pass
+        if self.counters[_WAITING]:
+            try:
+                os.write(self.fifo, b"\0")
+            except BlockingIOError:  # full of wake-ups not read yet: the reader wakes anyway
+                pass
         return True
 
-    def get(self, into: numpy.ndarray, timeout: float) -> int:
-        """Wait at most ``timeout`` seconds for the next record, copy it into ``into``; its length."""
-        deadline = time.monotonic() + timeout
-        while True:
-            ready = {fd for fd, _ in self._poller.poll(int(max(0.0, min(deadline - time.monotonic(), _CHUNK)) * 1000))}
-            if self.fifo in ready:
-                break
-            if ready:  # the writer exited, and nothing is left from it
-                raise RuntimeError("the writing process exited (closed by peer; shared memory)")
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"no message within {timeout:.1f} s (shared memory)")
-        os.read(self.fifo, 1)
-        head = int(self.counters[_HEAD])
+    def get(self, into: numpy.ndarray, timeout: float, awake: bool = True) -> int:
+        """Wait at most ``timeout`` seconds for the next record, copy it into ``into``; its length. ``awake``: look
+        again for :attr:`spin` seconds before sleeping (False: asleep at once, no message being due soon)."""
+        counters = self.counters
+        head = int(counters[_HEAD])
+        if int(counters[_TAIL]) == head:
+            self._wait(head, timeout, self.spin if awake else 0.0)
         start = head % self.capacity
         n = int(self.data[start:start + 8].view(numpy.int64)[0])
         if n > len(into):
             raise RuntimeError(f"a message of {n} bytes for a receive of {len(into)}")  # the plane mirrors them
         _copy_out(self.data, (start + 8) % self.capacity, into[:n])
-        self.counters[_HEAD] = head + 8 + (n + 7) // 8 * 8
+        counters[_HEAD] = head + 8 + (n + 7) // 8 * 8
         return n
+
+    def _wait(self, head: int, timeout: float, spin: float) -> None:
+        """Until the ring holds more than ``head``: looked at again for ``spin`` seconds, then asleep, woken by the
+        writer (its FIFO) or its exit; at most ``timeout`` seconds."""
+        counters = self.counters
+        if spin:
+            until = time.perf_counter() + spin
+            while int(counters[_TAIL]) == head and time.perf_counter() < until:
+                os.sched_yield()  # lets this process's other threads have the interpreter, others the core
+            if int(counters[_TAIL]) != head:
+                return
+        deadline = time.monotonic() + timeout
+        counters[_WAITING] = 1
+        with _FENCE:  # the flag stored before the tail is read again
+            pass
+        longest = _FIRST_SLEEP
+        try:
+            while int(counters[_TAIL]) == head:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"no message within {timeout:.1f} s (shared memory)")
+                ready = [fd for fd, _ in self._poller.poll(max(1, int(min(left, longest) * 1000)))]
+                longest = _CHUNK
+                if self.fifo in ready:
+                    try:
+                        os.read(self.fifo, 4096)  # the wake-ups so far; the ring says what arrived
+                    except BlockingIOError:
+                        pass
+                elif ready and int(counters[_TAIL]) == head:  # the writer exited, and nothing is left from it
+                    raise RuntimeError("the writing process exited (closed by peer; shared memory)")
+        finally:
+            counters[_WAITING] = 0
 
     def unlink(self) -> None:
         for path in (self.path, self.path + ".fifo"):
@@ -189,14 +246,16 @@ class _Queued:
 
 
 class _Receive:
-    """A receive posted into ``buffer``: :meth:`wait` takes the next message from ``ring`` into it."""
+    """A receive posted into ``buffer``: :meth:`wait` takes the next message from ``ring`` into it; set ``awake`` False
+    before, where no message is due soon (the reader then sleeps at once)."""
 
     def __init__(self, ring: _Ring, buffer: Tensor) -> None:
         self.ring, self.buffer = ring, buffer
+        self.awake = True
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = 365 * 86400.0 if timeout is None else timeout.total_seconds()
-        self.ring.get(self.buffer.numpy(), seconds)
+        self.ring.get(self.buffer.numpy(), seconds, self.awake)
         return True
 
 
@@ -277,10 +336,11 @@ def _close_all(fds: list[int]) -> None:
 
 
 def shared_memory_links(store: Any, token: str, rank: int, size: int, timeout: float,
-                        capacity: int = RING_BYTES) -> SharedMemoryLinks | None:
+                        capacity: int = RING_BYTES, spin: float | None = None) -> SharedMemoryLinks | None:
     """Process ``rank``'s rings to and from the other ``size - 1`` processes of a plane met under ``token`` in
     ``store`` (each calls it; a collective); None in every process where any of them cannot have them (another
-    machine, no ``/dev/shm``, no room): the plane then goes over gloo. Waits at most ``timeout`` for the others."""
+    machine, no ``/dev/shm``, no room): the plane then goes over gloo. Waits at most ``timeout`` for the others.
+    ``spin``: seconds a reader looks at its empty ring before it sleeps (default :func:`spin_for` ``(size)``)."""
     if capacity % 8 or capacity < 64:
         raise ValueError(f"a ring's capacity must be a multiple of 8 bytes, at least 64 (got {capacity})")
     prefix = f"lightning_pipe/shm/{token}"
@@ -322,6 +382,7 @@ def shared_memory_links(store: Any, token: str, rank: int, size: int, timeout: f
         return None
     for peer, ring in incoming.items():
         ring.watch(int(store.get(f"{prefix}/pid/{peer}")))
+        ring.spin = spin_for(size) if spin is None else spin
     return SharedMemoryLinks(rank, outgoing, incoming, timeout)
 
 
