@@ -1,31 +1,11 @@
 """Hand-offs between the processes of one machine through shared memory: a ring each way, a FIFO to wake its reader.
 
-Over gloo a hand-off between two processes of one machine crosses loopback TCP: the sender's system call, the
-receiver's gloo thread woken by the socket, then the waiting thread woken by it. Here the sender copies the message
-into a ring in shared memory and writes one byte to a FIFO; the receiver, waiting in ``poll`` on that FIFO, wakes
-once and copies the message out. A round trip between two idle processes took ~12 µs against gloo's ~100 µs
-(2-core VM; ``benchmarks/bench_handoff.py`` compares them inside a pipeline).
-
-:class:`SharedMemoryLinks` has the two calls of a gloo group that the data plane makes (``send`` and ``recv`` of
-one uint8 tensor, each returning a work with ``wait``), so :class:`~lightning_pipe.transport.wire.dataplane.DataPlane`
-runs over it unchanged: its posted receives, capacities and control messages keep their meaning, in order.
-
-- **One ring per sender and receiver** (a file in ``/dev/shm``, mapped by both), written by the sender alone, read by
-  the receiver alone: a record is the message's length (8 bytes) then the message, padded to 8 bytes, wrapping
-  around the end. The sender advances ``tail`` once the record is in, the receiver ``head`` once it is out.
-- **A wake-up only for a sleeping reader**: a reader that finds its ring empty looks again for up to :data:`SPIN`
-  (yielding its core between looks) where every process of the machine has a core of its own, then raises its flag
-  and sleeps in ``poll``; the writer writes to the FIFO only where the flag is up. In a step, whose messages follow
-  each other closer than that, neither side then makes a system call, and the reader sees the message within
-  microseconds instead of a wake-up's tens (on a virtual CPU, the writer's ``write`` took 37 µs at the median,
-  0.8 ms at the 99th percentile, where it woke its reader).
-- **A send never waits for its receiver** (as a gloo send does not: the data plane's sends complete at the end of a
-  share, and two processes sending to each other must not stall each other): a message that does not fit in the
-  ring now waits in order on a thread of its own until the receiver has made room, and its work completes then.
-- **Set up or not at all**: every process of the plane creates the rings it receives on, opens those it sends on,
-  and says in the store whether it could; where any could not (another machine, no ``/dev/shm``, no room), every
-  process gets None and the plane runs over gloo. The files are unlinked as soon as every process has them open:
-  nothing is left behind once a plane is set up, whatever happens to its processes.
+The sender copies a message into the ring (a file in ``/dev/shm`` both map: records of a length and the message,
+8-aligned, wrapping round; ``tail`` moved by the writer alone, ``head`` by the reader alone) and writes a byte to the
+FIFO only where the reader sleeps (its flag up); a reader that finds its ring empty looks again for up to :data:`SPIN`
+where every process of the machine has a core, then sleeps in ``poll``. A send never waits for its receiver; a ring is
+set up by every process of the plane or by none. :class:`SharedMemoryLinks` has the two calls of a gloo group the data
+plane makes, so it runs over them unchanged. Why each of these, and what was measured: docs/design.md, "The data plane".
 """
 
 from __future__ import annotations
@@ -34,6 +14,7 @@ import datetime
 import logging
 import mmap
 import os
+import platform
 import select
 import socket
 import threading
@@ -59,12 +40,14 @@ _HEAD, _WAITING, _TAIL = 0, 4, 8  # their indexes as int64
 #: s: how long a reader whose ring is empty looks at it again before it sleeps, where every process of this machine
 #: can have a core of its own (:func:`spin_for`); the messages of a step follow each other closer than that.
 SPIN = 2e-3
-#: s: the first sleep of a wait is at most this long: a reader that announced its sleep as the writer looked (their
-#: stores and loads seen out of order) finds the message then, not at the timeout.
-_FIRST_SLEEP = 2e-3
+_FIRST_SLEEP = 2e-3  # s: a wait's first sleep at most (a flag seen late by the writer costs this, not the timeout)
 _ROOT = "/dev/shm"
 _CHUNK = 3600.0  # s: the longest single poll (a year's wait is a loop of them)
 _FENCE = threading.Lock()  # taken and given back between a store and a load of the other side's counter: a barrier
+#: Whether this processor shows every process stores in the order they were made (x86's total store order): a reader
+#: that sees the tail moved then sees the record before it. Elsewhere every record comes with a byte in the FIFO,
+#: which the reader takes before it (the pipe's own locks order the two processes), and no reader looks again.
+_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def spin_for(processes: int) -> float:
@@ -74,7 +57,7 @@ def spin_for(processes: int) -> float:
     would take a core from one that computes."""
     here = max(processes, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return SPIN if here <= cores else 0.0
+    return SPIN if here <= cores and _ORDERED else 0.0
 
 
 def _host() -> str:
@@ -143,11 +126,14 @@ class _Ring:
         self.counters[_TAIL] = tail + need
         with _FENCE:  # the tail stored before the flag is read (a lock is a full barrier on x86)
             pass
-        if self.counters[_WAITING]:
+        while not _ORDERED or self.counters[_WAITING]:
             try:
                 os.write(self.fifo, b"\0")
-            except BlockingIOError:  # full of wake-ups not read yet: the reader wakes anyway
-                pass
+                break
+            except BlockingIOError:  # full of wake-ups not read yet: the reader wakes anyway (each counts: retried)
+                if _ORDERED:
+                    break
+                time.sleep(1e-4)
         return True
 
     def get(self, into: numpy.ndarray, timeout: float, awake: bool = True) -> int:
@@ -155,7 +141,9 @@ class _Ring:
         again for :attr:`spin` seconds before sleeping (False: asleep at once, no message being due soon)."""
         counters = self.counters
         head = int(counters[_HEAD])
-        if int(counters[_TAIL]) == head:
+        if not _ORDERED:
+            self._woken(timeout)
+        elif int(counters[_TAIL]) == head:
             self._wait(head, timeout, self.spin if awake else 0.0)
         start = head % self.capacity
         n = int(self.data[start:start + 8].view(numpy.int64)[0])
@@ -172,7 +160,7 @@ class _Ring:
         if spin:
             until = time.perf_counter() + spin
             while int(counters[_TAIL]) == head and time.perf_counter() < until:
-                os.sched_yield()  # lets this process's other threads have the interpreter, others the core
+                time.sleep(0)  # lets this process's other threads have the interpreter (not sched_yield: see above)
             if int(counters[_TAIL]) != head:
                 return
         deadline = time.monotonic() + timeout
@@ -196,6 +184,23 @@ class _Ring:
                     raise RuntimeError("the writing process exited (closed by peer; shared memory)")
         finally:
             counters[_WAITING] = 0
+
+    def _woken(self, timeout: float) -> None:
+        """Take the next record's byte from the FIFO (where stores may be seen out of order), waiting at most
+        ``timeout`` seconds for it; raise where the writer exited first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = [fd for fd, _ in self._poller.poll(max(1, int(min(deadline - time.monotonic(), _CHUNK) * 1000)))]
+            if self.fifo in ready:
+                try:
+                    os.read(self.fifo, 1)
+                    return
+                except BlockingIOError:
+                    continue
+            if ready:
+                raise RuntimeError("the writing process exited (closed by peer; shared memory)")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"no message within {timeout:.1f} s (shared memory)")
 
     def unlink(self) -> None:
         for path in (self.path, self.path + ".fifo"):
