@@ -160,7 +160,7 @@ class _Ring:
         if spin:
             until = time.perf_counter() + spin
             while int(counters[_TAIL]) == head and time.perf_counter() < until:
-                time.sleep(0)  # lets this process's other threads have the interpreter (not sched_yield: see above)
+                time.sleep(0)  # the interpreter to this process's other threads; not sched_yield (docs/design.md)
             if int(counters[_TAIL]) != head:
                 return
         deadline = time.monotonic() + timeout
