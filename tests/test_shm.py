@@ -262,3 +262,48 @@ def test_where_stores_may_be_seen_out_of_order_every_record_comes_with_its_byte(
     assert _wakeups(one._in[0]) == 0  # one byte per record, each taken
     with pytest.raises(RuntimeError, match=r"no message within 0\.2 s"):
         one.recv([torch.zeros(64, dtype=torch.uint8)], 0).wait(datetime.timedelta(seconds=0.2))
+
+
+def test_a_reader_looks_again_only_while_its_waits_are_shorter_than_the_look():
+    """A wait that outlasted its look (its messages come further apart: a long compute between them) makes the next
+    wait sleep at once, its flag up; a wait shorter than the look makes the next one look again. Looking while the
+    sender computes for tens of milliseconds would take a core from it for nothing."""
+    import datetime
+
+    timeout = datetime.timedelta(seconds=60)
+    (zero, one), _ = _links(spin=0.05)
+    ring = one._in[0]
+    buffer = torch.zeros(512, dtype=torch.uint8)
+    got: list[BaseException | None] = []
+
+    def receive() -> None:
+        try:
+            one.recv([buffer], 0).wait(timeout)
+            got.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test's thread reports it
+            got.append(exc)
+
+    def exchange(before_send) -> None:
+        got.clear()
+        reader = threading.Thread(target=receive, daemon=True)
+        reader.start()
+        before_send()
+        zero.send([_message(64, 0)], 1)
+        reader.join(timeout=30)
+        assert not reader.is_alive() and got == [None]
+
+    def asleep() -> None:
+        assert _until(lambda: ring.counters[shm._WAITING] == 1)  # its flag up long before a minute's look is over
+
+    def looking() -> None:
+        time.sleep(0.2)
+        assert ring.counters[shm._WAITING] == 0
+
+    assert ring.short
+    exchange(lambda: time.sleep(0.5))  # ten times the look
+    assert not ring.short
+    ring.spin = 60.0  # would look for a minute, were it to look
+    exchange(asleep)
+    assert ring.short  # that wait was short against the look
+    exchange(looking)
+    assert ring.short and _wakeups(ring) == 0  # looked, and took it without a wake-up

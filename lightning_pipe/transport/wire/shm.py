@@ -38,15 +38,14 @@ _HEADER = 128  # head (bytes 0-7) and the reader's flag (32-39); tail (64-71): t
 RING_MEMORY = _HEADER + RING_BYTES
 _HEAD, _WAITING, _TAIL = 0, 4, 8  # their indexes as int64
 #: s: how long a reader whose ring is empty looks at it again before it sleeps, where every process of this machine
-#: can have a core of its own (:func:`spin_for`); the messages of a step follow each other closer than that.
+#: has a core (:func:`spin_for`), unless its last wait was longer: the messages of a step follow closer than that.
 SPIN = 2e-3
 _FIRST_SLEEP = 2e-3  # s: a wait's first sleep at most (a flag seen late by the writer costs this, not the timeout)
 _ROOT = "/dev/shm"
 _CHUNK = 3600.0  # s: the longest single poll (a year's wait is a loop of them)
 _FENCE = threading.Lock()  # taken and given back between a store and a load of the other side's counter: a barrier
-#: Whether this processor shows every process stores in the order they were made (x86's total store order): a reader
-#: that sees the tail moved then sees the record before it. Elsewhere every record comes with a byte in the FIFO,
-#: which the reader takes before it (the pipe's own locks order the two processes), and no reader looks again.
+#: Whether the processor shows stores in the order made (x86): a reader seeing the tail moved sees the record. Elsewhere
+#: each record comes with a FIFO byte the reader takes first (the pipe's locks order the two), and nobody looks again.
 _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -103,6 +102,7 @@ class _Ring:
         self.data = raw[_HEADER:]
         self.capacity = capacity
         self.spin = 0.0  # s: how long the reader looks again before it sleeps (see :data:`SPIN`)
+        self.short = True  # whether the last wait was shorter than the look
 
     def watch(self, pid: int) -> None:
         """Wake a wait here when process ``pid`` (the writer) exits, as a closed connection would (Linux 5.3+)."""
@@ -156,10 +156,9 @@ class _Ring:
     def _wait(self, head: int, timeout: float, spin: float) -> None:
         """Until the ring holds more than ``head``: looked at again for ``spin`` seconds, then asleep, woken by the
         writer (its FIFO) or its exit; at most ``timeout`` seconds."""
-        counters = self.counters
-        if spin:
-            until = time.perf_counter() + spin
-            while int(counters[_TAIL]) == head and time.perf_counter() < until:
+        counters, began = self.counters, time.perf_counter()
+        if spin and self.short:  # not after a wait longer than the look: its messages come further apart
+            while int(counters[_TAIL]) == head and time.perf_counter() < began + spin:
                 time.sleep(0)  # the interpreter to this process's other threads; not sched_yield (docs/design.md)
             if int(counters[_TAIL]) != head:
                 return
@@ -184,6 +183,7 @@ class _Ring:
                     raise RuntimeError("the writing process exited (closed by peer; shared memory)")
         finally:
             counters[_WAITING] = 0
+            self.short = self.short if not spin else time.perf_counter() - began < spin  # (idle waits: not counted)
 
     def _woken(self, timeout: float) -> None:
         """Take the next record's byte from the FIFO (where stores may be seen out of order), waiting at most
