@@ -37,12 +37,11 @@ _HEADER = 128  # head (bytes 0-7) and the reader's flag (32-39); tail (64-71): t
 #: What one ring holds in memory, in each of the two processes that map it (the planner counts two per peer).
 RING_MEMORY = _HEADER + RING_BYTES
 _HEAD, _WAITING, _TAIL = 0, 4, 8  # their indexes as int64
-#: s: how long a reader whose ring is empty looks at it again before it sleeps, where every process of this machine
-#: has a core (:func:`spin_for`), unless its last wait was longer: the messages of a step follow closer than that.
-SPIN = 2e-3
+SPIN = 2e-3  #: s: a reader looks again this long before sleeping (:func:`spin_for`; not after a longer wait)
 _FIRST_SLEEP = 2e-3  # s: a wait's first sleep at most (a flag seen late by the writer costs this, not the timeout)
 _ROOT = "/dev/shm"
 _CHUNK = 3600.0  # s: the longest single poll (a year's wait is a loop of them)
+_EXITED = "the writing process exited (closed by peer; shared memory)"
 _FENCE = threading.Lock()  # taken and given back between a store and a load of the other side's counter: a barrier
 #: Whether the processor shows stores in the order made (x86): a reader seeing the tail moved sees the record. Elsewhere
 #: each record comes with a FIFO byte the reader takes first (the pipe's locks order the two), and nobody looks again.
@@ -50,10 +49,9 @@ _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def spin_for(processes: int) -> float:
-    """How long a reader of a plane of ``processes`` processes on this machine looks at its empty ring before it
-    sleeps: :data:`SPIN` where every process of the machine (the larger of ``processes`` and ``LOCAL_WORLD_SIZE``, as
-    torchrun and the strategy's launch set it) can have one of this process's cores, else 0: a process that looks
-    would take a core from one that computes."""
+    """How long a reader of a plane of ``processes`` processes here looks at its empty ring, asleep after: :data:`SPIN`
+    where every process of the machine (``processes``, or ``LOCAL_WORLD_SIZE`` where larger: torchrun and the strategy
+    set it) has one of this process's cores, else 0 (looking would take a core from one that computes)."""
     here = max(processes, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return SPIN if here <= cores and _ORDERED else 0.0
@@ -87,8 +85,7 @@ class _Ring:
                 os.close(fd)
             if create:
                 os.mkfifo(path + ".fifo", 0o600)
-            # Read and write on one descriptor: opening a FIFO for one end alone blocks until the other is open.
-            # Non-blocking: a full FIFO already wakes its reader, an empty one has nothing to drain.
+            # Both ends on one descriptor (one end alone blocks until the other opens); non-blocking: never waits.
             self.fifo = os.open(path + ".fifo", os.O_RDWR | os.O_NONBLOCK)
         except OSError:
             if create:
@@ -169,38 +166,41 @@ class _Ring:
         longest = _FIRST_SLEEP
         try:
             while int(counters[_TAIL]) == head:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RuntimeError(f"no message within {timeout:.1f} s (shared memory)")
-                ready = [fd for fd, _ in self._poller.poll(max(1, int(min(left, longest) * 1000)))]
+                woken, gone = self._sleep(deadline, longest, timeout)
                 longest = _CHUNK
-                if self.fifo in ready:
+                if woken:
                     try:
                         os.read(self.fifo, 4096)  # the wake-ups so far; the ring says what arrived
                     except BlockingIOError:
                         pass
-                elif ready and int(counters[_TAIL]) == head:  # the writer exited, and nothing is left from it
-                    raise RuntimeError("the writing process exited (closed by peer; shared memory)")
+                elif gone and int(counters[_TAIL]) == head:  # nothing is left from the writer
+                    raise RuntimeError(_EXITED)
         finally:
             counters[_WAITING] = 0
-            self.short = self.short if not spin else time.perf_counter() - began < spin  # (idle waits: not counted)
+            if spin:  # (idle waits: not counted)
+                self.short = time.perf_counter() - began < spin
 
     def _woken(self, timeout: float) -> None:
-        """Take the next record's byte from the FIFO (where stores may be seen out of order), waiting at most
-        ``timeout`` seconds for it; raise where the writer exited first."""
+        """Take the next record's byte from the FIFO (off x86), at most ``timeout`` s; raise if the writer exits."""
         deadline = time.monotonic() + timeout
         while True:
-            ready = [fd for fd, _ in self._poller.poll(max(1, int(min(deadline - time.monotonic(), _CHUNK) * 1000)))]
-            if self.fifo in ready:
+            woken, gone = self._sleep(deadline, _CHUNK, timeout)
+            if woken:
                 try:
                     os.read(self.fifo, 1)
                     return
                 except BlockingIOError:
                     continue
-            if ready:
-                raise RuntimeError("the writing process exited (closed by peer; shared memory)")
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"no message within {timeout:.1f} s (shared memory)")
+            if gone:
+                raise RuntimeError(_EXITED)
+
+    def _sleep(self, deadline: float, longest: float, timeout: float) -> tuple[bool, bool]:
+        """Sleep in ``poll`` up to ``longest`` s (past ``deadline``: raise): whether the FIFO woke; the writer left."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"no message within {timeout:.1f} s (shared memory)")
+        ready = [fd for fd, _ in self._poller.poll(max(1, int(min(left, longest) * 1000)))]
+        return self.fifo in ready, any(fd != self.fifo for fd in ready)
 
     def unlink(self) -> None:
         for path in (self.path, self.path + ".fifo"):
@@ -251,8 +251,7 @@ class _Queued:
 
 
 class _Receive:
-    """A receive posted into ``buffer``: :meth:`wait` takes the next message from ``ring`` into it; set ``awake`` False
-    before, where no message is due soon (the reader then sleeps at once)."""
+    """A receive into ``buffer``: :meth:`wait` takes ``ring``'s next message; ``awake`` False: none due soon, sleep."""
 
     def __init__(self, ring: _Ring, buffer: Tensor) -> None:
         self.ring, self.buffer = ring, buffer
@@ -385,9 +384,10 @@ def shared_memory_links(store: Any, token: str, rank: int, size: int, timeout: f
         log.info("the data plane goes over gloo, not shared memory: %s", why or "another process cannot have its "
                  "rings (another machine, or no room in /dev/shm)")
         return None
+    spin = spin_for(size) if spin is None else spin
     for peer, ring in incoming.items():
         ring.watch(int(store.get(f"{prefix}/pid/{peer}")))
-        ring.spin = spin_for(size) if spin is None else spin
+        ring.spin = spin
     return SharedMemoryLinks(rank, outgoing, incoming, timeout)
 
 
