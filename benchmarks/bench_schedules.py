@@ -8,8 +8,8 @@ the schedules of several stages per process: each then sleeps half as long, the 
 for ZBV and DualPipeV); the loss is computed on the last
 stage. Every stage records when it ran what (the timeline); the bubble of a step is the idle fraction of the
 processes between its first start and its last end, printed beside the theory's, with the step time beside
-the simulated one. The driver's time between steps is what it spends outside the pipeline (the loss's
-backward commit, Python), from one step's last event to the next step's first.
+the simulated one. The driver's time outside the actions is what a step spends beyond them (its start, the loss's
+backward commit, the answers, Python): the step's wall time less the span from its first action to its last.
 
     python benchmarks/bench_schedules.py [--stages 4] [--chunks 8] [--t-fwd-ms 10] [--t-in-ms 10] [--t-w-ms 10]
                                          [--draw docs/timelines]
@@ -18,6 +18,7 @@ backward commit, Python), from one step's last event to the next step's first.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import statistics
 import time
@@ -25,6 +26,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from processes import run_processes
 from sleeping import SleepingIdentity
@@ -39,6 +41,10 @@ from lightning_pipe.transport import pipeline_over_rpc
 RPC_TIMEOUT = 60.0
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2),
              ("looped-bfs", 2), ("zbv", 2), ("dualpipev", 2)]
+#: torch.distributed.pipelining's class for each schedule of ours that it ships too.
+THEIRS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+          "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble", "looped-bfs": "ScheduleLoopedBFS",
+          "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
 @pure_backward_layer
@@ -74,8 +80,37 @@ def _record(key: str, on: bool) -> list[Event]:
     return events
 
 
+def their_schedule(name: str, rank: int, world: int, v: int, times: tuple[float, float, float], chunks: int
+                   ) -> Any:
+    """Pipelining's ``name`` over this process's stages of the same placement as ours (their loss on the last
+    stage), or None where it has no such schedule."""
+    import torch.distributed.pipelining as pipelining
+
+    if name not in THEIRS:
+        return None
+    placement, n = placement_of(name, world, v), world * v
+    mine = [s for s in range(n) if (placement[s] if placement else s % world) == rank]
+    stages = [pipelining.PipelineStage(nn.Sequential(SleepLayer(*times)), s, n, torch.device("cpu")) for s in mine]
+    return getattr(pipelining, THEIRS[name])(stages if v > 1 else stages[0], chunks, loss_fn=mse)
+
+
+def _their_step(schedule: Any, name: str, rank: int, world: int, v: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of pipelining's ``schedule`` in this process, ended with every process's (a barrier)."""
+    placement, n = placement_of(name, world, v), world * v
+    holds = lambda s: (placement[s] if placement else s % world) == rank  # noqa: E731
+    kwargs = {"target": y, "losses": []} if holds(n - 1) else {}
+    if holds(0):
+        schedule.step(x, **kwargs)
+    else:
+        schedule.step(**kwargs)
+    dist.barrier()
+
+
 def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
     warnings.filterwarnings("ignore", message="You are using a Backend")  # said by rpc.shutdown's barrier
+    # Theirs over gloo; the same port: tcp:// rendezvous stores are multi-tenant within a process.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=RPC_TIMEOUT))
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=RPC_TIMEOUT, num_worker_threads=16, _transports=["uv"]))
     peers = [f"worker{r}" for r in range(world)]
@@ -87,44 +122,52 @@ def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
         key = f"bench-{name}"
         pipeline = pipeline_over_rpc(key, body, [1] * (world * v), peers, timeout=RPC_TIMEOUT, virtual_stages=v,
                                      placement=placement_of(name, world, v))
-        if pipeline is None:
-            continue  # this process serves its stages until the driver is done
+        theirs = their_schedule(name, rank, world, v, times, args.chunks)
         x, y = torch.randn(args.chunks, 4), torch.randn(args.chunks, 4)
+        if pipeline is None:  # this process serves its stages until the driver is done, and runs theirs
+            for _ in range(args.steps + 1 if theirs is not None else 0):
+                _their_step(theirs, name, rank, world, v, x, y)
+            continue
 
         def step(name: str = name, pipeline: Any = pipeline, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
             pipeline_loss(pipeline, x, y, mse, chunks=args.chunks, checkpoint="never", training=True,
                           parameters=pipeline.runner.stage.partition.parameters(), schedule=name).backward()
 
         step()  # warm-up: threads and connections
+        if theirs is not None:
+            _their_step(theirs, name, rank, world, v, x, y)
         for peer in peers:
             rpc.rpc_sync(peer, _record, args=(key, True))
-        walls = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
+        walls, their_walls, spans = [], [], []
+        for _ in range(args.steps):  # in turn, step by step: both see the same minutes of the machine
+            start, began = time.perf_counter(), time.time()
             step()
             walls.append(time.perf_counter() - start)
+            spans.append((began, time.time()))
+            if theirs is not None:
+                start = time.perf_counter()
+                _their_step(theirs, name, rank, world, v, x, y)
+                their_walls.append(time.perf_counter() - start)
         events = [e for peer in peers for e in rpc.rpc_sync(peer, _record, args=(key, False))]
-        results[name] = (walls, events)
+        results[name] = (walls, events, their_walls, spans)
         pipeline.close()
     rpc.shutdown(timeout=args.timeout)
+    dist.destroy_process_group()
     return results if rank == 0 else None
 
 
-def bubble(events: list[Event], processes: int) -> tuple[list[float], list[float]]:
+def bubble(events: list[Event], processes: int, spans: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
     """Per step: the idle fraction of the processes between its first start and last end, and the driver's
-    gap from the previous step's last event to this one's first."""
-    runs = sorted({e.run for e in events})
-    fractions, gaps = [], []
-    previous_end = None
-    for run in runs:
+    time outside the actions: the step's span (``spans``, the driver's wall clock around each step, in order)
+    less the span of its actions."""
+    fractions, outside = [], []
+    for run, (began, ended) in zip(sorted({e.run for e in events}), spans):
         step = [e for e in events if e.run == run]
         first, last = min(e.start for e in step), max(e.end for e in step)
         busy = sum(e.end - e.start for e in {(e.stage, e.kind, e.start, e.end): e for e in step}.values())
         fractions.append(1 - busy / (processes * (last - first)))
-        if previous_end is not None:
-            gaps.append(first - previous_end)
-        previous_end = last
-    return fractions, gaps
+        outside.append((ended - began) - (last - first))
+    return fractions, outside
 
 
 def _input_of(step: dict[tuple[int, str, int], Event], last_stage: int, e: Event) -> Event | None:
@@ -217,17 +260,21 @@ def main() -> None:
     print("theory: the schedule with the nominal times; real: with the layer's times measured alone (what the "
           "engine adds is step/real)\n")
     print(f"{'schedule':<18}{'bubble':>8}{'theory':>8}{'step':>10}{'theory':>10}{'real':>10}{'step/theory':>13}"
-          f"{'step/real':>11}{'between steps':>15}")
+          f"{'step/real':>11}{'outside':>10}{'theirs':>10}{'step/theirs':>13}")
     for name, v in SCHEDULES:
-        walls, events = results[name]
-        fractions, gaps = bubble(events, p)
+        walls, events, their_walls, spans = results[name]
+        fractions, outside = bubble(events, p, spans)
         scaled = {k: t / v for k, t in costs.items()}
         theory = simulate(schedule_plan(name, m, p, v), scaled)
         real = simulate(schedule_plan(name, m, p, v), measured[v])
         step = statistics.median(walls) * 1e3
         print(f"{name:<18}{statistics.median(fractions):>8.1%}{theory.bubble:>8.1%}{step:>8.1f}ms"
               f"{theory.makespan:>8.1f}ms{real.makespan:>8.1f}ms{step / theory.makespan:>13.3f}"
-              f"{step / real.makespan:>11.3f}{statistics.median(gaps) * 1e3 if gaps else float('nan'):>13.1f}ms")
+              f"{step / real.makespan:>11.3f}{statistics.median(outside) * 1e3:>8.1f}ms"
+              + (f"{statistics.median(their_walls) * 1e3:>8.1f}ms{step / (statistics.median(their_walls) * 1e3):>13.3f}"
+                 if their_walls else f"{'-':>10}{'-':>13}"))
+        if their_walls:
+            print(f"RESULT {name}_step_over_theirs={step / (statistics.median(their_walls) * 1e3):.3f}")
         print(f"RESULT {name}_step_over_real={step / real.makespan:.3f}")
         print(f"RESULT {name}_step_over_theory={step / theory.makespan:.3f}")
         path = critical_path(events, p, placement_of(name, p, v))

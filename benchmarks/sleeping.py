@@ -2,38 +2,33 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import torch
 
-
-def _overshoot(samples: int = 21, seconds: float = 0.002) -> float:
-    """How far past its time a sleep returns on this machine (the median of a few short ones): about 0.1 ms on
-    a VM, 2% of a 5 ms layer's time, which a benchmark held to its theory would count against the engine."""
-    late = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        time.sleep(seconds)
-        late.append(time.perf_counter() - start - seconds)
-    return max(0.0, statistics.median(late))
-
-
-#: Seconds a sleep overshoots here, measured once per process as it imports this module.
-OVERSHOOT = _overshoot()
+#: The last stretch of a sleep spent watching the clock instead of asleep. A sleep of this VM returns 0.1-0.2 ms
+#: past its time and onto a core back from idle, where the next microseconds of code run several times slower
+#: (docs/benchmarks.md): a 5 ms layer took 5.3-5.5 ms. A device's kernel that the host waits for ends on time,
+#: and CUDA's synchronize spins for it by default; so does this for its last 0.5 ms (10% of a 5 ms layer's core).
+WATCHED = 0.0005
 
 
 def sleep(seconds: float) -> None:
-    """Sleep ``seconds`` on average: the request shortened by :data:`OVERSHOOT`, and no call at all for 0 (a
-    ``time.sleep(0)`` is a system call of about 0.05 ms here)."""
-    if seconds > 0:
-        time.sleep(max(0.0, seconds - OVERSHOOT))
+    """Return ``seconds`` after the call: asleep but for the last :data:`WATCHED` seconds, then watching the clock;
+    no call at all for 0 (a ``time.sleep(0)`` is a system call of about 0.05 ms here)."""
+    if seconds <= 0:
+        return
+    deadline = time.perf_counter() + seconds
+    if seconds > WATCHED:
+        time.sleep(seconds - WATCHED)
+    while time.perf_counter() < deadline:
+        pass
 
 
 class SleepingIdentity(torch.autograd.Function):
-    """The identity on ``x`` (a copy) that sleeps ``t_fwd`` seconds in forward and ``t_bwd`` in backward
-    (:func:`sleep`: on average, as long as asked)."""
+    """The identity on ``x`` (a copy) that takes ``t_fwd`` seconds in forward and ``t_bwd`` in backward
+    (:func:`sleep`: as long as asked)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, t_fwd: float, t_bwd: float) -> torch.Tensor:
