@@ -202,6 +202,8 @@ class StageRandom(TorchFunctionMode):
         return g
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func not in _ROUTED:  # most calls: straight through, nothing copied (a block makes ~60 a forward)
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = dict(kwargs or {})
         if func in _GENERATOR_FUNCTIONS:
             if kwargs.get("generator") is None:
@@ -305,3 +307,6 @@ _HANDLERS: dict[Any, Callable[..., Tensor]] = {
     torch.rrelu: _aten_rrelu(False),
     torch.rrelu_: _aten_rrelu(True),
 }
+
+#: Every function that :class:`StageRandom` does something about: anything else goes straight through.
+_ROUTED = frozenset((*_GENERATOR_FUNCTIONS, *_HANDLERS, *_COMPOSITES))
