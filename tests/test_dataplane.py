@@ -686,14 +686,99 @@ def test_a_commit_rides_with_the_next_step_and_sends_no_message_of_its_own():
     for peer in ("worker1", "worker2"):
         mine = [what for name, what in before_call if name == peer]
         # Step k carries step k-1's commit (scale 1: the loss's own gradient), and nothing went alone.
-        assert mine == [("step", runs[0], []), ("step", runs[1], [(runs[0], 1.0)]),
-                        ("step", runs[2], [(runs[1], 1.0)])], mine
+        assert mine == [("step", runs[0], []), ("step", runs[1], [("commit", runs[0], 1.0)]),
+                        ("step", runs[2], [("commit", runs[1], 1.0)])], mine
         # The read of worker1's gradients settles every process's last commit first: alone, on the plane.
         assert [what for name, what in sent[len(before_call):] if name == peer] == [("commit", runs[2])]
     for name, grad in grads.items():
         layer = int(name.split(".")[0])  # worker1 holds layers 2-4, named as in the whole body
         expected = 3 * torch.tensor(once[f"{layer}.{name.split('.', 1)[1]}"])
         torch.testing.assert_close(torch.tensor(grad), expected, msg=name)
+
+
+class _RecordingHost:
+    """Stands for a stage's host: records each call, with the thread it ran on; ``step`` fails on demand."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[str, tuple, str]] = []
+
+    def zero_grad(self, k, set_to_none=True) -> None:
+        self.done.append(("zero_grad", (k, set_to_none), threading.current_thread().name))
+
+    def step(self, k, hyperparameters) -> None:
+        self.done.append(("step", (k, hyperparameters), threading.current_thread().name))
+        if hyperparameters == "fail":
+            raise ValueError("stage 1 ran out of memory in its step")
+
+    def stats(self):
+        return self.done
+
+
+def _install_host(key: str) -> None:
+    from lightning_pipe.transport.stages import host
+    from lightning_pipe.transport.stages.entries import RUNNERS
+
+    RUNNERS[key].host = _RecordingHost()
+    host._HOSTS[key] = SimpleNamespace(runner=RUNNERS[key], stats=RUNNERS[key].host.stats)  # its RPC entry point's
+
+
+def _host_calls(rank: int, world: int):
+    from lightning_pipe.transport.stages.remote import HostGroup
+    from lightning_pipe.transport.wire.dataplane import DataPlane
+
+    pipeline = pipeline_over_rpc("calls", build(), [2, 5], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    rpc.rpc_sync("worker1", _install_host, args=("calls",))
+    hosts = HostGroup("calls", ["worker1"], 20.0)
+    sent = []  # every message to the step listener, as the driver sent it
+    send_step = DataPlane.send_step
+    DataPlane.send_step = lambda plane, name, run, step: sent.append(step[0]) or send_step(plane, name, run, step)
+    try:
+        hosts.call_later("zero_grad", 0, True)
+        after_zeroing = list(sent)
+        stepped = [f.result() for f in hosts.start("step", 0, [{"lr": 0.1}], plane=True)]
+        hosts.call_later("zero_grad", 0, False)
+        try:
+            [f.result() for f in hosts.start("step", 0, "fail", plane=True)]
+            error = None
+        except ValueError as exc:
+            error = "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+        done = hosts.call("stats")[0]
+    finally:
+        DataPlane.send_step = send_step
+    pipeline.close()
+    return after_zeroing, sent, stepped, error, done
+
+
+@pytest.mark.timeout(120)
+def test_zeroing_rides_with_the_next_call_and_an_optimizer_step_goes_to_the_step_listener():
+    """``call_later`` sends nothing: the zeroing goes with the next message to the process, applied first; a call
+    ``start``ed with ``plane=True`` goes to the step listener on the data plane and is answered there, its error
+    raised on the driver with the stage and process it came from."""
+    after_zeroing, sent, stepped, error, done = run_processes(_host_calls, 2, timeout=100)[0]
+    assert after_zeroing == [] and sent == ["call", "call"], sent  # two steps; no message for either zeroing
+    assert stepped == [None]
+    assert "stage 1 ran out of memory in its step" in error and "in step of stage 1 of pipeline 'calls'" in error
+    listener = "lightning_pipe.calls.steps"
+    assert done == [("zero_grad", (0, True), listener), ("step", (0, [{"lr": 0.1}]), listener),
+                    ("zero_grad", (0, False), listener), ("step", (0, "fail"), listener)], done
+
+
+def test_a_riding_call_waits_for_the_stages_reduction_before_it_changes_gradients():
+    """A call that rode with another message (an optimizer's ``zero_grad``) runs once this process's reduction over
+    the replicas is over, as a call by RPC does: zeroed while the last step's all-reduce is in flight, a gradient
+    would get that all-reduce's result after it (seen: replicas under 1F1B training other weights than one device's,
+    where the machine was loaded)."""
+    from collections import Counter
+
+    from lightning_pipe.transport.stages.runner import StageRunner
+
+    order = []
+    runner = SimpleNamespace(averages=SimpleNamespace(settle=lambda: order.append("settled")), calls=Counter(),
+                             host=SimpleNamespace(zero_grad=lambda k, none: order.append(("zero_grad", k, none))))
+    StageRunner.ride(runner, ("call", "zero_grad", (0, True)))
+    assert order == ["settled", ("zero_grad", 0, True)] and runner.calls == {"zero_grad riding": 1}
 
 
 def _large_targets(rank: int, world: int, stages: list[int]):

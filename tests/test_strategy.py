@@ -238,6 +238,19 @@ def test_remote_stages_step_after_the_drivers_steps_and_meet_at_barriers(jobs):
 
 
 @pytest.mark.timeout(900)
+def test_zeroing_rides_along_and_the_optimizer_step_goes_on_the_data_plane(jobs):
+    """Over the data plane, the driver's ``zero_grad`` sends the stage nothing of its own (it goes with the next
+    message to that process: here the optimizer's step) and the stage's optimizer step goes to its step listener,
+    answered on the plane: neither is a round trip by RPC, and each happens once per driver step (the same job
+    trains one device's weights: ``TRANSPARENCY``)."""
+    result = jobs.result("2stages-sgd")
+    calls = result["stages"]["fit"][0]["calls"]
+    steps = result["global_step"]
+    assert calls.get("step on the plane") == steps == 16 and calls.get("zero_grad riding") == steps, calls
+    assert not any(name.startswith(("step ", "zero_grad ")) and name.endswith("by RPC") for name in calls), calls
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_checkpoint_holds_the_plain_optimizer_state(optimizer, jobs, tmp_path):
     """The consolidated optimizer state is the one the unpipelined model's optimizer would have."""

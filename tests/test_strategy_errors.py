@@ -266,7 +266,7 @@ class _Stages:
         self.called = []
         self.failing = failing
 
-    def start(self, method, *args, timeout=None):
+    def start(self, method, *args, timeout=None, plane=False):
         self.called.append((method, *args))
         done = Future()
         done.set_exception(self.failing) if self.failing is not None else done.set_result(None)
@@ -274,6 +274,9 @@ class _Stages:
 
     def call(self, method, *args):
         return [f.result() for f in self.start(method, *args)]
+
+    def call_later(self, method, *args):
+        self.call(method, *args)
 
 
 @pytest.mark.parametrize("optimizer", [_TwoEvaluations, torch.optim.SGD])

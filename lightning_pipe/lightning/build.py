@@ -34,6 +34,7 @@ from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
 from lightning_pipe.transport.parallel import building, dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import host
 from lightning_pipe.transport.stages.driver import RemotePipeline
+from lightning_pipe.transport.stages.remote import HostGroup
 from lightning_pipe.transport.stages.rendezvous import connect
 from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.stages.setup import StageSetup, TensorSplit
@@ -77,7 +78,7 @@ log = logging.getLogger("lightning_pipe")
 _pipeline_ids = itertools.count()
 
 
-def release_run(pipeline: RemotePipeline, hosts: host.HostGroup) -> None:
+def release_run(pipeline: RemotePipeline, hosts: HostGroup) -> None:
     """Free a pipeline whose model is gone: the remote stages and this process's stage 0 threads."""
     hosts.drop()
     pipeline.close()
@@ -176,7 +177,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     pipeline = RemotePipeline(StageRunner(key, stages, peers, layout, timeout), processes=p,
                               placement=strategy.placement)
     connect(pipeline.runner, [worker_name(r) for r in ranks], strategy.data_plane)
-    hosts = host.HostGroup(key, [worker_name(r) for r in ranks[1:]], timeout)
+    hosts = HostGroup(key, [worker_name(r) for r in ranks[1:]], timeout)
     stage_of = {name: s for s, part in enumerate(parts) for name, _ in part.named_children()}
     pipelined = PipelinedSequential(body, stage_of, pipeline, chunks=strategy.microbatches,
                                     checkpoint=strategy.checkpoint, hosts=hosts, balance=balance,

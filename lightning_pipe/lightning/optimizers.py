@@ -22,7 +22,7 @@ import torch
 
 from lightning_pipe.lightning.tied import TiedSync, add_twins, twin_states
 from lightning_pipe.transport.stages import optim
-from lightning_pipe.transport.stages.host import HostGroup
+from lightning_pipe.transport.stages.remote import HostGroup
 
 __all__: list[str] = []
 
@@ -64,15 +64,17 @@ class _MirroredOptimizer:
     def _lp_start(self) -> None:
         """The remote stages start their part of this step, with the hyper-parameters the driver's uses; this
         process's stages are ready for their update (whole copies of sharded parameters dropped)."""
-        self._lp_stepping = self._lp_hosts.start("step", self._lp_index,
-                                                 optim.hyperparameters(self))  # type: ignore[arg-type]
+        self._lp_stepping = self._lp_hosts.start("step", self._lp_index, optim.hyperparameters(self),
+                                                 plane=True)  # type: ignore[arg-type]
         before = getattr(self, "_lp_before_update", None)
         if before is not None:
             before()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
-        self._lp_hosts.call("zero_grad", self._lp_index, set_to_none)
+        # No round trip: it goes with what next reaches each process (its step, the optimizer's step, a read of the
+        # gradients), which applies it first.
+        self._lp_hosts.call_later("zero_grad", self._lp_index, set_to_none)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load the plain model's optimizer's state (as one device's optimizer, or this one's whole

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_pipe.lightning import ddp
 from lightning_pipe.lightning.body import PipelinedSequential
-from lightning_pipe.transport.stages.host import HostGroup
+from lightning_pipe.transport.stages.remote import HostGroup
 
 __all__: list[str] = []
 

@@ -170,7 +170,7 @@ class RemotePipeline:
         """Add what ``run``'s backwards made aside, times ``scale``, into every stage's gradients (a plan that
         ran its backwards ahead of its caller's), here and in every other process at once (there, done before
         anything else reaches them for this pipeline)."""
-        settle_commits(self.key)
+        settle_commits(self.key, before_steps=True)  # those not sent yet go first, with what carries this one
         futures = [steps.riding_commit(self.runner, peer, r, run.id, scale) or
                    steps.commit_by_rpc(self.runner, peer, run.id, scale, self._describe(r))
                    for r, peer in enumerate(self.peers) if r > 0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pickle
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -31,7 +30,6 @@ from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.stages.setup import StageSetup
 from lightning_pipe.transport.stages.stagestate import StageState, broadcast_from_replica0
 from lightning_pipe.transport.stages.tied import TiedCopies
-from lightning_pipe.transport.wire.messages import riding_along, to_concurrent, where
 from lightning_pipe.transport.wire.session import SESSION
 
 __all__: list[str] = []
@@ -87,6 +85,7 @@ class StageHost(StageState):
         for stage in self.stages:
             stage.recorder = Recorder() if setup.record else None
         self.runner = StageRunner(key, self.stages, setup.peers, layout, setup.timeout)
+        self.runner.host = self
         self.runner.averages.mesh = mesh
         self.params = {prefix + n: p for n, p in self.partition.named_parameters()}
         self.tied = TiedCopies(key, setup.tied, SESSION.rank)  # parameters shared with layers of other processes
@@ -208,14 +207,15 @@ class StageHost(StageState):
         stage it holds (``held``: see :func:`~lightning_pipe.transport.parallel.fsdp.held`) and how many messages
         its data plane sent and received (``plane``; None where every hand-off goes by RPC), how many CPU threads
         it computes with (``threads``), and, built on the meta device and split, the most it held while it was built
-        (``built``, see :func:`~lightning_pipe.transport.parallel.building.materialize_split`; else None)."""
+        (``built``, see :func:`~lightning_pipe.transport.parallel.building.materialize_split`; else None), and how
+        its calls came (``calls``: ``"step on the plane"``, ``"zero_grad riding"``, ``"stats by RPC"``: counts)."""
         optimizers = [optimizer for optimizer, _ in self.optimizers.values()]
         plane = self.runner.plane  # what its data plane carried (None: every hand-off by RPC)
         return {**self.counts, "materialized": self.materialized,
                 "held": fsdp.held(self.partition.parameters(), optimizers),
                 "plane": None if plane is None else {"sent": plane.sent, "received": plane.received,
                                                       "links": plane.links},
-                "threads": torch.get_num_threads(), "built": self.built}
+                "threads": torch.get_num_threads(), "built": self.built, "calls": dict(self.runner.calls)}
 
     def memory(self) -> dict[str, int]:
         """This process's resident memory and what the pipeline keeps between steps (all 0 when idle)."""
@@ -325,67 +325,18 @@ def drop(key: str) -> None:
         host.close()
 
 
-def call(key: str, method: str, *args: Any, commits: Sequence[tuple[int, float]] = ()) -> Any:
-    """Call ``method`` of this process's host of pipeline ``key`` (an RPC entry point), once ``commits`` (the last
-    steps' commits that came with the call: ``(run, scale)`` each) are applied."""
+def call(key: str, method: str, *args: Any, commits: Sequence[tuple[Any, ...]] = ()) -> Any:
+    """Call ``method`` of this process's host of pipeline ``key`` (an RPC entry point), once ``commits`` (what came
+    with the call: the last steps' commits, calls not sent alone; see :meth:`StageRunner.ride`) are applied."""
     host = _HOSTS.get(key)
     if host is None:
         raise RuntimeError(f"this process hosts no stage of pipeline '{key}'")
-    for run, scale in commits:
+    for rider in commits:
         try:
-            host.runner.commit(run, scale)
+            host.runner.ride(rider)
         except BaseException as exc:
-            exc.add_note(f"committing the gradients of pipeline '{key}' before {method}")
+            exc.add_note(f"{host.runner.riding(rider)} of pipeline '{key}' before {method}")
             raise
     host.runner.averages.settle()  # what reads or changes gradients waits for this stage's reduction
+    host.runner.calls[f"{method} by RPC"] += 1
     return getattr(host, method)(*args)
-
-
-class HostGroup:
-    """The driver's handle on the remote stages of its pipeline ``key`` (stages 1..n-1 at ``peers``)."""
-
-    def __init__(self, key: str, peers: Sequence[str], timeout: float) -> None:
-        self.key = key
-        self.peers = list(peers)
-        self.timeout = timeout
-
-    def _start(self, stage: int, method: str, args: tuple[Any, ...], timeout: float | None = None) -> Future[Any]:
-        peer = self.peers[stage - 1]
-        # The last steps' gradients are in before anything reads or changes them: the commits not sent yet go
-        # with this call, which applies them first; those in flight are waited for.
-        with riding_along(self.key, peer) as commits:
-            future = rpc.rpc_async(peer, call, args=(self.key, method, *args),
-                                   kwargs={"commits": commits} if commits else None,
-                                   timeout=self.timeout if timeout is None else timeout)
-        return to_concurrent(future, lambda: f"in {method} of stage {stage} of pipeline '{self.key}' ({where(peer)})")
-
-    def start(self, method: str, *args: Any, timeout: float | None = None) -> list[Future[Any]]:
-        """Start ``method`` on every remote stage at once; their futures in stage order. ``timeout``: the
-        RPC timeout in seconds (default: the pipeline's; 0: none)."""
-        return [self._start(j, method, args, timeout) for j in range(1, len(self.peers) + 1)]
-
-    def start_each(self, method: str, args: Sequence[Any]) -> list[Future[Any]]:
-        """Start ``method`` on every remote stage at once, stage ``j`` with the single argument ``args[j - 1]``."""
-        return [self._start(j, method, (arg,)) for j, arg in enumerate(args, start=1)]
-
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every remote stage at once; return their results in stage order. An error
-        names the stage and process it came from."""
-        return [f.result() for f in self.start(method, *args)]
-
-    def start_stage(self, stage: int, method: str, *args: Any, timeout: float | None = None) -> Future[Any]:
-        """Start ``method`` on remote stage ``stage`` (1-based); its future (``timeout`` as in :meth:`start`)."""
-        return self._start(stage, method, args, timeout)
-
-    def call_stage(self, stage: int, method: str, *args: Any) -> Any:
-        """Call ``method`` on remote stage ``stage`` (1-based, as in the pipeline)."""
-        return self._start(stage, method, args).result()
-
-    def drop(self) -> None:
-        """Have every remote stage stop hosting this pipeline (best effort, without waiting: called when the
-        model is freed, possibly at a garbage collection)."""
-        for peer in self.peers:
-            try:
-                rpc.rpc_async(peer, drop, args=(self.key,), timeout=self.timeout)
-            except Exception:  # noqa: BLE001 - RPC is down: the processes are ending anyway
-                pass

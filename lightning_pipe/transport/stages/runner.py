@@ -85,6 +85,8 @@ class StageRunner:
         self._direct: dict[tuple[int, int], torch.device | None] = {}
         self.averages = Averages(self.stages)  # with replicas: each stage averaged with the others' by DDP
         self.plane: Any = None  # tensors to other processes: by RPC, or this DataPlane where it carries them
+        self.host: Any = None  # the StageHost of these stages in a stage's process: riders call its methods
+        self.calls: collections.Counter[str] = collections.Counter()  # its host's calls, by how each came
         self.plane_store: Any = None  # the store the driver hosts for its plane, without PipeStrategy's session
 
     def direct(self, dst: int, src: int | None = None) -> torch.device | None:
@@ -216,6 +218,23 @@ class StageRunner:
         """Add what ``run``'s backwards made aside, times ``scale``, into every stage's gradients here (and
         average them over the replicas, where that waited for the commit)."""
         self.averages.commit(run, scale)
+
+    def ride(self, rider: tuple[Any, ...]) -> None:
+        """Apply what came with a message, ahead of it: a step's commit ``("commit", run, scale)``, or a call of this
+        process's host ``("call", method, args)`` (an optimizer's ``zero_grad``)."""
+        if rider[0] == "commit":
+            self.commit(rider[1], rider[2])  # (which waits for this stage's reduction first)
+        else:
+            # What changes or reads gradients waits for this stage's reduction over its replicas, as a call by RPC
+            # does: zeroed while the last step's all-reduce is in flight, a gradient would get its result after.
+            self.averages.settle()
+            self.calls[f"{rider[1]} riding"] += 1
+            getattr(self.host, rider[1])(*rider[2])
+
+    @staticmethod
+    def riding(rider: tuple[Any, ...]) -> str:
+        """What ``rider`` was doing, for its error."""
+        return "committing the gradients" if rider[0] == "commit" else f"{rider[1]} (sent with the next message)"
 
     def named_grads(self) -> dict[str, Tensor | None]:
         """The gradients of this process's stages' parameters, by name within their partitions."""

@@ -187,14 +187,15 @@ def rode(key: str, commits: Sequence[Any]) -> None:
 
 @contextlib.contextmanager
 def riding_along(key: str, peer: str) -> Iterator[list[tuple[int, float]]]:
-    """The commits to process ``peer`` of pipeline ``key`` not sent yet (``(run, scale)`` each), for the message the
-    caller sends it inside, which applies them first and answers for them; kept for the next message where sending
-    raises. The commits in flight to ``peer`` are waited for before."""
+    """The commits to process ``peer`` of pipeline ``key`` not sent yet (each its ``rider``: ``("commit", run, scale)``
+    or ``("call", method, args)``), for the message the caller sends it inside, which applies them first, in order,
+    and answers for them; kept for the next message where sending raises. The commits in flight to ``peer`` are
+    waited for before."""
     commits = riding(key, peer)
     rode(key, commits)
     try:
         settle_commits(key, peer=peer)
-        yield [(c.run, c.scale) for c in commits]
+        yield [c.rider for c in commits]
     except BaseException:
         for commit in commits:
             commit.unsent = True
