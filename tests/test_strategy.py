@@ -10,6 +10,7 @@ import copy
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -248,6 +249,14 @@ def test_zeroing_rides_along_and_the_optimizer_step_goes_on_the_data_plane(jobs)
     steps = result["global_step"]
     assert calls.get("step on the plane") == steps == 16 and calls.get("zero_grad riding") == steps, calls
     assert not any(name.startswith(("step ", "zero_grad ")) and name.endswith("by RPC") for name in calls), calls
+    # Clipping by the global norm: each stage's norm comes back on the plane, the scaling rides with the step.
+    clipped = jobs.result("clip-norm-steplr")
+    calls = clipped["stages"]["fit"][0]["calls"]
+    assert calls.get("grad_norm on the plane") == clipped["global_step"] > 0, calls
+    assert 0 < calls.get("scale_grads riding", 0) <= clipped["global_step"] and "scale_grads by RPC" not in calls, calls
+    # A gradient scaler's overflow check, on the plane too.
+    scaled = jobs.result("fp16-scaler")["stages"]["fit"][0]["calls"]
+    assert scaled.get("unscale_grads on the plane", 0) > 0 and "unscale_grads by RPC" not in scaled, scaled
 
 
 @pytest.mark.timeout(900)
@@ -396,9 +405,9 @@ def test_overflow_on_a_remote_stage_skips_the_step():
         def __init__(self):
             self.calls = []
 
-        def call(self, method, *args):
+        def start(self, method, *args, timeout=None, plane=False):
             self.calls.append((method, *args))
-            return [True]  # the remote stage found an inf
+            return [SimpleNamespace(result=lambda: True)]  # the remote stage found an inf
 
     class NoTrainer(MixedPrecision):
         def _after_closure(self, model, optimizer):  # Lightning's hooks and clipping need a Trainer

@@ -76,7 +76,8 @@ def unscale_remote(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
         return
     found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
     if found is not None:  # the driver unscaled (this was not a skipped backward)
-        overflow = hosts.call("unscale_grads", optimizer._lp_index, 1.0 / float(scaler.get_scale()))
+        overflow = [future.result() for future in hosts.start(  # on the plane: a round trip of shared memory
+            "unscale_grads", optimizer._lp_index, 1.0 / float(scaler.get_scale()), plane=True)]
         if any(overflow):
             device = next(iter(found), torch.device("cpu"))
             found[device] = found.get(device, torch.zeros((), device=device)) + 1.0
@@ -90,7 +91,7 @@ def clip_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, norm_
     sum_tied(optimizer)  # (manual optimization clips before its step)
     grads = _grads(optimizer)
     norm_type = float(norm_type)
-    remote = hosts.start("grad_norm", optimizer._lp_index, norm_type)  # type: ignore[attr-defined]
+    remote = hosts.start("grad_norm", optimizer._lp_index, norm_type, plane=True)  # type: ignore[attr-defined]
     norms = [fsdp.total_norm(grads, norm_type)] + [future.result() for future in remote]
     if math.isinf(norm_type):
         total = max(norms)
@@ -105,7 +106,8 @@ def clip_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, norm_
     if coefficient < 1.0:
         for g in grads:
             fsdp.local(g).detach().mul_(coefficient)
-        hosts.call("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
+        # Nothing reads the stages' gradients before the optimizer's step reaches them: it goes with that.
+        hosts.call_later("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
     return torch.tensor(total)
 
 
@@ -115,7 +117,7 @@ def clip_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
     sum_tied(optimizer)
     for g in _grads(optimizer):
         fsdp.local(g).detach().clamp_(-clip_val, clip_val)
-    optimizer._lp_hosts.call("clamp_grads", optimizer._lp_index, float(clip_val))  # type: ignore[attr-defined]
+    optimizer._lp_hosts.call_later("clamp_grads", optimizer._lp_index, float(clip_val))  # type: ignore[attr-defined]
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:

@@ -1,9 +1,11 @@
 """The driver's handle on its pipeline's stages in other processes: calls on their hosts, now or riding along.
 
-A call whose answer the driver needs goes by RPC at once (:meth:`HostGroup.call`, :meth:`HostGroup.start`); one that
-returns nothing and whose effect nothing reads before the process's next message (an optimizer's ``zero_grad``) goes
-with that message instead (:meth:`HostGroup.call_later`): a step on the data plane, or the next RPC to the host, which
-applies it first. Either carries the step commits not sent yet, so what reaches a host finds its gradients whole.
+A call whose answer the driver needs goes at once (:meth:`HostGroup.call`, :meth:`HostGroup.start`): by RPC or, asked
+with ``plane=True`` where the data plane carries the process (the optimizer's step, a clipping norm, a scaler's
+overflow check: every step, small answers), to its step listener, answered on the plane. One that returns nothing and
+whose effect nothing reads before the process's next message (``zero_grad``, clipping's scaling) goes with that
+message instead (:meth:`HostGroup.call_later`): a step on the plane, or the next call, which applies it first. Each
+carries the step commits not sent yet, so what reaches a host finds its gradients whole.
 """
 
 from __future__ import annotations
