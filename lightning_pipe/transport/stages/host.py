@@ -335,7 +335,7 @@ def call(key: str, method: str, *args: Any, commits: Sequence[tuple[Any, ...]] =
         try:
             host.runner.ride(rider)
         except BaseException as exc:
-            exc.add_note(f"{host.runner.riding(rider)} of pipeline '{key}' before {method}")
+            exc.add_note(f"{host.runner.describe_rider(rider)} of pipeline '{key}' before {method}")
             raise
     host.runner.averages.settle()  # what reads or changes gradients waits for this stage's reduction
     host.runner.calls[f"{method} by RPC"] += 1

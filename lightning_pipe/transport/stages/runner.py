@@ -232,7 +232,7 @@ class StageRunner:
             getattr(self.host, rider[1])(*rider[2])
 
     @staticmethod
-    def riding(rider: tuple[Any, ...]) -> str:
+    def describe_rider(rider: tuple[Any, ...]) -> str:
         """What ``rider`` was doing, for its error."""
         return "committing the gradients" if rider[0] == "commit" else f"{rider[1]} (sent with the next message)"
 

@@ -90,11 +90,20 @@ class Called:
 
     def __init__(self, runner: StageRunner, peer: str, process: int, token: int, located: Callable[[], str]) -> None:
         self.runner, self.peer, self.process, self.token, self.located = runner, peer, process, token, located
+        self._answer: tuple[bool, Any] | None = None  # (whether it returned, its value or error), once taken
 
     def result(self) -> Any:
-        """The call's result, once its answer is here (within the RPC timeout)."""
-        return _answered(self.runner, self.peer, answer_slot(self.runner.key, self.token, self.process, 2),
-                         self.located)
+        """The call's result, once its answer is here (within the RPC timeout); the same again when asked again."""
+        if self._answer is None:
+            slot = answer_slot(self.runner.key, self.token, self.process, 2)
+            try:
+                self._answer = (True, _answered(self.runner, self.peer, slot, self.located))
+            except BaseException as exc:
+                self._answer = (False, exc)
+        returned, value = self._answer
+        if not returned:
+            raise value
+        return value
 
 
 def call(runner: StageRunner, peer: str, process: int, method: str, args: tuple[Any, ...],
@@ -315,7 +324,7 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
                 try:
                     runner.ride(rider)
                 except BaseException as exc:
-                    exc.add_note(f"{runner.riding(rider)} of pipeline '{runner.key}' before {method}")
+                    exc.add_note(f"{runner.describe_rider(rider)} of pipeline '{runner.key}' before {method}")
                     raise
             runner.averages.settle()  # what reads or changes gradients waits for this stage's reduction
             runner.calls[f"{method} on the plane"] += 1
@@ -343,8 +352,8 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
             try:
                 runner.ride(rider)
             except BaseException as exc:
-                raise with_location(exc, lambda rider=rider: f"{runner.riding(rider)} of pipeline '{runner.key}' "
-                                                             f"in {where(runner.me)}") from None
+                raise with_location(exc, lambda rider=rider: f"{runner.describe_rider(rider)} of pipeline "
+                                                             f"'{runner.key}' in {where(runner.me)}") from None
         sends, _ = runner.run_actions(run, actions, spec)
         for sent in sends:  # those that went by RPC (the plane's are done once the share is)
             sent.result(timeout=runner.timeout)

@@ -186,7 +186,7 @@ def rode(key: str, commits: Sequence[Any]) -> None:
 
 
 @contextlib.contextmanager
-def riding_along(key: str, peer: str) -> Iterator[list[tuple[int, float]]]:
+def riding_along(key: str, peer: str) -> Iterator[list[tuple[Any, ...]]]:
     """The commits to process ``peer`` of pipeline ``key`` not sent yet (each its ``rider``: ``("commit", run, scale)``
     or ``("call", method, args)``), for the message the caller sends it inside, which applies them first, in order,
     and answers for them; kept for the next message where sending raises. The commits in flight to ``peer`` are
