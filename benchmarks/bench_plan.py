@@ -216,11 +216,14 @@ def fastest_speed(args: argparse.Namespace, copies: int, samples: int = 8) -> fl
 class StepTimes(pl.Callback):
     """Each training batch's time from the end of the one before (the reference's time left out), and the body's
     reference (:func:`reference_speed`) right after it, run by the pipeline's first processes at once, as many as the
-    machine has cores (their mean)."""
+    machine has cores (their mean). ``together``: every process is a replica's driver (one stage, no tensor ranks),
+    which runs its own reference: they start it at once (a barrier), as the planner's measurement ran its copies;
+    each on its own clock, the fastest sample was one where the other replica's was not running beside it."""
 
-    def __init__(self, args: argparse.Namespace, kernel: bool = True) -> None:
+    def __init__(self, args: argparse.Namespace, kernel: bool = True, together: bool = False) -> None:
         self.reference = (args.model, args.width, args.sequence)
         self.kernel = kernel
+        self.together = together
         self.steps: list[float] = []
         self.speeds: list[float] = []
         self._last: float | None = None
@@ -234,6 +237,8 @@ class StepTimes(pl.Callback):
         if self.kernel:
             # As many processes at once as the machine has cores (as at the prediction; one process alone: none).
             pipeline, cores = trainer.strategy._pipeline, os.cpu_count() or 1
+            if self.together:
+                torch.distributed.barrier()
             others = [rpc.rpc_async(peer, reference_speed, args=self.reference)
                       for peer in (pipeline.peers[1:cores] if pipeline is not None else ())]
             mine = reference_speed(*self.reference)
@@ -259,7 +264,7 @@ def job(args: argparse.Namespace, layout: tuple, balance: list[int], out: str, m
     strategy = PipeStrategy(balance=balance, microbatches=m, schedule=schedule, virtual_stages=v, checkpoint=checkpoint,
                             tensor_parallel_size=t, tensor_parallel_plan=tensor_plan(args) if t > 1 else None,
                             sharding_strategy=sharding)
-    times = StepTimes(args, kernel=not memory)
+    times = StepTimes(args, kernel=not memory, together=p == 1 and t == 1 and d > 1)
     trainer = pl.Trainer(accelerator="cpu", devices=p * t * d, strategy=strategy, max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[times])
