@@ -12,7 +12,10 @@ worker, which answers on the plane once its share is done::
 A step's commit (its gradients made aside added in, at the end of ``loss.backward()`` for the eager schedules)
 goes the same way, and the listener runs it before the next step, which cannot overtake it on the channel: the
 driver does not wait for it before that step (an RPC commit's round trip, ~1 ms per step), only once the step is
-done, or before anything else reaches the process (optimizer steps, gradient reads, a step sent by RPC).
+done, or before anything else reaches the process (optimizer steps, gradient reads, a step sent by RPC). Calls of
+the process's host that every step makes (the optimizer's step, a clipping norm, a scaler's overflow check) go the
+same way too (:func:`call`), each answered on the plane; what rides with a message (commits, ``zero_grad``) is
+applied before it, in order (:meth:`StageRunner.ride`).
 
 The last stage's targets and output gradients travel in the step where they are small (as with RPC; split from
 one batch, as one tensor); larger, the driver sends each target with stage 0's output of its micro-batch (one
