@@ -12,6 +12,8 @@ The same model, batches, loss, optimizer and micro-batch count on 2 processes (o
             group (the loss on the last stage) and, per batch of the same DataLoader, ``schedule.step``, then
             ``optimizer.step()`` and ``optimizer.zero_grad()`` in each process.
 
+``--clip C``: both clip the gradients by their global norm over every stage first (ours: the Trainer's
+``gradient_clip_val``; theirs: each process's sum of squares, an all-reduce, and the scaling, as torchtitan does).
 A step is timed on process 0 from one batch's start to the next's (ours: ``on_train_batch_start``, through a
 callback; theirs: the loop's top), so each side pays everything its loop does between batches. Each round runs a
 fresh job of each engine (order alternating); the ratio of their median steps is printed per round and over all
@@ -20,7 +22,7 @@ their last step are compared (they train the same model on the same batches).
 
     python benchmarks/bench_trainer_step.py [--schedule 1f1b] [--width 512] [--layers 2] [--batch 1024]
                                             [--chunks 16] [--steps 30] [--rounds 4]
-                                            [--checkpoint never]
+                                            [--checkpoint never] [--clip 0.5]
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def ours(args: argparse.Namespace) -> dict[str, Any]:
     clock, model = Clock(), Body()
     half = 2 * args.layers  # modules per process: its blocks' Linear and ReLU
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=WARMUP + args.steps, logger=False,
+                         gradient_clip_val=args.clip or None,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[clock], strategy=PipeStrategy(balance=[half, half],
                                                                   microbatches=args.chunks, schedule=args.schedule,
@@ -131,6 +134,14 @@ def _theirs(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
                 schedule.step(x)
             else:
                 schedule.step(target=y, losses=[])
+            if args.clip:  # by the global norm over both processes' gradients
+                grads = [p.grad for p in part.parameters() if p.grad is not None]
+                total = torch.stack([g.square().sum() for g in grads]).sum()
+                dist.all_reduce(total)
+                coefficient = args.clip / (float(total.sqrt()) + 1e-6)
+                if coefficient < 1.0:
+                    for g in grads:
+                        g.mul_(coefficient)
             opt.step()
             opt.zero_grad()
         starts.append(time.perf_counter())
@@ -159,6 +170,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
     parser.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"],
                         help="ours: which micro-batches recompute their forward in backward (theirs: none)")
+    parser.add_argument("--clip", type=float, default=0.0, help="clip by the global norm to this (0: no clipping)")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=1, help="Linear + ReLU blocks per process")
     parser.add_argument("--batch", type=int, default=1024)
@@ -175,7 +187,8 @@ def main() -> None:
         parser.error(f"--batch {args.batch} must be a multiple of --chunks {args.chunks} (equal micro-batches)")
     print(f"model: {2 * args.layers} x (Linear({args.width}) + ReLU), {args.layers} per process; batch {args.batch}, "
           f"{args.chunks} micro-batches, {args.schedule}, the loss on the last stage, SGD with momentum, ours with "
-          f"checkpoint={args.checkpoint!r}; 2 processes, "
+          f"checkpoint={args.checkpoint!r}{f', clipped by the global norm to {args.clip:g}' if args.clip else ''}; "
+          "2 processes, "
           f"1 intra-op thread each; {args.steps} steps timed per job after {WARMUP}, {args.rounds} rounds\n")
     start = time.perf_counter()
     steps: dict[str, list[float]] = {"ours": [], "theirs": []}
