@@ -719,7 +719,7 @@ def _install_host(key: str) -> None:
     from lightning_pipe.transport.stages.entries import RUNNERS
 
     RUNNERS[key].host = _RecordingHost()
-    host._HOSTS[key] = SimpleNamespace(runner=RUNNERS[key], stats=RUNNERS[key].host.stats)  # its RPC entry point's
+    host._HOSTS[key] = SimpleNamespace(runner=RUNNERS[key])  # what its RPC entry point finds
 
 
 def _host_calls(rank: int, world: int):

@@ -197,7 +197,7 @@ def _releases(rank: int, world: int):
     import gc
     import time
 
-    from lightning_pipe.transport.wire.messages import settle_commits
+    from lightning_pipe.transport.wire.riders import settle_commits
 
     pipeline = pipeline_over_rpc("test", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
     if pipeline is None:

@@ -46,14 +46,13 @@ from lightning_pipe.transport.wire.messages import (
     PROGRESS_LOCK,
     Slot,
     StepSpec,
-    defer_commits,
-    settle_commits,
     to_concurrent,
     to_wire,
     to_wire_any,
     unpack_batch,
     where,
 )
+from lightning_pipe.transport.wire.riders import defer_commits, settle_commits
 
 __all__ = ["RemotePipeline", "pipeline_over_rpc"]
 

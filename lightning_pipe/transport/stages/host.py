@@ -331,12 +331,4 @@ def call(key: str, method: str, *args: Any, commits: Sequence[tuple[Any, ...]] =
     host = _HOSTS.get(key)
     if host is None:
         raise RuntimeError(f"this process hosts no stage of pipeline '{key}'")
-    for rider in commits:
-        try:
-            host.runner.ride(rider)
-        except BaseException as exc:
-            exc.add_note(f"{host.runner.describe_rider(rider)} of pipeline '{key}' before {method}")
-            raise
-    host.runner.averages.settle()  # what reads or changes gradients waits for this stage's reduction
-    host.runner.calls[f"{method} by RPC"] += 1
-    return getattr(host, method)(*args)
+    return host.runner.call_host(method, args, commits, "by RPC")

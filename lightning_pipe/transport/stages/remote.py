@@ -19,43 +19,30 @@ import torch.distributed.rpc as rpc
 from lightning_pipe.transport.stages import steps
 from lightning_pipe.transport.stages.entries import RUNNERS
 from lightning_pipe.transport.stages.host import call, drop
-from lightning_pipe.transport.wire.messages import defer_commits, riding_along, to_concurrent, where
+from lightning_pipe.transport.wire.messages import to_concurrent, where
+from lightning_pipe.transport.wire.riders import Rider, defer_commits, riding_along
 
 __all__ = ["HostGroup", "RidingCall"]
 
 
-class RidingCall:
+class RidingCall(Rider):
     """A call of ``method`` on the host of pipeline ``key`` in process ``peer``, not sent yet (see
-    :meth:`HostGroup.call_later`): it goes with the next message to that process, which applies it before anything
-    else and answers for it (:func:`~lightning_pipe.transport.wire.messages.riding`); where something needs it done
-    first (:func:`~lightning_pipe.transport.wire.messages.settle_commits`), :meth:`result` sends it alone and
-    waits."""
+    :meth:`HostGroup.call_later`; a :class:`~lightning_pipe.transport.wire.riders.Rider`): it goes with the next
+    message to that process, applied before it. Sent alone, by RPC."""
 
     def __init__(self, key: str, peer: str, method: str, args: tuple[Any, ...], timeout: float) -> None:
         self.key, self.peer, self.method, self.args, self.timeout = key, peer, method, args, timeout
-        self.unsent = True  # False once it went, alone or with another message
-        self._sent: Future[Any] | None = None
 
     @property
     def rider(self) -> tuple[Any, ...]:
         """What goes with the other message: :meth:`StageRunner.ride` applies it."""
         return ("call", self.method, self.args)
 
-    @property
-    def before_steps(self) -> bool:
-        """Whether the next step cannot overtake it: not sent yet (it goes with that step)."""
-        return self._sent is None
-
-    def result(self) -> None:
-        """Send it alone, unless it went already, and wait for its answer; raise its error, located."""
-        if self._sent is None:
-            if not self.unsent:
-                return  # it went with another message, which answered for it
-            self.unsent = False
-            self._sent = to_concurrent(rpc.rpc_async(self.peer, call, args=(self.key, self.method, *self.args),
-                                                     timeout=self.timeout),
-                                       lambda: f"in {self.method} of pipeline '{self.key}' ({where(self.peer)})")
-        self._sent.result()
+    def send_alone(self) -> Future[Any]:
+        """The call by RPC, on its own."""
+        return to_concurrent(rpc.rpc_async(self.peer, call, args=(self.key, self.method, *self.args),
+                                           timeout=self.timeout),
+                             lambda: f"in {self.method} of pipeline '{self.key}' ({where(self.peer)})")
 
 
 class HostGroup:
@@ -104,10 +91,14 @@ class HostGroup:
         does not carry a process's steps, called now, as :meth:`call` does."""
         runner = RUNNERS.get(self.key)
         plane = None if runner is None else runner.plane
-        now = [j for j, peer in enumerate(self.peers, start=1) if plane is None or not plane.carries(peer)]
-        defer_commits(self.key, [RidingCall(self.key, peer, method, args, self.timeout)
-                                 for j, peer in enumerate(self.peers, start=1) if j not in now])
-        for future in [self._start(j, method, args) for j in now]:
+        later, now = [], []
+        for j, peer in enumerate(self.peers, start=1):
+            if plane is not None and plane.carries(peer):
+                later.append(RidingCall(self.key, peer, method, args, self.timeout))
+            else:
+                now.append(self._start(j, method, args))
+        defer_commits(self.key, later)
+        for future in now:
             future.result()
 
     def start_stage(self, stage: int, method: str, *args: Any, timeout: float | None = None) -> Future[Any]:

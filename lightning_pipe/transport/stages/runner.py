@@ -231,6 +231,19 @@ class StageRunner:
             self.calls[f"{rider[1]} riding"] += 1
             getattr(self.host, rider[1])(*rider[2])
 
+    def call_host(self, method: str, args: Sequence[Any], riders: Sequence[tuple[Any, ...]], how: str) -> Any:
+        """Call ``method(*args)`` of this process's host once ``riders`` (what came with the call) are applied and this
+        stage's reduction is over (what reads or changes gradients waits for it), counting it as come ``how``."""
+        for rider in riders:
+            try:
+                self.ride(rider)
+            except BaseException as exc:
+                exc.add_note(f"{self.describe_rider(rider)} of pipeline '{self.key}' before {method}")
+                raise
+        self.averages.settle()
+        self.calls[f"{method} {how}"] += 1
+        return getattr(self.host, method)(*args)
+
     @staticmethod
     def describe_rider(rider: tuple[Any, ...]) -> str:
         """What ``rider`` was doing, for its error."""

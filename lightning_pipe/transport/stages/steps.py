@@ -47,14 +47,12 @@ from lightning_pipe.transport.wire.messages import (
     Failure,
     Slot,
     StepSpec,
-    riding,
-    rode,
-    settle_commits,
     tensors_in,
     to_concurrent,
     where,
     with_location,
 )
+from lightning_pipe.transport.wire.riders import Rider, riding, rode, settle_commits
 
 __all__: list[str] = []
 
@@ -135,17 +133,14 @@ def commit(runner: StageRunner, peer: str, process: int, run: int, scale: float)
     return _Commit(runner, peer, process, run)
 
 
-class Riding:
+class Riding(Rider):
     """A step's commit (run ``run``'s gradients made aside, times ``scale``) to process ``peer`` (``process``), whose
-    plane carries its steps, not sent yet: it goes with the next message to that process, its next step or an RPC
-    to its host (:func:`~lightning_pipe.transport.wire.messages.riding`), which applies it before anything else and
-    answers for it; no message and no answer of its own. Where something else needs it done first
-    (:func:`~lightning_pipe.transport.wire.messages.settle_commits`), :meth:`result` sends it alone and waits."""
+    plane carries its steps, not sent yet (a :class:`~lightning_pipe.transport.wire.riders.Rider`): it goes with the
+    next message to that process, its next step or a call of its host; no message and no answer of its own. Sent
+    alone, on the plane (or by RPC where the plane no longer carries it)."""
 
     def __init__(self, runner: StageRunner, peer: str, process: int, run: int, scale: float) -> None:
         self.runner, self.peer, self.process, self.run, self.scale = runner, peer, process, run, scale
-        self.unsent = True  # False once it went, alone or with another message
-        self._sent: Any = None
 
     @property
     def rider(self) -> tuple[Any, ...]:
@@ -157,17 +152,12 @@ class Riding:
         """Whether the next step cannot overtake it: not sent yet (it goes with that step), or sent on the plane."""
         return self._sent is None or isinstance(self._sent, _Commit)
 
-    def result(self) -> None:
-        """Send it alone, unless it went already, and wait for its answer; raise its error, located."""
-        if self._sent is None:
-            if not self.unsent:
-                return  # it went with another message, which answered for it
-            self.unsent = False
-            runner = self.runner
-            self._sent = commit(runner, self.peer, self.process, self.run, self.scale) or commit_by_rpc(
-                runner, self.peer, self.run, self.scale,
-                lambda: f"committing the gradients of pipeline '{runner.key}' in {where(self.peer)}")
-        self._sent.result()
+    def send_alone(self) -> Any:
+        """The commit sent on its own: to the step listener on the plane, else by RPC."""
+        runner = self.runner
+        return commit(runner, self.peer, self.process, self.run, self.scale) or commit_by_rpc(
+            runner, self.peer, self.run, self.scale,
+            lambda: f"committing the gradients of pipeline '{runner.key}' in {where(self.peer)}")
 
 
 def commit_by_rpc(runner: StageRunner, peer: str, run: int, scale: float, describe: Callable[[], str]
@@ -323,15 +313,7 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
     if step[0] == "call":
         _, token, process, method, args, riders = step
         try:
-            for rider in riders:
-                try:
-                    runner.ride(rider)
-                except BaseException as exc:
-                    exc.add_note(f"{runner.describe_rider(rider)} of pipeline '{runner.key}' before {method}")
-                    raise
-            runner.averages.settle()  # what reads or changes gradients waits for this stage's reduction
-            runner.calls[f"{method} on the plane"] += 1
-            value = getattr(runner.host, method)(*args)
+            value = runner.call_host(method, args, riders, "on the plane")
         except BaseException as exc:  # noqa: BLE001 - it travels to the driver
             value = Failure(exc)
         runner.send_to(runner.n, answer_slot(runner.key, token, process, 2), value)

@@ -11,12 +11,11 @@ back as a value (:class:`Failure`) with its type, message, notes and the remote 
 from __future__ import annotations
 
 import collections
-import contextlib
 import pickle
 import threading
 import time
 import traceback
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -140,67 +139,6 @@ def no_input(describe: Callable[[], str], timeout: float) -> TimeoutError:
 # time.monotonic() of that sign of life. An entry exists while the driver waits for that step.
 PROGRESS: dict[tuple[str, int], float] = {}
 PROGRESS_LOCK = threading.Lock()
-
-
-# Commits of a step's gradients sent to other processes and not yet known to be done, per pipeline key: a
-# driver does not wait for them in ``loss.backward()``; whatever it asks of those processes next for the
-# pipeline waits for them first (RPCs to one process are not ordered), and raises their error, located.
-_COMMITS: dict[str, list[Future[Any]]] = {}
-
-
-def defer_commits(key: str, futures: Sequence[Future[Any]]) -> None:
-    """Remember ``futures`` (commits in flight to pipeline ``key``'s other processes) until :func:`settle_commits`."""
-    _COMMITS.setdefault(key, []).extend(futures)
-
-
-def settle_commits(key: str, before_steps: bool = False, peer: str | None = None) -> None:
-    """Wait for the commits in flight to pipeline ``key``'s other processes; raise the first one's error. One not
-    sent yet (see :func:`riding`) is sent now, alone. ``before_steps``: leave those that the next step cannot
-    overtake (sent on the data plane to the process's step listener, which runs them in order, or waiting to go with
-    that step), to be settled once that step is done. ``peer``: only the commits to that process (and those whose
-    process is not known)."""
-    kept: list[Any] = []
-    due: list[Any] = []
-    for commit in _COMMITS.pop(key, []):
-        later = (before_steps and getattr(commit, "before_steps", False)) or \
-            (peer is not None and getattr(commit, "peer", peer) != peer)
-        (kept if later else due).append(commit)
-    if kept:
-        _COMMITS[key] = kept
-    for commit in due:
-        commit.result()
-
-
-def riding(key: str, peer: str) -> list[Any]:
-    """The commits to process ``peer`` of pipeline ``key`` not sent yet: those :func:`defer_commits` got whose
-    ``unsent`` is true, for the caller to send with its next message to that process, which applies them before
-    anything else and answers for them (see :func:`rode`)."""
-    return [c for c in _COMMITS.get(key, ()) if getattr(c, "peer", None) == peer and getattr(c, "unsent", False)]
-
-
-def rode(key: str, commits: Sequence[Any]) -> None:
-    """Forget ``commits`` (from :func:`riding`): they went with a message whose answer reports their errors."""
-    _COMMITS[key] = [c for c in _COMMITS.get(key, []) if not any(c is r for r in commits)]
-    for commit in commits:
-        commit.unsent = False
-
-
-@contextlib.contextmanager
-def riding_along(key: str, peer: str) -> Iterator[list[tuple[Any, ...]]]:
-    """The commits to process ``peer`` of pipeline ``key`` not sent yet (each its ``rider``: ``("commit", run, scale)``
-    or ``("call", method, args)``), for the message the caller sends it inside, which applies them first, in order,
-    and answers for them; kept for the next message where sending raises. The commits in flight to ``peer`` are
-    waited for before."""
-    commits = riding(key, peer)
-    rode(key, commits)
-    try:
-        settle_commits(key, peer=peer)
-        yield [c.rider for c in commits]
-    except BaseException:
-        for commit in commits:
-            commit.unsent = True
-        defer_commits(key, commits)
-        raise
 
 
 def note_alive(key: str, run: int) -> None:
