@@ -81,25 +81,25 @@ def _record(key: str, on: bool) -> list[Event]:
 
 
 def their_schedule(name: str, rank: int, world: int, v: int, times: tuple[float, float, float], chunks: int
-                   ) -> Any:
+                   ) -> tuple[Any, bool, bool] | None:
     """Pipelining's ``name`` over this process's stages of the same placement as ours (their loss on the last
-    stage), or None where it has no such schedule."""
+    stage), and whether they include the first and the last stage; None where it has no such schedule."""
     import torch.distributed.pipelining as pipelining
 
     if name not in THEIRS:
         return None
-    placement, n = placement_of(name, world, v), world * v
-    mine = [s for s in range(n) if (placement[s] if placement else s % world) == rank]
+    n, mine = world * v, schedule_plan(name, chunks, world, v).stages_of(rank)
     stages = [pipelining.PipelineStage(nn.Sequential(SleepLayer(*times)), s, n, torch.device("cpu")) for s in mine]
-    return getattr(pipelining, THEIRS[name])(stages if v > 1 else stages[0], chunks, loss_fn=mse)
+    schedule = getattr(pipelining, THEIRS[name])(stages if v > 1 else stages[0], chunks, loss_fn=mse)
+    return schedule, 0 in mine, n - 1 in mine
 
 
-def _their_step(schedule: Any, name: str, rank: int, world: int, v: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """One step of pipelining's ``schedule`` in this process, ended with every process's (a barrier)."""
-    placement, n = placement_of(name, world, v), world * v
-    holds = lambda s: (placement[s] if placement else s % world) == rank  # noqa: E731
-    kwargs = {"target": y, "losses": []} if holds(n - 1) else {}
-    if holds(0):
+def _their_step(theirs: tuple[Any, bool, bool], x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of pipelining's schedule (:func:`their_schedule`) in this process, ended with every process's (a
+    barrier)."""
+    schedule, first, last = theirs
+    kwargs = {"target": y, "losses": []} if last else {}
+    if first:
         schedule.step(x, **kwargs)
     else:
         schedule.step(**kwargs)
@@ -126,7 +126,7 @@ def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
         x, y = torch.randn(args.chunks, 4), torch.randn(args.chunks, 4)
         if pipeline is None:  # this process serves its stages until the driver is done, and runs theirs
             for _ in range(args.steps + 1 if theirs is not None else 0):
-                _their_step(theirs, name, rank, world, v, x, y)
+                _their_step(theirs, x, y)
             continue
 
         def step(name: str = name, pipeline: Any = pipeline, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
@@ -135,7 +135,7 @@ def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
 
         step()  # warm-up: threads and connections
         if theirs is not None:
-            _their_step(theirs, name, rank, world, v, x, y)
+            _their_step(theirs, x, y)
         for peer in peers:
             rpc.rpc_sync(peer, _record, args=(key, True))
         walls, their_walls, spans = [], [], []
@@ -146,7 +146,7 @@ def _job(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
             spans.append((began, time.time()))
             if theirs is not None:
                 start = time.perf_counter()
-                _their_step(theirs, name, rank, world, v, x, y)
+                _their_step(theirs, x, y)
                 their_walls.append(time.perf_counter() - start)
         events = [e for peer in peers for e in rpc.rpc_sync(peer, _record, args=(key, False))]
         results[name] = (walls, events, their_walls, spans)
