@@ -98,6 +98,23 @@ def test_16_mixed_with_micro_batches_is_within_half_precision_rounding(tmp_path)
     assert_same_weights(actual, expected, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_point_to_point_hands_gpu_tensors_off_over_nccl_where_each_process_has_a_gpu(schedule, tmp_path):
+    """``data_plane="p2p"`` between GPU stages: each hand-off's message on the plane, its CUDA tensors after it over
+    NCCL (a group per direction between two processes), where each process has a GPU of its own; processes sharing
+    a GPU (NCCL refuses them) hand off by RPC, GPU to GPU, with a warning. One GPU's weights either way."""
+    config = {"accelerator": "gpu", "data_plane": "p2p", "schedule": schedule,
+              "last_stage_loss": schedule == "1f1b"}
+    actual = pipe_weights(config, tmp_path / "pipe")
+    assert_same_weights(actual, plain_weights(config, tmp_path / "plain"))
+    planes = json.loads((tmp_path / "pipe" / "plane_replica0.json").read_text())
+    if torch.cuda.device_count() < 2:
+        assert planes == [None, None], planes
+        return
+    for plane in planes:
+        assert plane["links"].endswith("tensors over nccl") and plane["sent"] > 0, planes
+
+
 def test_stages_split_over_tensor_ranks_on_gpus_train_one_gpus_weights(tmp_path):
     """2 stages x 2 tensor ranks on GPUs, built on the meta device (each layer materialised on its GPU and split
     before the next is made), AdamW clipped by the global norm: one GPU's weights. With 4 GPUs or more the tensor

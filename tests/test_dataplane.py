@@ -21,7 +21,6 @@ from torch import nn
 
 from lightning_pipe.engine import pipeline_loss, run_pipeline
 from lightning_pipe.transport import pipeline_over_rpc
-from lightning_pipe.transport.stages.rendezvous import connect
 from lightning_pipe.transport.wire.codec import DATA, Unsuitable, decode, encode, header
 from lightning_pipe.transport.wire.dataplane import AUTO_MAX_BYTES
 
@@ -137,15 +136,15 @@ def test_a_send_racing_close_is_delivered_and_every_sends_future_completes(monke
     sender, receiver = _two_planes("racing-close")
     slots = [Slot("racing-close", 0, "F", i, 1, 0) for i in range(5)]
     reached, released = threading.Event(), threading.Event()
-    real = dataplane.encode
+    real = dataplane.encode_beside
 
-    def encode(kind, slot, payload, **kwargs):
+    def encode(kind, slot, payload, *args, **kwargs):
         if slot == slots[3]:  # checked that the plane carries it, not started yet: the close comes now
             reached.set()
             assert released.wait(10)
-        return real(kind, slot, payload, **kwargs)
+        return real(kind, slot, payload, *args, **kwargs)
 
-    monkeypatch.setattr(dataplane, "encode", encode)
+    monkeypatch.setattr(dataplane, "encode_beside", encode)
     futures, refused = [], []
 
     def send_all() -> None:
@@ -267,14 +266,6 @@ def test_an_unknown_data_plane_is_refused_naming_the_choices():
 
     with pytest.raises(ValueError, match=r"data_plane must be one of 'auto', 'p2p', 'rpc' \(got: 'nccl'\)"):
         PipeStrategy(balance=[1, 1], data_plane="nccl")
-
-
-def test_point_to_point_for_gpu_stages_is_refused_saying_what_to_use():
-    runner = SimpleNamespace(key="k", stage=SimpleNamespace(device=torch.device("cuda", 0)))
-    with pytest.raises(ValueError, match="data_plane='p2p' carries CPU tensors.*use data_plane='auto' or 'rpc'"):
-        connect(runner, ["worker0", "worker1"], "p2p")
-    connect(runner, ["worker0", "worker1"], "auto")  # GPU to GPU by RPC: no plane, nothing refused
-    assert not hasattr(runner, "plane")
 
 
 # ---------------------------------------------------------------------- through processes

@@ -104,8 +104,9 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         hybrid_shard_size: ``'HYBRID_SHARD'``: replicas per shard group (None: those on one node).
         data_plane: how stages hand each other activations and gradients: ``'auto'`` (point-to-point over gloo
             for CPU stages, each hand-off one message into a receive posted ahead; by RPC above 1.5 MiB and
-            between GPUs, where RPC sends from GPU to GPU), ``'p2p'`` (point-to-point whatever the size; CPU
-            stages) or ``'rpc'`` (every hand-off by RPC); see ``docs/design.md``, "The data plane".
+            between GPUs, where RPC sends from GPU to GPU), ``'p2p'`` (point-to-point whatever the size; between GPU
+            stages the tensors after their message over NCCL, each process on a GPU of its own) or ``'rpc'`` (every
+            hand-off by RPC); see ``docs/design.md``, "The data plane".
         tensor_parallel_size: how many processes split each stage by tensor parallel (``t``; devices x nodes =
             stages x t x replicas, the t processes of a stage consecutive: one node). Each stage's layers are split
             by torch's tensor parallel (DTensor) over them; activations go between the matching tensor ranks of

@@ -70,7 +70,7 @@ def wait_registered(peers: Sequence[str], key: str, timeout: float) -> None:
 
 def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], names: Sequence[str], *,
                       device: torch.device | str = "cpu", timeout: float = 60.0,
-                      virtual_stages: int = 1, data_plane: str = "auto",
+                      virtual_stages: int = 1, data_plane: str = "auto", lane: str | None = None,
                       placement: Sequence[int] = ()) -> RemotePipeline | None:
     """Split ``module`` by ``balance`` across the processes ``names``: stage ``s`` in process
     ``names[s % len(names)]`` (``len(balance) == len(names) * virtual_stages``), or ``names[placement[s]]`` (a V).
@@ -80,7 +80,8 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
     :func:`~lightning_pipe.engine.autograd.pipeline_loss` once every stage is ready; elsewhere it hosts this
     process's stages and returns None (RPC threads serve them until ``rpc.shutdown``). This is what
     ``PipeStrategy`` does for Lightning, without Lightning. ``data_plane``: how tensors go from process to
-    process (:data:`~lightning_pipe.transport.wire.dataplane.DATA_PLANES`).
+    process (:data:`~lightning_pipe.transport.wire.dataplane.DATA_PLANES`); ``lane``: its tensors beside the messages
+    (:func:`~lightning_pipe.transport.stages.rendezvous.connect`).
     """
     me = rpc.get_worker_info().name
     if me not in names:
@@ -105,7 +106,7 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
         return None
     pipeline = RemotePipeline(runner, processes=p, placement=tuple(placement))
     wait_registered(list(names[1:]), key, timeout)
-    connect(runner, list(names), data_plane)
+    connect(runner, list(names), data_plane, lane)
     return pipeline
 
 

@@ -14,6 +14,10 @@ for every object (several times longer).
 
 Control messages (a receive grown, a run aborted, a channel closed, a payload sent by RPC instead, a sign of
 life) are a header alone, or a header and a slot; a step's actions travel as a payload.
+
+Where the plane has a lane for the stage's device (:mod:`~lightning_pipe.transport.wire.lane`: CUDA tensors over
+NCCL), the payload's tensors on that device are not copied into the message: their places say so (offset -1, their
+dtype and shape), and they follow the message on the lane, in order (:func:`encode_beside`, ``decode(receive=)``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy
@@ -40,8 +45,9 @@ _ALIGN = 64
 DATA, GROW, ABORT, CLOSE, BY_RPC, STEP, ALIVE = 1, 2, 3, 4, 5, 6, 7
 
 
-#: The value (fourth field) of a payload's message whose skeleton has holes for its tensors (see the module).
-_HOLLOW = 1
+#: The value (fourth field) of a payload's message whose skeleton has holes for its tensors (see the module); of one
+#: whose tensors on the lane's device follow it on the lane (:func:`encode_beside`).
+_HOLLOW, BESIDE = 1, 2
 _HOLE = b"\x00tensor"  # a hole's mark: a payload holding bytes of its own is pickled the other way
 _PLAIN = frozenset((bool, int, float, str, type(None)))
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -67,17 +73,20 @@ def _suitable(tensor: Tensor) -> None:
         raise Unsuitable  # RPC does what it always did with it
 
 
-def _hollow(value: Any, tensors: list[Tensor]) -> Any:
-    """``value`` with a hole for each of its tensors, which go into ``tensors`` in order."""
+def _hollow(value: Any, tensors: list[Tensor], lane: torch.device | None = None) -> Any:
+    """``value`` with a hole for each of its tensors, which go into ``tensors`` in order (those on ``lane`` too)."""
     kind = type(value)
     if kind is Tensor:
-        _suitable(value)
+        if lane is None or value.device != lane:
+            _suitable(value)
+        elif value.layout != torch.strided or value.is_quantized or value.requires_grad:
+            raise Unsuitable
         if value.dtype not in _CODE:
             raise _Other
         tensors.append(value)
         return _HOLE
     if kind is tuple or kind is list:
-        return kind([_hollow(item, tensors) for item in value])
+        return kind([_hollow(item, tensors, lane) for item in value])
     if kind is Slot:  # bundled items' slots: a plain tuple on the wire (equal to it as a mailbox key)
         return tuple(value)
     if kind in _PLAIN:
@@ -136,18 +145,32 @@ def _view(raw: numpy.ndarray, offset: int, dtype: torch.dtype, shape: tuple[int,
 def encode(kind: int, slot: Slot, payload: Any = None, plain: int = 0) -> Tensor:
     """``(slot, payload)`` as one message (a uint8 tensor); raises :class:`Unsuitable` for what goes by RPC.
     ``plain``: the first so many items of the tuple ``payload`` hold no tensor (not looked through)."""
+    return encode_beside(kind, slot, payload, None, plain)[0]
+
+
+def encode_beside(kind: int, slot: Slot, payload: Any, lane: torch.device | None, plain: int = 0
+                  ) -> tuple[Tensor, list[Tensor]]:
+    """As :func:`encode`, the payload's tensors on device ``lane`` left out of the message: they are returned to
+    be sent after it on the lane, in order (the receiver's :func:`decode` takes them as it meets their places)."""
     tensors: list[Tensor] = []
     try:
-        hollow = (*payload[:plain], *_hollow(payload[plain:], tensors)) if plain else _hollow(payload, tensors)
+        hollow = (*payload[:plain], *_hollow(payload[plain:], tensors, lane)) if plain \
+            else _hollow(payload, tensors, lane)
     except _Other:
-        return _encode_pickled(kind, slot, payload)
+        return _encode_pickled(kind, slot, payload), []
     places = []
     data = HEADER
+    beside, inside = [], []
     for tensor in tensors:
+        if lane is not None and tensor.device == lane:
+            places.append((-1, _CODE[tensor.dtype], tuple(tensor.shape)))
+            beside.append(tensor)
+            continue
         places.append((data, _CODE[tensor.dtype], tuple(tensor.shape)))
+        inside.append((tensor, data))
         data += (tensor.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     skeleton = pickle.dumps((tuple(slot), hollow, places, plain), protocol=pickle.HIGHEST_PROTOCOL)
-    return _message(kind, _HOLLOW, data, skeleton, zip(tensors, (offset for offset, _, _ in places)))
+    return _message(kind, BESIDE if beside else _HOLLOW, data, skeleton, inside), beside
 
 
 def _encode_pickled(kind: int, slot: Slot, payload: Any) -> Tensor:
@@ -190,22 +213,26 @@ def header(buffer: Tensor) -> tuple[int, int]:
     return kind, value
 
 
-def decode(buffer: Tensor) -> tuple[Slot, Any]:
+def decode(buffer: Tensor, receive: Callable[[torch.dtype, tuple[int, ...]], Tensor] | None = None
+           ) -> tuple[Slot, Any]:
     """The ``(slot, payload)`` of the message in ``buffer``; its tensors are views of ``buffer`` (of a copy of
     the used part where that is less than half the buffer, so that a large receive is not held by a small
-    message)."""
+    message), those that follow it on the lane ``receive(dtype, shape)``'s, taken in order."""
     raw = buffer.numpy()
     _, length, data, value = _HEAD.unpack_from(raw)
     if length * 2 < len(buffer):
         raw = raw[:length].copy()
-    if value != _HOLLOW:
+    if value != _HOLLOW and value != BESIDE:
         slot, payload = _Decoder(io.BytesIO(raw[data:length].tobytes()), raw).load()
         return Slot._make(slot), payload
     slot, hollow, places, plain = pickle.loads(raw[data:length])
     slot = Slot._make(slot)
     if not places:
         return slot, hollow
-    views = iter([_view(raw, offset, _DTYPES[code], shape) for offset, code, shape in places])
+    if value == BESIDE and receive is None:
+        raise ValueError("a message whose tensors follow it on a lane, decoded without the lane")
+    views = iter([_view(raw, offset, _DTYPES[code], shape) if offset >= 0 else receive(_DTYPES[code], shape)
+                  for offset, code, shape in places])
     if plain:  # the items before ``plain`` have no holes: not looked through (a step's actions)
         return slot, (*hollow[:plain], *_fill(hollow[plain:], views))
     return slot, _fill(hollow, views)

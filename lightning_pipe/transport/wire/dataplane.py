@@ -15,7 +15,8 @@ place tells the receiver to look in the mailbox. A failed run sends ``ABORT`` on
 A receive must be at least as large as what arrives (gloo aborts the process otherwise), so each sender mirrors the
 capacities of the receives posted for it: a message larger than the next one is preceded by ``GROW`` messages, one for
 each smaller receive still posted, after which the receiver posts at the new size. On one machine, rings in shared
-memory (:mod:`~lightning_pipe.transport.wire.shm`) take gloo's place, all else unchanged."""
+memory (:mod:`~lightning_pipe.transport.wire.shm`) take gloo's place, all else unchanged. Tensors on a GPU follow their
+message on a lane of their own (:mod:`~lightning_pipe.transport.wire.lane`, NCCL) where the plane has one."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import numpy
 import torch
 from torch import Tensor
 
@@ -44,9 +44,11 @@ from lightning_pipe.transport.wire.codec import (
     control,
     decode,
     encode,
-    header,
+    encode_beside,
 )
+from lightning_pipe.transport.wire.lane import TensorLane
 from lightning_pipe.transport.wire.messages import MAILBOX, Slot, no_input, note_alive, where, with_location
+from lightning_pipe.transport.wire.posted import START, Channel
 from lightning_pipe.transport.wire.shm import SharedMemoryLinks
 
 __all__ = ["AUTO_MAX_BYTES", "DATA_PLANES", "DataPlane"]
@@ -57,44 +59,12 @@ DATA_PLANES = ("auto", "p2p", "rpc")
 #: Above this many bytes a message goes by RPC under ``"auto"`` (``benchmarks/bench_handoff.py``, over gloo: 0.42x RPC's
 #: time at 16 KiB, 1.08x at 2 MiB, 1.30-1.47x at 4 MiB, where TensorPipe moves large messages faster than loopback TCP).
 AUTO_MAX_BYTES = 3 << 19  # 1.5 MiB
-_START = 64 << 10  # every channel's first capacity
 #: The kind (third field) of the slot of a message holding several ``(slot, payload)`` items (``send_many``).
 BUNDLE = "bundle"
 #: The kind of the slot of a process's answer to a step (:mod:`~lightning_pipe.transport.stages.steps`): not a hand-off.
 ANSWER = "A"
 _SHARED = 0.005  # s: how often a wait for a channel another thread receives on looks in the mailbox again
 _IDLE = 365 * 86400.0  # s: how long the step listener waits for a step (a gloo wait that times out closes its pair)
-
-
-class _Channel:
-    """The messages from one peer: the receives posted for them, in order, and the capacity of the next."""
-
-    def __init__(self, group: Any, peer: int, depth: int) -> None:
-        self.group = group
-        self.peer = peer
-        self.capacity = _START
-        self.posted: collections.deque[tuple[Any, Tensor]] = collections.deque()
-        self.lock = threading.Lock()
-        self.error: str | None = None  # why it carries no more (the peer closed it, a wait failed)
-        for _ in range(depth - 1):
-            self._post()
-
-    def _post(self) -> None:
-        buffer = torch.from_numpy(numpy.empty(self.capacity, dtype=numpy.uint8))  # one call into torch, not two
-        self.posted.append((self.group.recv([buffer], self.peer, 0), buffer))
-
-    def receive(self, timeout: float, idle: bool = False) -> tuple[int, int, Tensor]:
-        """The next message (kind, value, buffer); ``idle``: none due soon. A receive is posted first, at the capacity
-        of now (``depth`` are then posted), so that posting costs nothing while the message is awaited."""
-        self._post()
-        work, buffer = self.posted.popleft()
-        if idle and hasattr(work, "awake"):
-            work.awake = False  # a ring's reader sleeps at once: no message is due soon (gloo's works: nothing)
-        work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
-        kind, value = header(buffer)
-        if kind == GROW:
-            self.capacity = value
-        return kind, value, buffer
 
 
 def _complete(sent: Future[Any], error: BaseException | None) -> None:
@@ -113,7 +83,7 @@ class DataPlane:
     Sends complete when :meth:`flush` waits for them (the end of a process's share of a step)."""
 
     def __init__(self, key: str, groups: Sequence[Any], rank: int, names: Sequence[str], timeout: float,
-                 max_bytes: int | None, depth: int = 8) -> None:
+                 max_bytes: int | None, depth: int = 8, lane: TensorLane | None = None) -> None:
         self.key = key
         self.group = groups[rank]  # what this process sends goes through its own group
         self.rank = rank
@@ -125,11 +95,14 @@ class DataPlane:
         self.closed = False
         self.sent = self.received = 0  # hand-offs (data messages but the answers to steps), for tests and benchmarks
         self.links = "shared memory" if isinstance(self.group, SharedMemoryLinks) else "gloo"  # what carries them
-        self._channels = {peer: _Channel(groups[peer], peer, depth) for peer in range(len(self.names)) if peer != rank}
+        # Where tensors on the stage's device go (beside their message), if anywhere; that device.
+        self.lane, self._beside = lane, (lane.device if lane is not None else None)
+        self.links += f", tensors over {lane.backend}" if lane is not None else ""
+        self._channels = {p: Channel(groups[p], p, depth, lane) for p in range(len(self.names)) if p != rank}
         # Per peer, the capacities of the receives it has posted for this process's messages, in order; it posts
-        # one more, at its capacity then, as it starts waiting for each message (see ``_Channel.receive``).
-        self._posted = {peer: collections.deque([_START] * (depth - 1)) for peer in self._channels}
-        self._capacity = dict.fromkeys(self._channels, _START)
+        # one more, at its capacity then, as it starts waiting for each message (see ``Channel.receive``).
+        self._posted = {peer: collections.deque([START] * (depth - 1)) for peer in self._channels}
+        self._capacity = dict.fromkeys(self._channels, START)
         self._lock = threading.Lock()
         # Sends in flight as (work, future, describe, peer, order), and those only kept alive (control messages,
         # those of failed runs: gloo drops a send whose work is freed) as (peer, order, work). ``order`` counts
@@ -156,13 +129,13 @@ class DataPlane:
         if not self.carries(name):
             return None
         try:
-            message = encode(DATA, slot, payload)
+            message, beside = encode_beside(DATA, slot, payload, self._beside)
         except Unsuitable:
             return None
         if self.max_bytes is not None and len(message) > self.max_bytes:
             return None
         describe = describe or (lambda: f"sending to {where(name)}")
-        started, sent = self._send(self._rank_of[name], message, None, describe, True)
+        started, sent = self._send(self._rank_of[name], message, None, describe, True, beside)
         self.sent += started and slot.kind != ANSWER
         return sent
 
@@ -174,13 +147,14 @@ class DataPlane:
         if not self.carries(name):
             return False
         try:
-            message = encode(STEP, Slot(self.key, run, "S", 0, 0, "step"), step, plain=4)
+            message, beside = encode_beside(STEP, Slot(self.key, run, "S", 0, 0, "step"), step, self._beside, 4)
         except Exception:  # noqa: BLE001 - what RPC carries, or refuses with its own error
             return False
         if self.max_bytes is not None and len(message) > self.max_bytes:
             return False
         sent: Future[Any] = Future()
-        started, _ = self._send(self._rank_of[name], message, sent, lambda: f"sending a step to {where(name)}")
+        started, _ = self._send(self._rank_of[name], message, sent, lambda: f"sending a step to {where(name)}",
+                                beside=beside)
         return started and not (sent.done() and sent.exception() is not None)
 
     def alive(self, name: str, run: int) -> bool:
@@ -205,9 +179,9 @@ class DataPlane:
                 self._send(peer, control(ABORT, run), None, lambda: "")
 
     def _send(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str],
-              batch: bool = False) -> tuple[bool, Future[Any] | None]:
-        """Start ``message`` (``GROW`` first where it needs a larger receive); whether it started (not once the plane
-        is closed: nothing follows ``CLOSE`` on a channel, a send racing :meth:`close` goes by RPC), and its future."""
+              batch: bool = False, beside: Sequence[Tensor] = ()) -> tuple[bool, Future[Any] | None]:
+        """Start ``message`` (``GROW`` first where a receive is too small), then its tensors ``beside`` on the lane;
+        whether it started (not once closed: nothing follows ``CLOSE``, a send racing it goes by RPC), its future."""
         with self._lock:
             if self.closed:
                 return False, None
@@ -219,10 +193,13 @@ class DataPlane:
                 while len(message) > (posted[0] if posted else self._capacity[peer]):
                     self._start(peer, control(GROW, grown), None, describe)  # one per smaller receive
                     self._capacity[peer] = grown
-            self._start(peer, message, sent, describe)
+            if self._start(peer, message, sent, describe) and beside and sent is not None and self.lane is not None:
+                for work in self.lane.send(peer, beside):  # in the lane's order of messages: under this lock
+                    self._order += 1  # (``~peer``: the lane to ``peer``, whose sends complete in order too)
+                    self._pending.append((work, sent, describe, ~peer, self._order))
         return True, sent
 
-    def _start(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str]) -> None:
+    def _start(self, peer: int, message: Tensor, sent: Future[Any] | None, describe: Callable[[], str]) -> bool:
         """Send ``message`` to ``peer``; a data message's send completes ``sent`` at :meth:`flush`, a control
         message's (``sent`` None) is only kept alive: its receiver may not read that channel for a long time (a
         stage's channel from the next stage during forwards), and no share waits for it."""
@@ -237,11 +214,12 @@ class DataPlane:
             self._channels[peer].error = f"sending failed: {exc}"
             if sent is not None:
                 _complete(sent, with_location(exc, describe))
-            return
+            return False
         if sent is None:
             self._lingering.append((peer, self._order, work))
         else:
             self._pending.append((work, sent, describe, peer, self._order))
+        return True
 
     def flush(self, failed: bool = False) -> None:
         """Wait until every send started so far is done with (its receive posted and filled) and complete
@@ -325,7 +303,7 @@ class DataPlane:
         ``(key, run)``; anything else is put where it belongs (a payload into the mailbox, a step's actions aside
         for the listener) and ``(None, None)`` returned."""
         if kind == DATA:
-            got, payload = decode(buffer)
+            got, payload = buffer if type(buffer) is tuple else decode(buffer)
             self.received += got[2] != ANSWER
             if got == slot:
                 return got, payload
@@ -335,7 +313,7 @@ class DataPlane:
             else:
                 MAILBOX.put(got, payload)
         elif kind == STEP:
-            self._steps.append(decode(buffer)[1])
+            self._steps.append((buffer if type(buffer) is tuple else decode(buffer))[1])
         elif kind == BY_RPC:
             got, _ = decode(buffer)
             if got == slot:
