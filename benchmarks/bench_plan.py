@@ -11,7 +11,8 @@ schedule, recomputation on and off. Each layout runs as jobs of ``--steps`` step
 so the peaks are what the processes hold, not what glibc's heap keeps; at 1 MiB, the LM's 4-process layouts, whose
 micro-batches' tensors are 512 KiB, measured 15% above what they held), then for its step (glibc's default: as a
 user runs it; the median over the steps after ``--warmup``; ``--repeats`` runs of each 2-process layout, the median
-of theirs); every replica's driver reports the peak resident
+of theirs, taken in rounds: every layout once, then every 2-process layout again, so that a slow minute of the
+machine falls on one run of several layouts, not on every run of one); every replica's driver reports the peak resident
 memory (``VmHWM``) of each process of its pipeline, above what the process held as it
 joined its session (``memory_per_process()``'s ``base``: torch and Lightning imported, no stage yet). The prediction
 is made here, in this process, from the body
@@ -378,6 +379,7 @@ def main() -> None:
         scale = speeds[devices] / min(run["speeds"])
         return [step * scale for step in run["steps"]][args.warmup:]
 
+    planned_runs: dict[int, dict[str, Any]] = {}  # per grid index: its layout, prediction, memory and step runs
     for index, layout in zip(indices, grid):
         p, v, t, d, sharding, m, schedule, checkpoint = layout
         devices = p * t * d
@@ -390,11 +392,25 @@ def main() -> None:
             torch.set_num_threads(cores)
         balance = balance_of(args, layout, profiles[devices])
         mine = Layout(p, v, tuple(balance), t, d, sharding, m, schedule, checkpoint)
-        predicted = planned(devices, lambda lay, mine=mine: lay == mine, balance, t > 1).chosen
         start = time.perf_counter()
-        reports = measure(args, index, layout, balance, memory=True)
-        runs = [measure(args, index, layout, balance, memory=False)
-                for _ in range(args.repeats if devices == 2 else 1)]
+        planned_runs[index] = {
+            "mine": mine, "balance": balance, "devices": devices,
+            "predicted": planned(devices, lambda lay, mine=mine: lay == mine, balance, t > 1).chosen,
+            "reports": measure(args, index, layout, balance, memory=True),
+            "runs": [measure(args, index, layout, balance, memory=False)]}
+        print(f"[{index:2}] {mine}: memory and a first step measured ({time.perf_counter() - start:.0f} s)", flush=True)
+    for round_ in range(1, args.repeats):  # the 2-process layouts again, in rounds
+        for index, layout in zip(indices, grid):
+            if planned_runs[index]["devices"] == 2:
+                planned_runs[index]["runs"].append(measure(args, index, layout, planned_runs[index]["balance"],
+                                                           memory=False))
+        print(f"round {round_ + 1} of {args.repeats} measured", flush=True)
+    print()
+    for index, layout in zip(indices, grid):
+        p, v, t, d, sharding, m, schedule, checkpoint = layout
+        record = planned_runs[index]
+        mine, devices, predicted, reports, runs = (record[k] for k in ("mine", "devices", "predicted", "reports",
+                                                                         "runs"))
         measured = [q for r in reports for q in r["held"]]
         # Each replica's pipeline, per process (every tensor rank of a process reports apart: its own process).
         per_process = [mem.total for mem in predicted.memory]
@@ -416,12 +432,14 @@ def main() -> None:
             errors_raw.append(abs(predicted.step - raw) / raw)
             if d == 1:  # the choice among layouts of the same work per step (a replica more trains twice the rows)
                 measured_two[mine] = step
-        print(f"[{index:2}] {mine} ({time.perf_counter() - start:.0f} s)\n     peak predicted "
+        each = ", ".join(f"{statistics.median(s for r in timed for s in at_prediction_speed(r, devices)) * 1e3:.1f}"
+                         for timed in runs)
+        print(f"[{index:2}] {mine}\n     peak predicted "
               f"{' '.join(format_bytes(x) for x in per_process)}; measured "
               f"{' '.join(format_bytes(x) for x in measured)}"
               f"; largest error {max(errors):.1%}\n     step predicted {predicted.step * 1e3:.1f} ms, measured "
               f"{step * 1e3:.1f} ms at the prediction's speed ({abs(predicted.step - step) / step:.1%}; as timed "
-              f"{raw * 1e3:.1f} ms, {abs(predicted.step - raw) / raw:.1%})", flush=True)
+              f"{raw * 1e3:.1f} ms, {abs(predicted.step - raw) / raw:.1%}; each run {each} ms)", flush=True)
     print(f"\nRESULT plan_memory_error_max={max(errors_memory):.3f}")
     if errors_step:
         print(f"RESULT plan_step_error_max={max(errors_step):.3f}")

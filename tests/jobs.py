@@ -177,6 +177,9 @@ GROUPS["2 processes"]["zbv-resume-from-1f1b-epoch-0"] = {
 GROUPS["4 processes"]["rpc-plane-1f1b-2replicas"] = {**GROUPS["4 processes"]["1f1b-2replicas"], "data_plane": "rpc"}
 GROUPS["4 processes"]["p2p-plane-zero-bubble-2replicas"] = {**GROUPS["4 processes"]["zero-bubble-2replicas"],
                                                             "data_plane": "p2p"}
+# The GPU stages' lane (their tensors after each message, over NCCL) as its code runs between CPU stages: over gloo.
+GROUPS["4 processes"]["lane-1f1b-2replicas-clip"] = {**GROUPS["4 processes"]["1f1b-2replicas"], "lane": "gloo",
+                                                     "clip": 0.05}
 
 
 # Hugging Face models as bodies (lightning_pipe.models; tests/scripts/hf_train.py): GPT-2 under GPipe, Llama

@@ -809,11 +809,13 @@ def test_targets_too_large_for_a_step_travel_with_stage_0s_outputs(stages):
 
 # ---------------------------------------------------------------------- through Lightning
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["1f1b-2replicas", "rpc-plane-1f1b-2replicas", "p2p-plane-zero-bubble-2replicas"])
+@pytest.mark.parametrize("name", ["1f1b-2replicas", "rpc-plane-1f1b-2replicas", "p2p-plane-zero-bubble-2replicas",
+                                  "lane-1f1b-2replicas-clip"])
 def test_every_process_of_every_replica_hands_off_over_its_plane_and_trains_the_plain_models_weights(name, jobs,
                                                                                                    tmp_path):
     """2 replicas x 2 stages: over the default plane ("auto") and "p2p" every process of both replicas sends
-    and receives point-to-point; over "rpc" none has a data plane; the plain model's weights every way."""
+    and receives point-to-point; over "rpc" none has a data plane; with a lane (gloo here, NCCL between GPUs) every
+    hand-off's tensors go after its message, clipped by the global norm; the plain model's weights every way."""
     from jobs import config as case_config
     from test_strategy import load, plain_weights
 
@@ -828,4 +830,5 @@ def test_every_process_of_every_replica_hands_off_over_its_plane_and_trains_the_
             else:
                 assert process["sent"] > 0 and process["received"] > 0, planes
                 # One machine: "auto" hands off through shared memory, "p2p" over gloo.
-                assert process["links"] == ("gloo" if config.get("data_plane") == "p2p" else "shared memory"), planes
+                links = "gloo" if config.get("data_plane") == "p2p" else "shared memory"
+                assert process["links"] == links + (", tensors over gloo" if config.get("lane") else ""), planes

@@ -49,7 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "last_stage_loss": False, "predict": False, "build": "eager", "guard": False, "save_initial": False,
     "init": None, "state_dict_type": "full", "ddp": {}, "hook": None, "rare_gate": False,
     "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None, "count_collectives": False,
-    "data_plane": "auto", "start_method": "popen", "mark_processes": False,
+    "data_plane": "auto", "lane": None, "start_method": "popen", "mark_processes": False,
     "init_scale": 2.0**20, "replica_batches": False, "body": "blocks",
     "tensor_parallel_size": 1, "tensor_parallel_plan": None, "record_dtypes": False,
 }
@@ -559,6 +559,11 @@ def trainer_for(config: dict[str, Any], out: str, plain: bool = False) -> pl.Tra
     strategy: Any = config["strategy"]
     devices, shared = placement(config["accelerator"], config["devices"])
     if strategy == "pipe":
+        # "lane": "gloo", the GPU stages' NCCL lane as its code runs between CPU stages (no strategy argument asks).
+        import lightning_pipe.lightning.build as build
+        from lightning_pipe.transport.stages.rendezvous import connect
+
+        build.connect = functools.partial(connect, lane=config["lane"])
         cls = StageOneHook if config["hook"] == "stage-1" else PipeStrategy
         strategy = cls(balance=config["balance"], microbatches=config["microbatches"],
                        checkpoint=config["checkpoint"], pipelined_backward=config["pipelined_backward"],

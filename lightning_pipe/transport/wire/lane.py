@@ -49,10 +49,6 @@ class Sent:
         if self.blocking:
             self.work.wait(timeout)
 
-    def is_completed(self) -> bool:
-        """Whether the send is done."""
-        return bool(self.work.is_completed())
-
 
 class TensorLane:
     """This process's lanes to and from every other process of a data plane, over ``backend``: ``outgoing[p]``
@@ -65,7 +61,7 @@ class TensorLane:
         self.backend = backend
         self.device = device
         self.timeout = timeout
-        self.blocking = device.type == "cpu"  # gloo's waits block; a CUDA wait orders the caller's stream
+        self.blocking = backend == "gloo"  # gloo's waits block the host; NCCL's order the caller's stream
         self.sent = 0  # tensors sent (under the plane's send lock), for tests and benchmarks
         self.received_from = dict.fromkeys(incoming, 0)  # tensors received per sender (under its channel's lock)
 
