@@ -104,7 +104,7 @@ def test_point_to_point_hands_gpu_tensors_off_over_nccl_where_each_process_has_a
     NCCL (a group per direction between two processes), where each process has a GPU of its own; processes sharing
     a GPU (NCCL refuses them) hand off by RPC, GPU to GPU, with a warning. One GPU's weights either way."""
     config = {"accelerator": "gpu", "data_plane": "p2p", "schedule": schedule,
-              "last_stage_loss": schedule == "1f1b"}
+              **({"last_stage_loss": True, "balance": [2, 3]} if schedule == "1f1b" else {})}
     actual = pipe_weights(config, tmp_path / "pipe")
     assert_same_weights(actual, plain_weights(config, tmp_path / "plain"))
     planes = json.loads((tmp_path / "pipe" / "plane_replica0.json").read_text())
