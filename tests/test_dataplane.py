@@ -287,6 +287,18 @@ class Widen(nn.Module):
         return x.repeat(1, 1, self.factor)
 
 
+def check_step(pipeline, reference: nn.Module, loss, expected, process: int, name: str) -> None:
+    """A step's ``loss`` through ``pipeline`` is the plain model's ``expected``, and after both backward process
+    ``process``'s gradient of parameter ``name`` is ``reference``'s; both zeroed after."""
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    grads = pipeline.call(process, "named_grads")
+    torch.testing.assert_close(grads[name], reference.get_parameter(name).grad)
+    pipeline.call(process, "zero_grad")
+    reference.zero_grad()
+
+
 def _shapes(rank: int, world: int, plane: str, lengths: list[int]):
     """A sequence model whose batches change length every step (dynamic padding), through 2 processes over
     ``plane``: each step's loss and gradients are the plain model's; returns what every process's plane
@@ -304,14 +316,7 @@ def _shapes(rank: int, world: int, plane: str, lengths: list[int]):
         x, y = torch.randn(4, length, 8, requires_grad=True), torch.randn(4, length, 4)
         loss = pipeline_loss(pipeline, x, y, _mse, chunks=2, checkpoint="never", training=True,
                              parameters=iter([]), schedule="1f1b")
-        expected = _mse(reference(x), y)
-        torch.testing.assert_close(loss, expected)
-        loss.backward()
-        expected.backward()
-        grads = pipeline.call(1, "named_grads")
-        torch.testing.assert_close(grads["3.weight"], reference[3].weight.grad)
-        pipeline.call(1, "zero_grad")
-        reference.zero_grad()
+        check_step(pipeline, reference, loss, _mse(reference(x), y), 1, "3.weight")
         carried.append([_counts(f"shapes-{plane}"), rpc.rpc_sync("worker1", _counts, args=(f"shapes-{plane}",))])
     pipeline.close()
     return carried

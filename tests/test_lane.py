@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from dist_utils import run_processes
+from test_dataplane import check_step
 from test_remote import _mse, build
 
 from lightning_pipe.engine import pipeline_loss, run_pipeline
@@ -141,13 +142,7 @@ def _through_lanes(rank: int, world: int, schedule: str):
             loss = pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True,
                                  parameters=iter([]), schedule=schedule)
             expected = _mse(reference(x), y)
-        torch.testing.assert_close(loss, expected)
-        loss.backward()
-        expected.backward()
-        grads = pipeline.call(2, "named_grads")
-        torch.testing.assert_close(grads["6.weight"], reference[6].weight.grad)
-        pipeline.call(2, "zero_grad")
-        reference.zero_grad()
+        check_step(pipeline, reference, loss, expected, 2, "6.weight")
     counts = [_lane_counts(key)] + [rpc.rpc_sync(f"worker{r}", _lane_counts, args=(key,)) for r in range(1, world)]
     pipeline.close()
     return counts
