@@ -424,16 +424,15 @@ def main() -> None:
         # Each run's median step (every replica's), raw and at the prediction's speed; the median over the runs.
         raw = statistics.median(statistics.median(s for r in timed for s in r["steps"][args.warmup:])
                                 for timed in runs)
-        step = statistics.median(statistics.median(s for r in timed for s in at_prediction_speed(r, devices))
-                                 for timed in runs)
+        per_run = [statistics.median(s for r in timed for s in at_prediction_speed(r, devices)) for timed in runs]
+        step = statistics.median(per_run)
         errors_memory.append(max(errors))
         if devices == 2:
             errors_step.append(abs(predicted.step - step) / step)
             errors_raw.append(abs(predicted.step - raw) / raw)
             if d == 1:  # the choice among layouts of the same work per step (a replica more trains twice the rows)
                 measured_two[mine] = step
-        each = ", ".join(f"{statistics.median(s for r in timed for s in at_prediction_speed(r, devices)) * 1e3:.1f}"
-                         for timed in runs)
+        each = ", ".join(f"{s * 1e3:.1f}" for s in per_run)
         print(f"[{index:2}] {mine}\n     peak predicted "
               f"{' '.join(format_bytes(x) for x in per_process)}; measured "
               f"{' '.join(format_bytes(x) for x in measured)}"

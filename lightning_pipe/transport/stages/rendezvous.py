@@ -87,7 +87,7 @@ def connect(runner: StageRunner, names: Sequence[str], mode: str, lane: str | No
     if mode == "rpc" or len(names) < 2:
         return
     gpu = runner.stage.device.type != "cpu"
-    if (lane == "nccl") != (gpu and lane is not None):
+    if lane is not None and (lane == "nccl") != gpu:  # NCCL's lane carries GPU tensors, gloo's CPU ones
         raise ValueError(f"lane={lane!r} carries {'CPU' if lane == 'gloo' else 'GPU'} tensors and the stages are on "
                          f"{runner.stage.device}: leave lane=None (GPU stages under data_plane='p2p' take NCCL)")
     if gpu:
