@@ -133,6 +133,53 @@ def test_extras_come_back_combined_and_the_sum_reduction(schedule, v):
         torch.testing.assert_close(a, b)
 
 
+def counted(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A loss with the scalars a user logs beside it: a count (an integer), a sum and a count held as floats, a mean."""
+    return {"loss": F.mse_loss(output, target), "correct": (output.argmax(1) == target.argmax(1)).sum(),
+            "abs_error": (output - target).abs().sum(), "seen": torch.tensor(float(len(output))),
+            "mean_output": output.mean()}
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("zbv", 2)])
+def test_scalar_extras_come_back_as_the_whole_batchs_counts_sums_and_means(schedule, v):
+    """Micro-batches of 3, 3, 2 and 2 rows: a count is added up, a floating scalar combined as ``extras`` names it
+    ("sum" or "mean"), whatever the loss's reduction; each the whole batch's value, in its own dtype."""
+    model = body()
+    pipe = pipe_for(model, schedule, v, chunks=4)
+    x, y = torch.randn(10, 6), torch.randn(10, 3)
+    expected = counted(model(x), y)
+    named = {"abs_error": "sum", "seen": "sum", "mean_output": "mean"}
+    for reduction in ("mean", "sum"):
+        got = loss_on_last_stage(pipe, x, y, counted, extras=named, reduction=reduction)
+        for key in ("correct", "abs_error", "seen", "mean_output"):
+            torch.testing.assert_close(got[key], expected[key])
+            assert got[key].dtype == expected[key].dtype, key
+    # Unnamed, a floating scalar goes as the loss does: here a mean over samples.
+    got = loss_on_last_stage(pipe, x, y, counted)
+    torch.testing.assert_close(got["mean_output"], expected["mean_output"])
+    torch.testing.assert_close(got["correct"], expected["correct"])
+    assert got["seen"] != expected["seen"]  # (a count held as a float, not named "sum": averaged, as documented)
+
+
+def test_extras_that_cannot_be_combined_as_named_are_refused_saying_why():
+    pipe = pipe_for(body(), "1f1b", 1, chunks=4)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    with pytest.raises(ValueError, match=r"'mean' \(weighted.*or 'sum' \(added up\).*'abs_error': 'max'"):
+        loss_on_last_stage(pipe, x, y, counted, extras={"abs_error": "max"})
+    with pytest.raises(TypeError, match="extras must map the names"):
+        loss_on_last_stage(pipe, x, y, counted, extras=["abs_error"])
+    with pytest.raises(ValueError, match=r"\['typo'\], which the loss function does not return.*'abs_error'"):
+        loss_on_last_stage(pipe, x, y, counted, extras={"typo": "sum"})
+    with pytest.raises(ValueError, match=r"'correct' 'mean'.*torch.int64.*\.float\(\)\.mean\(\)"):
+        loss_on_last_stage(pipe, x, y, counted, extras={"correct": "mean"})
+    with pytest.raises(ValueError, match=r"'per_sample' \('sum'\), a tensor of shape \(2,\)"):
+        loss_on_last_stage(pipe, x, y, with_extras, extras={"per_sample": "sum"})
+    with pytest.raises(ValueError, match=r"returned the loss alone"):
+        loss_on_last_stage(pipe, x, y, mse, extras={"abs_error": "sum"})
+    with pytest.raises(ValueError, match="or 'sum'"):  # on one device too, before anything runs
+        loss_on_last_stage(body(), x, y, counted, extras={"abs_error": "median"})
+
+
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
 def test_skip_connections_across_stages(schedule, v):
     model = body(skips=True)

@@ -19,14 +19,14 @@ anything with ``stages`` (what a run releases), ``num_stages``, ``processes``, `
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-from lightning_pipe.engine.loss import LossFn, combine, scatter_target, weights
+from lightning_pipe.engine.loss import LossFn, check_extras, combine, scatter_target, weights
 from lightning_pipe.engine.microbatch import Batch, TensorOrTensors, gather, scatter
 from lightning_pipe.engine.partition import checkpoint_stop
 from lightning_pipe.engine.pipeline import Run, scatter_grads
@@ -142,7 +142,7 @@ class _LossFunction(torch.autograd.Function):
         _remember_inputs(ctx, pipeline, run, phony, inputs)
         step = pipeline.execute(run, plan, inputs=microbatches)
         ctx.grads = step.input_grads
-        total = combine(step.losses, run.weights)
+        total = combine(step.losses, run.weights, weights(run.sizes, "mean"), run.combined)
         run.extras = total.extras
         return total.value
 
@@ -158,13 +158,14 @@ class _LossFunction(torch.autograd.Function):
 
 def pipeline_loss(pipeline: Any, input: TensorOrTensors, target: Any, loss_fn: LossFn, *, chunks: int,
                   checkpoint: str, training: bool, parameters: Iterator[Tensor], schedule: str = "gpipe",
-                  reduction: str = "mean", loss_scale: float = 1.0) -> Any:
+                  reduction: str = "mean", loss_scale: float = 1.0, extras: Mapping[str, str] | None = None) -> Any:
     """The batch's loss, ``loss_fn`` computed on ``pipeline``'s last stage per micro-batch of ``input`` and
     ``target`` (:mod:`lightning_pipe.engine.loss`), the micro-batches run in the order of ``schedule``.
 
     Returns what ``loss_fn`` returns on the whole batch: the loss, or a mapping with it under ``"loss"`` and
-    the extras combined. With grad enabled, the loss is tied into autograd: its backward runs (or, where the
-    schedule ran the backwards already, commits) every stage's backward. ``loss_scale``: the gradient the
+    the extras combined (a floating scalar one as ``extras`` names it, ``"mean"`` or ``"sum"``). With grad enabled,
+    the loss is tied into autograd: its backward runs (or, where the schedule ran the backwards already, commits)
+    every stage's backward. ``loss_scale``: the gradient the
     loss's backward is expected to bring, which a schedule running its backwards ahead assumes (a gradient
     scaler's scale, 1 / accumulation); another one arriving is exact too (gradients are scaled to it), only
     less safe from overflow in float16.
@@ -178,11 +179,13 @@ def pipeline_loss(pipeline: Any, input: TensorOrTensors, target: Any, loss_fn: L
     run.parameters_need_grad = parameters_need_grad
     run.loss, run.targets, run.weights = loss_fn, scatter_target(target, sizes), weights(sizes, reduction)
     run.loss_scale = float(loss_scale)
+    check_extras(extras)
+    run.combined = extras
     m, p = len(sizes), pipeline.processes
     v = pipeline.num_stages // p
     if not save:
         step = pipeline.execute(run, forward_only(m, p, v, pipeline.placement), inputs=microbatches, save=False)
-        total = combine(step.losses, run.weights)
+        total = combine(step.losses, run.weights, weights(sizes, "mean"), extras)
         return total.value if total.extras is None else {"loss": total.value, **total.extras}
     plan = gpipe(m, p, pipelined=pipeline.pipelined) if schedule == "gpipe" else schedule_plan(schedule, m, p, v)
     phony = torch.empty(0, requires_grad=True)

@@ -12,8 +12,13 @@ predictions, per-sample scores) that come back detached::
 The batch's loss is ``sum_i w_i * loss_i``: with ``reduction="mean"`` (the default) ``w_i`` is the micro-batch's
 share of the samples, which gives exactly the whole batch's loss for any loss that is a mean over samples;
 with ``"sum"``, ``w_i = 1``, for a loss that is a sum over samples (or a sum divided by a count the caller
-computed over the whole batch). Extras are combined the same way when they are scalars, and concatenated
-along dim 0 otherwise.
+computed over the whole batch). Extras with a value per sample are concatenated along dim 0. A scalar extra is one
+number per micro-batch, which cannot say how the batch's number is made from them: an integer or boolean one (a
+count: a mean of integers is no integer) is added up; a floating one is combined as ``extras`` names it, ``"mean"``
+(weighted by each micro-batch's share of the samples: an accuracy, a mean score) or ``"sum"`` (added up: a sum of
+errors, a count held as a float), and as the loss (``reduction``) where ``extras`` does not name it::
+
+    loss_on_last_stage(body, x, y, loss_fn, extras={"abs_error": "sum"})
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["REDUCTIONS", "MicroLoss", "check_sendable", "combine", "compute", "weights"]
+__all__ = ["REDUCTIONS", "MicroLoss", "check_extras", "check_sendable", "combine", "compute", "weights"]
 
 #: The accepted values of ``reduction``.
 REDUCTIONS = ("mean", "sum")
@@ -47,6 +52,19 @@ def check_reduction(reduction: object) -> None:
     """Reject an unknown reduction, naming the valid ones."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))} (got: {reduction!r})")
+
+
+def check_extras(extras: object) -> None:
+    """Reject an ``extras`` that is not a mapping of names to ``"mean"`` or ``"sum"`` (or None), saying which."""
+    if extras is None:
+        return
+    if not isinstance(extras, Mapping) or any(not isinstance(k, str) for k in extras):
+        raise TypeError(f"extras must map the names of what the loss function returns beside 'loss' to 'mean' or "
+                        f"'sum' (got: {extras!r})")
+    bad = {k: v for k, v in extras.items() if v not in REDUCTIONS}
+    if bad:
+        raise ValueError(f"extras must map each name to 'mean' (weighted by the micro-batches' shares of the samples) "
+                         f"or 'sum' (added up) (got: {bad!r})")
 
 
 #: The loss functions found to pickle, so that each is checked once (not pickled again at every step), kept no longer
@@ -103,8 +121,11 @@ def weights(sizes: Sequence[int], reduction: str) -> list[float]:
     return [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
 
 
-def combine(losses: Sequence[MicroLoss], w: Sequence[float]) -> MicroLoss:
-    """The batch's loss and extras from the micro-batches' (see the module's docstring)."""
+def combine(losses: Sequence[MicroLoss], w: Sequence[float], shares: Sequence[float] | None = None,
+            extras: Mapping[str, str] | None = None) -> MicroLoss:
+    """The batch's loss and extras from the micro-batches' (see the module's docstring): the loss weighted by ``w``;
+    a floating scalar extra that ``extras`` names ``"mean"`` by ``shares`` (each micro-batch's share of the samples;
+    default ``w``), one it names ``"sum"`` or an integer or boolean one added up, another by ``w``."""
     if all(loss.value.device.type == "cpu" and loss.value.is_floating_point() for loss in losses):
         # The same sum in the same order in Python's doubles: one call into torch per micro-batch, not three.
         total = 0.0
@@ -115,16 +136,36 @@ def combine(losses: Sequence[MicroLoss], w: Sequence[float]) -> MicroLoss:
         value = sum((wi * loss.value.double() for wi, loss in zip(w, losses)), torch.zeros((), dtype=torch.float64))
         value = value.to(losses[0].value.dtype)
     if losses[0].extras is None:
+        if extras:
+            raise ValueError(f"extras names {sorted(extras)}, but the loss function returned the loss alone (a tensor, "
+                             "not a mapping with 'loss' and them)")
         return MicroLoss(value, None)
-    extras: dict[str, Tensor] = {}
+    unknown = sorted(set(extras or ()) - set(losses[0].extras))
+    if unknown:
+        raise ValueError(f"extras names {unknown}, which the loss function does not return (it returns "
+                         f"{sorted(losses[0].extras)} beside 'loss')")
+    combined: dict[str, Tensor] = {}
     for key in losses[0].extras:
         parts = [loss.extras[key] for loss in losses]  # type: ignore[index]
-        if parts[0].dim() == 0:
-            extras[key] = sum((wi * p.double() for wi, p in zip(w, parts)), torch.zeros((), dtype=torch.float64)
-                              ).to(parts[0].dtype)
+        how = (extras or {}).get(key)
+        if parts[0].dim() and how is not None:
+            raise ValueError(f"extras names {key!r} ({how!r}), a tensor of shape {tuple(parts[0].shape)} per "
+                             "micro-batch: one with a value per sample is joined along dim 0, not combined; name "
+                             "scalars alone")
+        if parts[0].dim():
+            combined[key] = torch.cat(parts)
+        elif not parts[0].is_floating_point() and not parts[0].is_complex():
+            if how == "mean":
+                raise ValueError(f"extras names {key!r} 'mean', but the loss function returns it as "
+                                 f"{parts[0].dtype} (a count): a mean of integers is no integer; return it as a "
+                                 "float (e.g. .float().mean()) to have it averaged")
+            combined[key] = torch.stack(parts).sum()  # a count, added up in its own type
         else:
-            extras[key] = torch.cat(parts)
-    return MicroLoss(value, extras)
+            weight = [1.0] * len(parts) if how == "sum" else shares if how == "mean" and shares is not None else w
+            wide = torch.complex128 if parts[0].is_complex() else torch.float64
+            combined[key] = sum((wi * p.to(wide) for wi, p in zip(weight, parts)),
+                                torch.zeros((), dtype=wide)).to(parts[0].dtype)
+    return MicroLoss(value, combined)
 
 
 def detach(value: Tensor, extras: Mapping[str, Tensor] | None) -> MicroLoss:

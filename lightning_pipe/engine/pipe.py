@@ -15,7 +15,7 @@ which lets schedules interleave forwards and backwards (``1f1b``, ``zero-bubble`
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.engine.autograd import pipeline_loss, run_pipeline
 from lightning_pipe.engine.batchnorm import DeferredBatchNorm
-from lightning_pipe.engine.loss import LossFn, check_reduction
+from lightning_pipe.engine.loss import LossFn, check_extras, check_reduction
 from lightning_pipe.engine.microbatch import TensorOrTensors
 from lightning_pipe.engine.partition import (
     Device,
@@ -51,7 +51,8 @@ from lightning_pipe.engine.tied import TiedCopies
 __all__ = ["Pipe", "loss_on_last_stage"]
 
 
-def loss_on_last_stage(body: nn.Module, input: Any, target: Any, loss_fn: LossFn, *, reduction: str = "mean") -> Any:
+def loss_on_last_stage(body: nn.Module, input: Any, target: Any, loss_fn: LossFn, *, reduction: str = "mean",
+                       extras: Mapping[str, str] | None = None) -> Any:
     """``loss_fn(body(input), target)``, computed where ``body``'s output is born.
 
     On a plain module (one device, no strategy) it is exactly that. On a pipelined body (a :class:`Pipe`, or
@@ -64,6 +65,11 @@ def loss_on_last_stage(body: nn.Module, input: Any, target: Any, loss_fn: LossFn
     lambda, a local function or a bound method of a LightningModule; one that does not pickle is refused at this
     call, before anything is sent. In one process (a :class:`Pipe`) any callable works.
 
+    What ``loss_fn`` returns beside ``"loss"`` in a mapping comes back too, each micro-batch's combined into the
+    batch's: per-sample tensors joined, integer scalars (counts) added up, floating scalars combined as ``extras``
+    names them (``{"abs_error": "sum"}``; ``"mean"``: weighted by the micro-batches' shares of the samples) and as the
+    loss where it does not.
+
     ::
 
         def training_step(self, batch, batch_idx):
@@ -73,9 +79,10 @@ def loss_on_last_stage(body: nn.Module, input: Any, target: Any, loss_fn: LossFn
             return loss
     """
     check_reduction(reduction)
+    check_extras(extras)
     pipelined = getattr(body, "pipeline_loss", None)
     if pipelined is not None:
-        return pipelined(input, target, loss_fn, reduction=reduction)
+        return pipelined(input, target, loss_fn, reduction=reduction, extras=extras)
     return loss_fn(body(input), target)
 
 
@@ -282,11 +289,12 @@ class Pipe(nn.Module):
         return run_pipeline(self.pipeline, input, chunks=self.chunks, checkpoint=self.checkpoint,
                             training=self.training, parameters=self.parameters())
 
-    def pipeline_loss(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *, reduction: str = "mean") -> Any:
+    def pipeline_loss(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *, reduction: str = "mean",
+                      extras: Mapping[str, str] | None = None) -> Any:
         """``loss_fn(self(input), target)`` with the loss computed on the last stage per micro-batch, the
         micro-batches in this pipe's schedule (see :func:`loss_on_last_stage`)."""
         if self.tied_names:
             self.tied_names.refresh()
         return pipeline_loss(self.pipeline, input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
                              training=self.training, parameters=self.parameters(), schedule=self.schedule,
-                             reduction=reduction)
+                             reduction=reduction, extras=extras)

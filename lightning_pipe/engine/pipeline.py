@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from functools import partial
 from typing import Any, NamedTuple, Union
@@ -107,6 +107,7 @@ class Run:
         self.targets: list[Any] = []
         self.weights: list[float] = []
         self.loss_scale = 1.0
+        self.combined: Mapping[str, str] | None = None  # how the loss's scalar extras combine (``engine/loss.py``)
         for stage in stages:
             weakref.finalize(self, stage.release, self.id)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -234,7 +234,7 @@ class PipelinedSequential(nn.Module):
         return out
 
     def pipeline_loss(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *,
-                      reduction: str = "mean") -> Any:
+                      reduction: str = "mean", extras: Mapping[str, str] | None = None) -> Any:
         """``loss_fn(self(input), target)`` with the loss computed on the last stage, micro-batch by micro-batch,
         in this body's schedule (see :func:`lightning_pipe.loss_on_last_stage`). ``loss_fn`` must pickle where the
         last stage is in another process: refused here otherwise, before anything is sent."""
@@ -243,7 +243,7 @@ class PipelinedSequential(nn.Module):
         self._prepare(input, target)
         out = pipeline_loss(self.pipeline, input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
                             training=self.training, parameters=self.parameters(), schedule=self.schedule,
-                            reduction=reduction, loss_scale=self.loss_scale())
+                            reduction=reduction, loss_scale=self.loss_scale(), extras=extras)
         self._tie(out["loss"] if isinstance(out, dict) else out)
         return out
 
