@@ -409,3 +409,22 @@ def test_the_sharded_reader_honours_weights_only(tmp_path):
     assert isinstance(shards.read_rest(directory, weights_only=False)["hyper"], NotWeights)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         shards.read_rest(directory, weights_only=True)
+
+
+def test_the_global_norm_of_float64_gradients_is_taken_in_float64():
+    """Clipping by the global norm under ``precision="64-true"``: the norm that scales float64 gradients is
+    float64's, as ``clip_grad_norm_`` takes it on one device (a float32 sum of the norms left the weights 1e-10 off
+    one device's); each gradient's own norm keeps its precision, float32 at the least."""
+    from lightning_pipe.transport.parallel.fsdp import total_norm
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, dtype=torch.float64, generator=g) * scale
+             for n, scale in ((1000, 1e-3), (37, 3.0), (5, 1e3))]
+    for norm_type in (2.0, 1.0, 3.0, float("inf")):
+        want = torch.nn.utils.get_total_norm(grads, norm_type)
+        assert want.dtype == torch.float64
+        got = total_norm(grads, norm_type)
+        assert got == pytest.approx(float(want), rel=1e-15, abs=0), norm_type
+    halves = [t.to(torch.bfloat16) for t in grads]
+    assert total_norm(halves, 2.0) == pytest.approx(float(torch.nn.utils.get_total_norm(
+        [t.float() for t in halves], 2.0)), rel=1e-2)

@@ -315,9 +315,11 @@ def total_norm(grads: Sequence[Tensor], norm_type: float) -> float:
     import math
 
     inf = math.isinf(norm_type)
-    value = torch.zeros(())
+    # Each gradient's norm in its own precision (float32 at the least), as clip_grad_norm_ takes it, and their sum
+    # in float64: float64 gradients are clipped by a float64 norm, as on one device (a float32 sum moved them 1e-10).
+    value = torch.zeros((), dtype=torch.float64)
     for dims, group in _by_sharding(grads).items():
-        parts = torch.stack([torch.linalg.vector_norm(local(g).detach(), norm_type).float() for g in group])
+        parts = torch.stack([torch.linalg.vector_norm(local(g).detach(), norm_type).to(torch.float64) for g in group])
         combined = (parts.max() if inf else (parts ** norm_type).sum()).reshape(1)
         if dims:
             mesh = group[0].device_mesh
