@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from concurrent.futures import Future
 
@@ -44,6 +45,28 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
 def test_schedules_that_cannot_run_fail_at_construction_naming_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PipeStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("schedule,shown", [("1f1b", "schedule='1f1b' interleaves them"),
+                                            ("zbv", "schedule='zbv' interleaves them"),
+                                            ("auto", "schedule='auto' may choose one that interleaves them"),
+                                            ([["0F0", "0B0"], ["1F0", "1B0"]],
+                                             "a schedule given as data names each micro-batch's backward")])
+def test_one_backward_per_stage_is_refused_where_the_schedule_interleaves_forwards_and_backwards(schedule, shown):
+    """``pipelined_backward=False`` (each stage's backward once, over all its micro-batches) needs GPipe's order: with
+    another it was accepted and ignored. Refused by both loops' strategies, saying what to change."""
+    from lightning_pipe.lightning.fabric.strategy import PipeStrategy as FabricPipeStrategy
+
+    extra = {"microbatches": 1} if isinstance(schedule, list) else {"memory_per_device": "1GiB"} \
+        if schedule == "auto" else {}
+    for strategy in (PipeStrategy, FabricPipeStrategy):
+        with pytest.raises(ValueError, match=rf"pipelined_backward=False .* GPipe's order alone allows it, and "
+                                             rf"{re.escape(shown)}\. Leave pipelined_backward=True"):
+            strategy(schedule=schedule, pipelined_backward=False, **extra)
+        strategy(schedule=schedule, pipelined_backward=True, **extra)
+    PipeStrategy(schedule="gpipe", pipelined_backward=False)
+    with pytest.raises(ValueError, match=r"pipelined_backward must be True or False \(got: 'no'\)"):
+        PipeStrategy(pipelined_backward="no")
 
 
 def test_the_v_shapes_take_two_stages_per_process_and_a_schedule_as_data_its_own():

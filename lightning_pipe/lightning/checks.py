@@ -77,6 +77,20 @@ def check_arguments(balance: Any, microbatches: Any, checkpoint: Any, balance_mo
     return balance
 
 
+def check_pipelined_backward(pipelined: Any, schedule: Any) -> None:
+    """Reject ``pipelined_backward`` that is not a bool, and ``False`` with a schedule other than GPipe's: one
+    backward per stage over all its micro-batches needs every forward done first, which no other order has."""
+    if not isinstance(pipelined, bool):
+        raise ValueError(f"pipelined_backward must be True or False (got: {pipelined!r})")
+    if not pipelined and not (isinstance(schedule, str) and schedule == "gpipe"):
+        shown = "a schedule given as data names each micro-batch's backward" if isinstance(schedule, Plan) else \
+            f"schedule={schedule!r} may choose one that interleaves them" if schedule == "auto" else \
+            f"schedule={schedule!r} interleaves them"
+        raise ValueError(f"pipelined_backward=False runs each stage's backward once, over all its micro-batches, after "
+                         f"every forward: GPipe's order alone allows it, and {shown}. Leave pipelined_backward=True "
+                         "(the default) with this schedule, or use schedule='gpipe'")
+
+
 #: The DistributedDataParallel arguments that keep their meaning when stages are sharded (FSDP2 in place of DDP).
 SHARDED_DDP_ARGUMENTS = ("init_sync", "broadcast_buffers")
 

@@ -43,6 +43,7 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
     if values["memory_per_device"] is not None:
         values["memory_per_device"] = parse_bytes(values["memory_per_device"])
     values["schedule"] = schedule_from(values["schedule"], values["microbatches"])
+    checks.check_pipelined_backward(values["pipelined_backward"], "auto" if "schedule" in auto else values["schedule"])
     if values["virtual_stages"] is None:
         values["virtual_stages"] = stages_per_process(values["schedule"])
     values["balance"] = checks.check_arguments(values["balance"], values["microbatches"], values["checkpoint"],

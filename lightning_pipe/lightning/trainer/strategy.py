@@ -73,7 +73,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
             activations in backward instead of storing them.
         balance_mode: ``'balance_by_size'`` (memory) or ``'balance_by_time'`` (compute), for ``balance=None``.
         pipelined_backward: run backward micro-batch by micro-batch, stages overlapping (``False``: one
-            backward per stage over all its micro-batches; same gradients).
+            backward per stage over all its micro-batches; same gradients; GPipe's order alone allows it).
         rpc_timeout_sec: how long any RPC or wait for a stage may take before the step fails with an error
             naming the stage and process.
         module_name: the attribute of the LightningModule holding the ``nn.Sequential`` body.
