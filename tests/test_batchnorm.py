@@ -83,3 +83,29 @@ def test_optimizer_built_before_wrapping_trains_the_pipe():
     piped(torch.randn(4, 3, 5, 5)).pow(2).sum().backward()
     optimizer.step()
     assert not torch.equal(piped[1].weight, before)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zero-bubble", 1), ("zbv", 2), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("checkpoint", ["except_last", "always", "never"])
+def test_without_deferral_every_schedule_recomputes_to_the_micro_batches_gradients_and_statistics(schedule, v,
+                                                                                                  checkpoint):
+    """A BatchNorm normalising each micro-batch by its own statistics, under the schedules that interleave forwards
+    and backwards: the gradients and running statistics of the micro-batches through the plain model in turn. With
+    ``except_last``, restoring the statistics after a recomputed backward bumped their version, which the last
+    micro-batch's graph (not recomputed; BatchNorm saves them) refused at its backward, after the others'."""
+    from lightning_pipe import loss_on_last_stage
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()) for _ in range(3)],
+                          nn.Linear(8, 1)).double()
+    x = torch.randn(16, 8, dtype=torch.float64)
+    y = x.sum(1, keepdim=True).sin()
+    plain = copy.deepcopy(model)
+    sum(nn.functional.mse_loss(plain(xc), yc) * len(xc) / len(x) for xc, yc in zip(x.chunk(4), y.chunk(4))).backward()
+    piped = Pipe(copy.deepcopy(model), [1, 3] if v == 1 else [1, 1, 1, 1], chunks=4, checkpoint=checkpoint,
+                 schedule=schedule, virtual_stages=v)
+    loss_on_last_stage(piped, x, y, nn.functional.mse_loss).backward()
+    for a, b in zip(piped.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+    for a, b in zip(piped.buffers(), plain.buffers()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -276,7 +276,10 @@ class Stage:
                            inputs_first: bool, finisher: Finisher | None = None
                            ) -> tuple[list[tuple[Grads, dict[SkipKey, Tensor | None]]], Callable[..., None]]:
         # Recomputation must leave no trace in module state (BatchNorm running statistics): buffers are
-        # restored once autograd is done with them (restoring earlier would trip its version checks).
+        # restored once autograd is done with them (restoring earlier would trip its version checks), through
+        # ``.data``, which bumps no version: a graph of another micro-batch, not recomputed, saved them too
+        # (BatchNorm saves its running statistics, and its kernel updates them bumping none), and its backward
+        # may come after this one (1F1B with checkpoint="except_last": the last micro-batch's).
         start = time.time()
         with self._lock:
             recomputes = any(getattr(self._saved.get((run, i)), "outputs", ()) is None for i, _, _ in items)
@@ -287,7 +290,7 @@ class Stage:
             if buffers:
                 with torch.no_grad():
                     for b, old in zip(self.partition.buffers(), buffers):
-                        b.copy_(old)
+                        b.data.copy_(old)
 
         handed = [False]  # whether a finisher runs ``restore`` once its autograd call is over
 
