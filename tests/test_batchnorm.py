@@ -36,6 +36,27 @@ def test_running_stats_match_the_whole_batch(chunks, checkpoint, momentum):
     torch.testing.assert_close(piped(x), plain(x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("made", ["built in float64", "converted to float64"])
+def test_float64_statistics_are_the_whole_batchs_to_float64s_rounding(made):
+    """Under ``precision="64-true"`` the deferred statistics accumulate in float64, as the whole batch's BatchNorm
+    takes them (in float32 they ended 6e-9 from one device's)."""
+    torch.manual_seed(0)
+    base = conv_model()
+    plain = copy.deepcopy(base).double()
+    if made == "built in float64":
+        piped = Pipe(copy.deepcopy(plain), [1, 4], chunks=4, checkpoint="except_last", deferred_batch_norm=True)
+    else:
+        piped = Pipe(copy.deepcopy(base), [1, 4], chunks=4, checkpoint="except_last", deferred_batch_norm=True)
+        piped.double()
+    for _ in range(3):
+        x = torch.randn(12, 3, 5, 5, dtype=torch.float64) * 3 + 1
+        plain(x).sum().backward()
+        piped(x).sum().backward()
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(piped[1], name), getattr(plain[1], name), rtol=1e-13, atol=1e-14,
+                                   msg=name)
+
+
 def test_without_deferral_stats_move_per_micro_batch():
     plain = conv_model()
     piped = Pipe(copy.deepcopy(plain), [1, 4], chunks=4)
@@ -71,8 +92,10 @@ def test_convert_keeps_the_parameters_and_buffers_themselves():
     assert not deferred.weight.requires_grad and not deferred.bias.requires_grad
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         assert getattr(deferred, name) is getattr(bn, name), name
-    assert deferred._mean.dtype == torch.float32  # statistics accumulate in float32 whatever the dtype
+    assert deferred._mean.dtype == torch.float64  # statistics accumulate in the layer's dtype, float32 at the least
     assert deferred(torch.randn(4, 3, dtype=torch.float64)).dtype == torch.float64
+    half = DeferredBatchNorm.convert(nn.Sequential(nn.BatchNorm1d(3).half()))[0]
+    assert half._mean.dtype == torch.float32
 
 
 def test_optimizer_built_before_wrapping_trains_the_pipe():

@@ -28,7 +28,8 @@ class DeferredBatchNorm(_BatchNorm):
                  affine: bool = True, device: torch.device | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(num_features, eps, momentum, affine, True, device, dtype)
-        factory = {"device": device, "dtype": torch.float32}
+        # The statistics accumulate in float32 at the least (a float64 layer's in float64, as its own batch_norm's).
+        factory = {"device": device, "dtype": torch.promote_types(dtype or torch.get_default_dtype(), torch.float32)}
         self.register_buffer("_count", torch.zeros((), **factory), persistent=False)
         self.register_buffer("_mean", torch.zeros(num_features, **factory), persistent=False)
         self.register_buffer("_m2", torch.zeros(num_features, **factory), persistent=False)
@@ -39,9 +40,10 @@ class DeferredBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _track(self, input: Tensor) -> None:
-        # Chan et al.'s pairwise update of mean and sum of squared deviations: accurate in float32.
+        # Chan et al.'s pairwise update of mean and sum of squared deviations: accurate in float32 (float64 input
+        # kept in float64: under precision="64-true" the running statistics are one device's to float64's rounding).
         dims = [d for d in range(input.dim()) if d != 1]
-        x = input.detach().float()
+        x = input.detach().to(torch.promote_types(input.dtype, self._mean.dtype))
         n_b = x.numel() / x.size(1)
         mean_b = x.mean(dims)
         m2_b = ((x - mean_b.view(1, -1, *([1] * (x.dim() - 2)))) ** 2).sum(dims)
@@ -97,7 +99,7 @@ class DeferredBatchNorm(_BatchNorm):
                 and module.track_running_stats:
             running_mean = module.running_mean
             assert running_mean is not None  # tracked running statistics
-            # Statistics accumulate in float32 whatever the dtype (the constructor makes them so).
+            # Statistics accumulate in the layer's dtype, float32 at the least (the constructor makes them so).
             deferred = cls(module.num_features, module.eps, module.momentum, module.affine,
                            device=running_mean.device, dtype=running_mean.dtype)
             for name in ("weight", "bias"):
