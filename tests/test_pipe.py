@@ -341,3 +341,45 @@ def test_second_order_gradients_are_refused():
     x = torch.randn(4, 4, requires_grad=True)
     with pytest.raises(RuntimeError, match=r"a second-order gradient \(create_graph=True"):
         torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
+
+
+class _SomeRows(nn.Module):
+    """Adds its second input where a row is flagged, and skips it where no row of the (micro-)batch is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, pair):
+        x, y = pair
+        h = self.linear(x)
+        flag = x[:, 0] > 0
+        if flag.any():
+            h = h + y * flag[:, None].to(y.dtype)
+        return h
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_input_that_some_micro_batches_leave_unused_gets_zeros_there_not_none(checkpoint, schedule):
+    """One device's gradient of an input used by some rows is a tensor, zero elsewhere: a micro-batch that does not
+    use it adds zeros for its rows, where the whole input's gradient came back None (and layers before the pipe got
+    none); an input no micro-batch uses still gets None."""
+    from lightning_pipe import loss_on_last_stage
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(_SomeRows(), nn.Tanh(), nn.Linear(4, 2))
+
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    x[:3, 0], x[3:, 0] = -1.0, 1.0  # the first micro-batch's rows unflagged
+    plain, piped = build(), Pipe(build(), [1, 2], chunks=2, checkpoint=checkpoint, schedule=schedule)
+    y_plain, y_piped = y.clone().requires_grad_(), y.clone().requires_grad_()
+    loss_on_last_stage(plain, (x, y_plain), torch.zeros(6, 2), nn.functional.mse_loss).backward()
+    loss_on_last_stage(piped, (x, y_piped), torch.zeros(6, 2), nn.functional.mse_loss).backward()
+    assert y_piped.grad is not None and not y_piped.grad[:3].any() and y_piped.grad[3:].any()
+    torch.testing.assert_close(y_piped.grad, y_plain.grad)
+    x[:, 0] = -1.0  # no row flagged: no micro-batch uses y
+    y_unused = y.clone().requires_grad_()
+    loss_on_last_stage(piped, (x, y_unused), torch.zeros(6, 2), nn.functional.mse_loss).backward()
+    assert y_unused.grad is None

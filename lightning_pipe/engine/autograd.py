@@ -55,15 +55,19 @@ def _check_backward(ctx: Any) -> None:
 
 
 def _input_grads(ctx: Any, grads: list[Any], scale: float = 1.0) -> list[Tensor | None]:
-    """The gradients of the pipe's inputs, joined from the micro-batches' (times ``scale``)."""
+    """The gradients of the pipe's inputs, joined from the micro-batches' (times ``scale``): None where no
+    micro-batch's reached the input, zeros for the rows of a micro-batch whose did not (one that does not use the
+    input, as a branch taken by some rows alone: one device's gradient is zero there, not None)."""
     result: list[Tensor | None] = []
-    for k, (device, needed) in enumerate(zip(ctx.input_devices, ctx.needs)):
+    for k, (device, needed, shape) in enumerate(zip(ctx.input_devices, ctx.needs, ctx.input_shapes)):
         parts = [g[k] for g in grads]
-        if not needed or any(p is None for p in parts):
+        given = next((p for p in parts if p is not None), None)
+        if not needed or given is None:
             result.append(None)
-        else:
-            joined = torch.cat(parts).to(device)  # type: ignore[arg-type]
-            result.append(joined if scale == 1.0 else joined * scale)
+            continue
+        parts = [p if p is not None else given.new_zeros((rows, *shape[1:])) for p, rows in zip(parts, ctx.sizes)]
+        joined = torch.cat(parts).to(device)
+        result.append(joined if scale == 1.0 else joined * scale)
     return result
 
 
@@ -71,7 +75,9 @@ def _remember_inputs(ctx: Any, pipeline: Any, run: Run, phony: Tensor, inputs: t
     ctx.pipeline, ctx.run = pipeline, run
     ctx.phony = get_gradient_edge(phony).node  # backward tells by it whether parameters' gradients are wanted
     ctx.input_devices = [t.device for t in inputs]
+    ctx.input_shapes = [t.shape for t in inputs]
     ctx.needs = [t.requires_grad for t in inputs]
+    ctx.sizes = list(run.sizes)  # each micro-batch's rows (a micro-batch's gradient missing is its zeros)
 
 
 class _PipeFunction(torch.autograd.Function):
