@@ -114,6 +114,32 @@ def test_messages_sent_by_two_threads_at_once_each_find_their_own_tensors_on_the
         plane.close()
 
 
+@pytest.mark.timeout(60)
+def test_conjugate_and_negative_views_arrive_as_they_read_and_lanes_meet_under_a_float64_default():
+    """A conjugate or negative view keeps its bit through ``contiguous()``: the lane sent the bytes under it, and
+    the receiver read the conjugate's conjugate and the negative with its sign flipped. And the lanes' first
+    hand-off at setup is a float32 whatever the default dtype (``precision="64-true"`` sets float64, which overran
+    the float32 its receiver posts and aborted the process)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        sender, receiver = _two_planes_with_lanes("views")
+    finally:
+        torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, generator=g)
+    views = [torch.complex(x[:, :2], x[:, 2:4]).conj(), torch._neg_view(x[:, :3]), torch._neg_view(x.clone()),
+             torch.complex(x, x).conj()[:, 1:4], x.t()]
+    slot = Slot("views", 0, "F", 0, 1, 0)
+    assert sender.send("p1", slot, (views,)) is not None
+    (got,) = receiver.take("p0", slot, 10.0, lambda: "from p0")
+    for a, b in zip(got, views):
+        assert torch.equal(a, b.resolve_conj().resolve_neg())
+    sender.flush()
+    assert sender.lane.sent == len(views)
+    for plane in (sender, receiver):
+        plane.close()
+
+
 def _lane_counts(key: str) -> dict[str, int]:
     from lightning_pipe.transport.stages.entries import RUNNERS
 

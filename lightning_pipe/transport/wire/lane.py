@@ -78,7 +78,9 @@ class TensorLane:
         for tensor in tensors:
             if tensor.numel() == 0:
                 continue
-            tensor = tensor.contiguous()
+            # Its bytes as it reads: a conjugate or negative view keeps its bit through contiguous(), and the
+            # receiver would read the bytes under it (the conjugate's conjugate, the negative's sign flipped).
+            tensor = tensor.resolve_conj().resolve_neg().contiguous()
             started.append(Sent(group.send([tensor], 1, 0), tensor, self.blocking))
             self.sent += 1
         return started
@@ -136,7 +138,8 @@ def lane_groups(store: Any, token: str, rank: int, size: int, timeout: float, ba
     lane = TensorLane(outgoing, incoming, device, timeout, backend)
     for sender, receiver in pairs:
         if rank == sender:
-            for sent in lane.send(receiver, [torch.zeros(1, device=device)]):
+            for sent in lane.send(receiver, [torch.zeros(1, dtype=torch.float32, device=device)]):  # (not the
+                # default dtype: under precision="64-true" a float64 would overrun the float32 its receiver posts)
                 sent.wait(datetime.timedelta(seconds=timeout))
         else:
             lane.receiver(sender)(torch.float32, (1,))
