@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 from dist_utils import run_processes
-from strategy_utils import assert_same_weights
+from strategy_utils import assert_same_weights, run_script
 from test_remote import _mse, build
 from torch import nn
 
@@ -837,3 +837,14 @@ def test_every_process_of_every_replica_hands_off_over_its_plane_and_trains_the_
                 # One machine: "auto" hands off through shared memory, "p2p" over gloo.
                 links = "gloo" if config.get("data_plane") == "p2p" else "shared memory"
                 assert process["links"] == links + (", tensors over gloo" if config.get("lane") else ""), planes
+
+
+@pytest.mark.parametrize("data_plane", ["p2p", "auto"])
+def test_a_process_serving_a_pipeline_its_driver_never_closed_exits_cleanly(data_plane):
+    """The driver leaves without ``pipeline.close()`` before ``rpc.shutdown``: the other process's step listener
+    still waits on the driver's channel as it exits. Over gloo, a process leaving under it was ended by gloo's threads
+    (``terminate called without an active exception``, exit code -6) though its work was done; its exit now waits for
+    the listener, which ends as the driver's process does."""
+    result = run_script("unclosed.py", data_plane, timeout=150)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [0, 0], result.stdout + result.stderr
+    assert "terminate called" not in result.stderr

@@ -79,7 +79,9 @@ def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], n
     stage 0 it returns the pipeline to run with :func:`~lightning_pipe.engine.autograd.run_pipeline` or
     :func:`~lightning_pipe.engine.autograd.pipeline_loss` once every stage is ready; elsewhere it hosts this
     process's stages and returns None (RPC threads serve them until ``rpc.shutdown``). This is what
-    ``PipeStrategy`` does for Lightning, without Lightning. ``data_plane``: how tensors go from process to
+    ``PipeStrategy`` does for Lightning, without Lightning. Close it (``pipeline.close()``) before ``rpc.shutdown``:
+    the other processes' step listeners end then (else as this process exits, and theirs wait for it, at most
+    :data:`~lightning_pipe.transport.wire.listeners.EXIT_WAIT`). ``data_plane``: how tensors go from process to
     process (:data:`~lightning_pipe.transport.wire.dataplane.DATA_PLANES`); ``lane``: its tensors beside the messages
     (:func:`~lightning_pipe.transport.stages.rendezvous.connect`).
     """

@@ -47,6 +47,7 @@ from lightning_pipe.transport.wire.codec import (
     encode_beside,
 )
 from lightning_pipe.transport.wire.lane import TensorLane
+from lightning_pipe.transport.wire.listeners import start_listener
 from lightning_pipe.transport.wire.messages import MAILBOX, Slot, no_input, note_alive, where, with_location
 from lightning_pipe.transport.wire.posted import START, Channel
 from lightning_pipe.transport.wire.shm import SharedMemoryLinks
@@ -361,9 +362,7 @@ class DataPlane:
                 handler(step)
             self.close()  # no one serves steps here any more: the driver sends them by RPC from now on
 
-        thread = threading.Thread(target=listen, name=f"lightning_pipe.{self.key}.steps", daemon=True)
-        thread.start()
-        return thread
+        return start_listener(f"lightning_pipe.{self.key}.steps", listen)
 
     def close(self) -> None:
         """Tell every peer this process sends no more (a stage waiting for it looks in the mailbox instead), then
