@@ -171,10 +171,9 @@ def pipeline_loss(pipeline: Any, input: TensorOrTensors, target: Any, loss_fn: L
     Returns what ``loss_fn`` returns on the whole batch: the loss, or a mapping with it under ``"loss"`` and
     the extras combined (a floating scalar one as ``extras`` names it, ``"mean"`` or ``"sum"``). With grad enabled,
     the loss is tied into autograd: its backward runs (or, where the schedule ran the backwards already, commits)
-    every stage's backward. ``loss_scale``: the gradient the
-    loss's backward is expected to bring, which a schedule running its backwards ahead assumes (a gradient
-    scaler's scale, 1 / accumulation); another one arriving is exact too (gradients are scaled to it), only
-    less safe from overflow in float16.
+    every stage's backward. ``loss_scale``: the gradient the loss's backward is expected to bring, which a schedule
+    running its backwards ahead assumes (a gradient scaler's scale, 1 / accumulation); another one arriving is exact
+    too (gradients are scaled to it), only less safe from overflow in float16.
     """
     batch = Batch.of(input, "input of the pipe")
     microbatches = scatter(batch, chunks)
