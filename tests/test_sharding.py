@@ -428,3 +428,31 @@ def test_the_global_norm_of_float64_gradients_is_taken_in_float64():
     halves = [t.to(torch.bfloat16) for t in grads]
     assert total_norm(halves, 2.0) == pytest.approx(float(torch.nn.utils.get_total_norm(
         [t.float() for t in halves], 2.0)), rel=1e-2)
+
+
+def test_clipping_by_the_global_norm_returns_one_devices_norm_in_the_parameters_dtype():
+    """What ``clip_gradients`` returns is the norm as ``clip_grad_norm_`` returns it: float64 for float64 parameters
+    (under "64-true" the default dtype outside the forward is float32, in which it came back), the gradients scaled
+    alike."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lightning_pipe.lightning.precision import clip_by_global_norm
+
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, dtype=torch.float64, generator=g)) for n in (7, 3)]
+    for p in params:
+        p.grad = torch.randn(p.shape, dtype=torch.float64, generator=g)
+    plain = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(plain, params):
+        p.grad = q.grad.clone()
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    optimizer._lp_hosts = SimpleNamespace(start=lambda *args, **kwargs: [], call_later=lambda *args: None)
+    optimizer._lp_index = 0
+    want = torch.nn.utils.clip_grad_norm_(plain, 0.5)
+    got = clip_by_global_norm(optimizer, 0.5)
+    assert got.dtype == want.dtype == torch.float64
+    assert float(got) == pytest.approx(float(want), rel=1e-15, abs=0)
+    for p, q in zip(params, plain):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-15, atol=0)

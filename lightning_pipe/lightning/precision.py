@@ -8,6 +8,7 @@ stages unscale too: an overflow on any stage skips the step everywhere and lower
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -108,7 +109,10 @@ def clip_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, norm_
             fsdp.local(g).detach().mul_(coefficient)
         # Nothing reads the stages' gradients before the optimizer's step reaches them: it goes with that.
         hosts.call_later("scale_grads", optimizer._lp_index, coefficient)  # type: ignore[attr-defined]
-    return torch.tensor(total)
+    # In the parameters' dtype, as clip_grad_norm_ returns it (float64 under "64-true", where the default is float32
+    # outside the forward); placeholders of the other stages' parameters have theirs.
+    dtypes = [p.dtype for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()]
+    return torch.tensor(total, dtype=functools.reduce(torch.promote_types, dtypes) if dtypes else None)
 
 
 def clip_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
