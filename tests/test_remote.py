@@ -444,3 +444,40 @@ def test_a_skip_stashed_as_none_crosses_processes_as_none():
     """``yield stash(name, None)`` on stage 0 popped on stage 2, in another process: the skip travels as None
     and sends no gradient back, with the same outputs and gradients as one process; a tensor skip too."""
     assert run_processes(_none_skips, 3, timeout=100)[0] == 2 * 3 * 6
+
+
+_DEFAULTS_SEEN: list[torch.dtype] = []  # in the stage's process: the default dtype each forward there ran under
+
+
+class _SeesDefault(nn.Module):
+    def forward(self, x):
+        _DEFAULTS_SEEN.append(torch.get_default_dtype())
+        return x
+
+
+def _defaults_seen() -> tuple[list[torch.dtype], torch.dtype]:
+    return list(_DEFAULTS_SEEN), torch.get_default_dtype()
+
+
+def _default_dtype(rank: int, world: int):
+    model = nn.Sequential(nn.Linear(4, 4), _SeesDefault(), nn.Linear(4, 2)).double()
+    pipeline = pipeline_over_rpc("default-dtype", model, [1, 2], ["worker0", "worker1"], timeout=20)
+    if pipeline is None:
+        return None
+    torch.set_default_dtype(torch.float64)  # as the driver's forward under precision="64-true"
+    try:
+        run_pipeline(pipeline, torch.randn(6, 4, dtype=torch.float64), chunks=2, checkpoint="never", training=True,
+                     parameters=pipeline.runner.stage.partition.parameters()).sum().backward()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    seen = rpc.rpc_sync("worker1", _defaults_seen)
+    pipeline.close()
+    return seen
+
+
+def test_a_stage_process_takes_the_drivers_default_dtype_for_the_share_alone():
+    """The layers of another process make their tensors in the driver's default dtype during the step (64-true sets
+    float64 there), and that process's own default is back after it: an optimizer's state made between steps (Adam's
+    step count) took float64 there, where one device makes it in the default float32."""
+    during, after = run_processes(_default_dtype, 2, timeout=100)[0]
+    assert during == [torch.float64, torch.float64] and after == torch.float32

@@ -171,12 +171,15 @@ class StageRunner:
         """This process's share of one step (:func:`~lightning_pipe.engine.share.run_share`, over the wire's channel,
         :class:`~lightning_pipe.transport.stages.channel.StageChannel`; ``inputs``: stage 0's micro-batches, on the
         driver), with the driver's anomaly detection and default dtype (``precision="64-true"`` sets it there:
-        tensors a layer creates must have it here too). Returns the sends still in flight and stage 0's input
-        gradients by micro-batch. With replicas, each stage's last backward runs through DDP's reducer.
-        ``riders(i)`` (the driver's): what to send with stage 0's output of micro-batch ``i``."""
+        tensors a layer creates must have it here too; this process's own is back once the share is done). Returns
+        the sends still in flight and stage 0's input gradients by micro-batch. With replicas, each stage's last
+        backward runs through DDP's reducer. ``riders(i)`` (the driver's): what to send with stage 0's output of
+        micro-batch ``i``."""
         self.averages.settle()  # the previous step's reductions here are over
         self._beat = time.monotonic()
-        if spec.dtype is not None and torch.get_default_dtype() != spec.dtype and 0 not in self.stages:
+        default = torch.get_default_dtype()  # put back after the share: what this process makes between steps
+        # (an optimizer's state, Adam's step count) takes the default dtype, as the driver's outside its forward does
+        if spec.dtype is not None and default != spec.dtype and 0 not in self.stages:
             torch.set_default_dtype(spec.dtype)  # a worker's own; never the driver's program's (bf16-true's leaked)
         averages = self.averages.step(run, actions, spec.reduce, spec.eager)
         if spec.eager:
@@ -197,6 +200,7 @@ class StageRunner:
                 averages.close((lambda stage: stage.aside.keep(run)) if spec.eager else None)
                 if not any(stage.has_saved(run) for stage in self.stages.values()):
                     self._seeds.pop(run, None)  # nothing will be recomputed: the seed is not needed any more
+                torch.set_default_dtype(default)
         return channel.sends, channel.input_grads
 
     def still_working(self, run: int) -> None:
