@@ -179,7 +179,8 @@ class StageRunner:
         self._beat = time.monotonic()
         default = torch.get_default_dtype()  # put back after the share: what this process makes between steps
         # (an optimizer's state, Adam's step count) takes the default dtype, as the driver's outside its forward does
-        if spec.dtype is not None and default != spec.dtype and 0 not in self.stages:
+        taken = spec.dtype is not None and default != spec.dtype and 0 not in self.stages
+        if taken:
             torch.set_default_dtype(spec.dtype)  # a worker's own; never the driver's program's (bf16-true's leaked)
         averages = self.averages.step(run, actions, spec.reduce, spec.eager)
         if spec.eager:
@@ -200,7 +201,8 @@ class StageRunner:
                 averages.close((lambda stage: stage.aside.keep(run)) if spec.eager else None)
                 if not any(stage.has_saved(run) for stage in self.stages.values()):
                     self._seeds.pop(run, None)  # nothing will be recomputed: the seed is not needed any more
-                torch.set_default_dtype(default)
+                if taken:
+                    torch.set_default_dtype(default)
         return channel.sends, channel.input_grads
 
     def still_working(self, run: int) -> None:
