@@ -13,13 +13,15 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 from torch import nn
 
+# Imported before RPC starts: a request from the other process would otherwise import them on RPC's thread while
+# this one is halfway through (a partially initialized module).
+from lightning_pipe.engine import run_pipeline
+from lightning_pipe.transport import pipeline_over_rpc
+
 
 def main(rank: int, port: int, data_plane: str) -> None:
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=30, _transports=["uv"]))
-    from lightning_pipe.engine import run_pipeline
-    from lightning_pipe.transport import pipeline_over_rpc
-
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     pipeline = pipeline_over_rpc("unclosed", module, [2, 1], ["w0", "w1"], data_plane=data_plane, timeout=30)
