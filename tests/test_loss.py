@@ -244,7 +244,7 @@ def test_the_batchs_loss_is_the_weighted_sum_in_float64_in_micro_batch_order(dty
         w = [n / sum(sizes) for n in sizes]
         losses = [MicroLoss(v.to(dtype), None) for v in values]
         expected = sum((wi * loss.value.double() for wi, loss in zip(w, losses)), torch.zeros((), dtype=torch.float64))
-        got = combine(losses, w).value
+        got = combine(losses, w, sizes).value
         assert got.dtype == dtype and torch.equal(got, expected.to(dtype))
 
 

@@ -148,7 +148,7 @@ class _LossFunction(torch.autograd.Function):
         _remember_inputs(ctx, pipeline, run, phony, inputs)
         step = pipeline.execute(run, plan, inputs=microbatches)
         ctx.grads = step.input_grads
-        total = combine(step.losses, run.weights, weights(run.sizes, "mean"), run.combined)
+        total = combine(step.losses, run.weights, run.sizes, run.extra_reductions)
         run.extras = total.extras
         return total.value
 
@@ -185,12 +185,12 @@ def pipeline_loss(pipeline: Any, input: TensorOrTensors, target: Any, loss_fn: L
     run.loss, run.targets, run.weights = loss_fn, scatter_target(target, sizes), weights(sizes, reduction)
     run.loss_scale = float(loss_scale)
     check_extras(extras)
-    run.combined = extras
+    run.extra_reductions = extras
     m, p = len(sizes), pipeline.processes
     v = pipeline.num_stages // p
     if not save:
         step = pipeline.execute(run, forward_only(m, p, v, pipeline.placement), inputs=microbatches, save=False)
-        total = combine(step.losses, run.weights, weights(sizes, "mean"), extras)
+        total = combine(step.losses, run.weights, sizes, extras)
         return total.value if total.extras is None else {"loss": total.value, **total.extras}
     plan = gpipe(m, p, pipelined=pipeline.pipelined) if schedule == "gpipe" else schedule_plan(schedule, m, p, v)
     phony = torch.empty(0, requires_grad=True)

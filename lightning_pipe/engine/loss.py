@@ -121,11 +121,11 @@ def weights(sizes: Sequence[int], reduction: str) -> list[float]:
     return [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
 
 
-def combine(losses: Sequence[MicroLoss], w: Sequence[float], shares: Sequence[float] | None = None,
+def combine(losses: Sequence[MicroLoss], w: Sequence[float], sizes: Sequence[int],
             extras: Mapping[str, str] | None = None) -> MicroLoss:
-    """The batch's loss and extras from the micro-batches' (see the module's docstring): the loss weighted by ``w``;
-    a floating scalar extra that ``extras`` names ``"mean"`` by ``shares`` (each micro-batch's share of the samples;
-    default ``w``), one it names ``"sum"`` or an integer or boolean one added up, another by ``w``."""
+    """The batch's loss and extras from the micro-batches' (of ``sizes`` samples; see the module's docstring): the
+    loss weighted by ``w``; a floating scalar extra that ``extras`` names ``"mean"`` by each micro-batch's share of the
+    samples, one it names ``"sum"`` or an integer or boolean one added up, another by ``w``."""
     if all(loss.value.device.type == "cpu" and loss.value.is_floating_point() for loss in losses):
         # The same sum in the same order in Python's doubles: one call into torch per micro-batch, not three.
         total = 0.0
@@ -161,7 +161,7 @@ def combine(losses: Sequence[MicroLoss], w: Sequence[float], shares: Sequence[fl
                                  "float (e.g. .float().mean()) to have it averaged")
             combined[key] = torch.stack(parts).sum()  # a count, added up in its own type
         else:
-            weight = [1.0] * len(parts) if how == "sum" else shares if how == "mean" and shares is not None else w
+            weight = w if how is None else weights(sizes, how)
             wide = torch.complex128 if parts[0].is_complex() else torch.float64
             combined[key] = sum((wi * p.to(wide) for wi, p in zip(weight, parts)),
                                 torch.zeros((), dtype=wide)).to(parts[0].dtype)

@@ -79,10 +79,10 @@ def loss_on_last_stage(body: nn.Module, input: Any, target: Any, loss_fn: LossFn
             return loss
     """
     check_reduction(reduction)
-    check_extras(extras)
     pipelined = getattr(body, "pipeline_loss", None)
     if pipelined is not None:
-        return pipelined(input, target, loss_fn, reduction=reduction, extras=extras)
+        return pipelined(input, target, loss_fn, reduction=reduction, extras=extras)  # (it checks ``extras``)
+    check_extras(extras)
     return loss_fn(body(input), target)
 
 

@@ -107,7 +107,7 @@ class Run:
         self.targets: list[Any] = []
         self.weights: list[float] = []
         self.loss_scale = 1.0
-        self.combined: Mapping[str, str] | None = None  # how the loss's scalar extras combine (``engine/loss.py``)
+        self.extra_reductions: Mapping[str, str] | None = None  # how its scalar extras combine (``engine/loss.py``)
         for stage in stages:
             weakref.finalize(self, stage.release, self.id)
 

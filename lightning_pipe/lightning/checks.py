@@ -82,7 +82,7 @@ def check_pipelined_backward(pipelined: Any, schedule: Any) -> None:
     backward per stage over all its micro-batches needs every forward done first, which no other order has."""
     if not isinstance(pipelined, bool):
         raise ValueError(f"pipelined_backward must be True or False (got: {pipelined!r})")
-    if not pipelined and not (isinstance(schedule, str) and schedule == "gpipe"):
+    if not pipelined and schedule != "gpipe":
         shown = "a schedule given as data names each micro-batch's backward" if isinstance(schedule, Plan) else \
             f"schedule={schedule!r} may choose one that interleaves them" if schedule == "auto" else \
             f"schedule={schedule!r} interleaves them"
