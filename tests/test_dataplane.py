@@ -238,7 +238,8 @@ def test_targets_that_do_not_join_travel_one_by_one(targets):
 
 def test_the_last_stages_losses_travel_as_one_tensor_and_arrive_as_they_were_held():
     from lightning_pipe.engine.loss import MicroLoss
-    from lightning_pipe.transport.stages.steps import _packed, _unpacked
+    from lightning_pipe.transport.stages.answers import packed as _packed
+    from lightning_pipe.transport.stages.answers import unpacked as _unpacked
 
     held = {i: MicroLoss(torch.tensor(float(i) / 3), None) for i in range(5)}
     packed = _packed(held)
@@ -649,7 +650,8 @@ def _riding_commits(rank: int, world: int):
     send_step = DataPlane.send_step
 
     def noted(plane, name, run, step):
-        sent.append((name, ("commit", step[1]) if step[0] == "commit" else ("step", run, step[-1])))
+        sent.append((name, ("commit", step[1]) if step[0] == "commit" else ("call", step[3], step[-1])
+                     if step[0] == "call" else ("step", run, step[-2])))
         return send_step(plane, name, run, step)
 
     DataPlane.send_step = noted
@@ -684,8 +686,12 @@ def test_a_commit_rides_with_the_next_step_and_sends_no_message_of_its_own():
         # Step k carries step k-1's commit (scale 1: the loss's own gradient), and nothing went alone.
         assert mine == [("step", runs[0], []), ("step", runs[1], [("commit", runs[0], 1.0)]),
                         ("step", runs[2], [("commit", runs[1], 1.0)])], mine
-        # The read of worker1's gradients settles every process's last commit first: alone, on the plane.
-        assert [what for name, what in sent[len(before_call):] if name == peer] == [("commit", runs[2])]
+    # The read of worker1's gradients settles every process's last commit first: alone, on the plane. worker1, in the
+    # middle, answered none of its steps (they went well): the driver asks it for a word first (what else it sends it
+    # could overtake the listener's share of the last step); worker2 answered each step with its losses.
+    after = [(name, what) for name, what in sent[len(before_call):]]
+    assert after == [("worker1", ("call", None, [])), ("worker1", ("commit", runs[2])),
+                     ("worker2", ("commit", runs[2]))], after
     for name, grad in grads.items():
         layer = int(name.split(".")[0])  # worker1 holds layers 2-4, named as in the whole body
         expected = 3 * torch.tensor(once[f"{layer}.{name.split('.', 1)[1]}"])
@@ -848,3 +854,105 @@ def test_a_process_serving_a_pipeline_its_driver_never_closed_exits_cleanly(data
     result = run_script("unclosed.py", data_plane, timeout=150)
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [0, 0], result.stdout + result.stderr
     assert "terminate called" not in result.stderr
+
+
+def _answers_taken(rank: int, world: int):
+    """Three processes over the plane: which processes the driver read an answer from, per step, under 1F1B with the
+    loss on the last stage and under GPipe with the loss on the driver (its forward and its backward); and whether
+    the gradients are the plain model's."""
+    from lightning_pipe.transport.stages import answers
+
+    pipeline = pipeline_over_rpc("quiet", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    taken = []
+    answer = answers.answer
+
+    def noted(runner, peer, process, run, *args):
+        taken.append(process)
+        return answer(runner, peer, process, run, *args)
+
+    answers.answer = noted
+    reference = build()
+    x = torch.randn(8, 6, requires_grad=True)
+    y = torch.randn_like(reference(x))
+    seen = {}
+    try:
+        for schedule in ("1f1b", "gpipe"):
+            taken.clear()
+            if schedule == "1f1b":
+                pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True, parameters=iter([]),
+                              schedule="1f1b").backward()
+            else:
+                _mse(run_pipeline(pipeline, x, chunks=4, checkpoint="never", training=True, parameters=iter([])),
+                     y).backward()
+            seen[schedule] = list(taken)
+        grads = {name: grad.tolist() for name, grad in pipeline.call(2, "named_grads").items()}
+    finally:
+        answers.answer = answer
+    _mse(reference(x), y).backward()
+    once = {name: p.grad.tolist() for name, p in reference.named_parameters()}
+    pipeline.close()
+    return seen, grads, once
+
+
+@pytest.mark.timeout(120)
+def test_a_process_holding_nothing_for_the_driver_does_not_answer_a_step_that_went_well():
+    """Under 1F1B with the loss on the last stage, the middle process holds nothing for the driver: the driver reads
+    the last process's answer (its losses) alone. GPipe with the loss on the driver: both processes answer the
+    forward (the last one with the outputs, the middle one because its activations wait for the backward), neither
+    answers the backward. The gradients are the plain model's, two steps' worth."""
+    seen, grads, once = run_processes(_answers_taken, 3, timeout=100)[0]
+    assert seen == {"1f1b": [2], "gpipe": [1, 2]}, seen
+    for name, grad in grads.items():
+        layer = int(name.split(".")[0])  # worker2 holds layers 5-6, named as in the whole body
+        expected = 2 * torch.tensor(once[f"{layer}.{name.split('.', 1)[1]}"])
+        torch.testing.assert_close(torch.tensor(grad), expected, msg=name)
+
+
+def _fail_after_share(key: str, on_run: int) -> None:
+    """Make this process's share of its ``on_run``-th step fail once the share itself is done (as a stage's deferred
+    parameter gradients or its reduction over the replicas could, after the driver's step is over)."""
+    from lightning_pipe.transport.stages.entries import RUNNERS
+
+    runner = RUNNERS[key]
+    run_actions = runner.run_actions
+    count = [0]
+
+    def failing(*args, **kwargs):
+        done = run_actions(*args, **kwargs)
+        count[0] += 1
+        if count[0] == on_run:
+            raise RuntimeError("failed after its hand-offs")
+        return done
+
+    runner.run_actions = failing
+
+
+def _late_failure(rank: int, world: int):
+    pipeline = pipeline_over_rpc("late", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    rpc.rpc_sync("worker1", _fail_after_share, args=("late", 2))
+    x = torch.randn(8, 6, requires_grad=True)
+    y = torch.randn_like(build()(x))
+    try:
+        for step in range(1, 6):
+            pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True, parameters=iter([]),
+                          schedule="1f1b").backward()
+        return "no error"
+    except RuntimeError as exc:
+        return step, "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+    finally:
+        pipeline.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_quiet_process_whose_share_fails_after_its_hand_offs_fails_the_driver_by_the_next_step():
+    """The middle process leaves the steps that went well unanswered; one whose share fails once its hand-offs are done
+    (the driver may be past that step already) reaches the driver by the end of the next step, naming its stage."""
+    result = run_processes(_late_failure, 3, timeout=100)[0]
+    assert result != "no error"
+    step, error = result
+    assert step in (2, 3), result
+    assert "failed after its hand-offs" in error and "stage 1 of pipeline 'late'" in error, error

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -28,16 +27,15 @@ from lightning_pipe.engine.share import Skipped
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Grads, Stage, move_to
 from lightning_pipe.engine.worker import Inline
-from lightning_pipe.transport.stages import steps
+from lightning_pipe.transport.stages import answers, steps
 from lightning_pipe.transport.stages.entries import (
     abort_run,
     call_runner,
-    is_registered,
     register,
     run_share,
     unregister,
 )
-from lightning_pipe.transport.stages.rendezvous import connect, detach
+from lightning_pipe.transport.stages.rendezvous import connect, detach, wait_registered
 from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.stages.settled import RemoteStageRef, Settled
 from lightning_pipe.transport.wire.messages import (
@@ -55,17 +53,6 @@ from lightning_pipe.transport.wire.messages import (
 from lightning_pipe.transport.wire.riders import defer_commits, settle_commits
 
 __all__ = ["RemotePipeline", "pipeline_over_rpc"]
-
-
-def wait_registered(peers: Sequence[str], key: str, timeout: float) -> None:
-    """Wait until every process in ``peers`` hosts its stage of pipeline ``key``."""
-    deadline = time.monotonic() + timeout
-    for peer in peers:
-        while not rpc.rpc_sync(peer, is_registered, args=(key,), timeout=timeout):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"process '{peer}' did not set up its stage of pipeline '{key}' within "
-                                   f"{timeout:.0f} s")
-            time.sleep(0.01)
 
 
 def pipeline_over_rpc(key: str, module: nn.Sequential, balance: Sequence[int], names: Sequence[str], *,
@@ -137,6 +124,7 @@ class RemotePipeline:
         # Whether the step starting now averages its gradients over replicas (PipeStrategy's, while fitting
         # with replicas and not under no_sync): each stage's last backward then runs through its DDP.
         self.reduce: Callable[[], bool] = lambda: False
+        self._unanswered: dict[int, answers.Unanswered] = {}  # per process, the quiet steps it did not answer
         register(runner)
 
     @property
@@ -147,6 +135,10 @@ class RemotePipeline:
     def _stages(self, r: int) -> str:
         """The stages of process ``r``, for messages: ``"1"``, or ``"1, 3"`` (interleaved)."""
         return ", ".join(map(str, Plan("", 0, self.n, self.processes, (), self.placement).stages_of(r)))
+
+    def _ask(self, r: int) -> Callable[[Callable[[], str]], Any]:
+        """What asks process ``r``'s listener for a word (``answers.Unanswered``): a call that does nothing."""
+        return lambda located: steps.call(self.runner, self.peers[r], r, None, (), located)
 
     def _describe(self, r: int) -> Callable[[], str]:
         return lambda: f"in stage {self._stages(r)} of pipeline '{self.key}' ({where(self.peers[r])})"
@@ -220,14 +212,13 @@ class RemotePipeline:
                 MAILBOX.put(slot, payload)
         grads: dict[int, Grads] = {}
         targets: dict[int, list[tuple[Slot, Any]]] = {}  # sent with stage 0's output of their micro-batch
+        forwards = any(a.kind == "F" and a.stage == n - 1 for a in plan.actions[last])
 
         def local() -> list[Future[Any]]:
             sends, mine = self.runner.run_actions(run.id, plan.actions[0], spec, inputs,
                                                   (lambda i: targets.pop(i, [])) if targets else None)
             grads.update(mine)
             return sends
-
-        forwards = any(a.kind == "F" and a.stage == n - 1 for a in plan.actions[last])
 
         def collect() -> list[Any]:
             # A little longer than the stages' own waits, so that the stage that noticed a silent neighbour
@@ -240,8 +231,12 @@ class RemotePipeline:
         # DDP's hooks act otherwise); elsewhere where it saves a wake-up (``_submit``).
         inline = True if inline_device is not None and self.runner.stage.device == inline_device else \
             False if output_grads is not None else None
+        # A process holding nothing for the driver answers only if its share fails, where the step leaves nothing
+        # behind there (nothing saved, or its backward done, or committed later): :mod:`.answers`.
+        settles = not save or spec.eager or any(a.kind != "F" for a in plan.actions[0])
+        quiet = {r for r in range(1, p) if settles and not (forwards and r == last)}
         collected, answers = self._submit(run, plan, spec, local, collect if forwards and last == 0 else None,
-                                          {last: deliveries} if last != 0 else {}, inline, targets)
+                                          {last: deliveries} if last != 0 else {}, inline, targets, quiet)
         if not save or (not spec.eager and any(a.kind != "F" for a in plan.actions[0])):
             self._settled.add(run.id, p - 1)  # nothing saved, or a backward done: nothing left behind elsewhere
         results = None
@@ -261,7 +256,7 @@ class RemotePipeline:
 
     def _submit(self, run: Run, plan: Plan, spec: StepSpec, local: Callable[[], Any],
                 collect: Callable[[], Any] | None, deliveries: dict[int, list[tuple[Slot, Any]]],
-                inline: bool | None, targets: dict[int, list[tuple[Slot, Any]]]) -> Any:
+                inline: bool | None, targets: dict[int, list[tuple[Slot, Any]]], quiet: set[int]) -> Any:
         """Give every process its actions of ``plan`` at once (one message per process), run ``collect`` (the
         driver's own waits, each bounded) meanwhile, and wait for every process. Returns what ``collect``
         returned and each process's answer (None for this one). ``inline``: stage 0 runs on the calling thread
@@ -272,11 +267,15 @@ class RemotePipeline:
         sends: list[Future[Any]] = []
         aborted = threading.Event()
 
-        def on_done(f: Future[Any]) -> None:
-            exc = f.exception()
-            if exc is not None and not isinstance(exc, Skipped) and not aborted.is_set():
+        def abort() -> None:
+            if not aborted.is_set():
                 aborted.set()
                 self.abort_run(run)
+
+        def on_done(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None and not isinstance(exc, Skipped):
+                abort()
 
         def start() -> None:
             sends.extend(local())  # sends in flight: waited for below, not on the worker
@@ -291,6 +290,7 @@ class RemotePipeline:
         settle_commits(self.key, before_steps=True)
         futures: list[Future[Any]] = [Future() for _ in range(self.processes)]  # each process's share
         on_plane: list[int] = []  # the processes whose step went on the data plane: they answer there
+        numbers: dict[int, int] = {}  # each one's step: its message's number (answers.sent)
         later: dict[int, list[tuple[Slot, Any]]] = {}  # deliveries too large to travel in a step on the plane
         collected = None
         progress = (self.key, run.id)
@@ -311,8 +311,9 @@ class RemotePipeline:
                     if inline:  # what did not fit into a step goes before stage 0 runs here to its end
                         send_later()
                     future = (Inline() if inline else self.runner.worker).submit(start)
-                elif (left := steps.start(self.runner, self.peers[r], run.id, plan.actions[r], spec,
-                                          deliveries.get(r, ()))) is not None:
+                elif (started := steps.start(self.runner, self.peers[r], run.id, plan.actions[r], spec,
+                                             deliveries.get(r, ()), r in quiet)) is not None:
+                    left, numbers[r] = started
                     for slot, payload in left:
                         if slot.kind == "T":
                             targets.setdefault(slot.microbatch, []).append((slot, payload))
@@ -343,22 +344,18 @@ class RemotePipeline:
                                          f"pipeline '{self.key}'")
             except BaseException as exc:  # noqa: BLE001 - raised once the answers on the plane are in
                 error = exc
-            for r in on_plane:  # every one, after a failure too: the first real error in process order wins
-                try:
-                    futures[r].set_result(steps.answer(self.runner, self.peers[r], r, run.id, self._stages(r)))
-                except BaseException as exc:  # noqa: BLE001
-                    futures[r].set_exception(exc)
-                    on_done(futures[r])
-                    if error is None and not isinstance(exc, Skipped):
-                        error = exc
+            failed = error is not None or aborted.is_set() or run.failed or self.runner.has_failed(run.id) or \
+                any(futures[r].done() and futures[r].exception() is not None for r in by_rpc)
+            # Every answer, after a failure too: the first real error in process order wins.
+            late = answers.collect(self.runner, self.peers, run.id, futures, on_plane, numbers, quiet, self._stages,
+                                   failed, abort, on_done, self._unanswered, self._ask)
+            error = error or late
             if error is not None:
                 raise error
             drain(sends)
-            settle_commits(self.key)  # the last commits' answers came before this step's
+            settle_commits(self.key, shares=False)  # the last commits' answers came before this step's
         except BaseException:
-            if not aborted.is_set():
-                aborted.set()
-                self.abort_run(run)
+            abort()
             raise
         finally:
             with PROGRESS_LOCK:
@@ -388,6 +385,7 @@ class RemotePipeline:
         try:
             settle_commits(self.key)
         finally:
+            answers.forget(self.key)
             self._close_plane()
 
     def _close_plane(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -16,13 +17,13 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from lightning_pipe.transport.stages import steps
-from lightning_pipe.transport.stages.entries import RUNNERS
+from lightning_pipe.transport.stages.entries import RUNNERS, is_registered
 from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.wire.dataplane import AUTO_MAX_BYTES, DATA_PLANES, DataPlane
 from lightning_pipe.transport.wire.lane import LANES, lane_groups
 from lightning_pipe.transport.wire.session import SESSION, plane_groups
 
-__all__ = ["connect", "detach"]
+__all__ = ["connect", "detach", "wait_registered"]
 
 
 def _store(address: tuple[str, int] | None, timeout: float) -> Any:
@@ -120,3 +121,14 @@ def detach(key: str) -> None:
     runner = RUNNERS.get(key)
     if runner is not None and runner.plane is not None:
         runner.plane.close()
+
+
+def wait_registered(peers: Sequence[str], key: str, timeout: float) -> None:
+    """Wait until every process in ``peers`` hosts its stage of pipeline ``key``."""
+    deadline = time.monotonic() + timeout
+    for peer in peers:
+        while not rpc.rpc_sync(peer, is_registered, args=(key,), timeout=timeout):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process '{peer}' did not set up its stage of pipeline '{key}' within "
+                                   f"{timeout:.0f} s")
+            time.sleep(0.01)

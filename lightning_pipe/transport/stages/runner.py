@@ -16,6 +16,7 @@ by the RPC timeout, so a lost process becomes an error, not a hang.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -74,6 +75,10 @@ class StageRunner:
             Worker(f"lightning_pipe.{key}.stage{self.index}.send")
         self._seeds: dict[int, LazySeed] = {}
         self._failed: collections.deque[int] = collections.deque(maxlen=4096)
+        # Runs whose share here went well and was not answered (a quiet step), each with what answers it if the run
+        # is aborted after all; the lock orders that answer with the share's end.
+        self._unanswered: collections.OrderedDict[int, Callable[[], Any]] = collections.OrderedDict()
+        self._answering = threading.Lock()
         # The last stage's outputs (or losses) for a driver in another process, per run and micro-batch: they
         # go back in the answer to the step's actions (the driver needs none before the last one), one message
         # instead of one delivery and its acknowledgement per micro-batch.
@@ -237,9 +242,10 @@ class StageRunner:
             self.calls[f"{rider[1]} riding"] += 1
             getattr(self.host, rider[1])(*rider[2])
 
-    def call_host(self, method: str, args: Sequence[Any], riders: Sequence[tuple[Any, ...]], how: str) -> Any:
+    def call_host(self, method: str | None, args: Sequence[Any], riders: Sequence[tuple[Any, ...]], how: str) -> Any:
         """Call ``method(*args)`` of this process's host once ``riders`` (what came with the call) are applied and this
-        stage's reduction is over (what reads or changes gradients waits for it), counting it as come ``how``."""
+        stage's reduction is over (what reads or changes gradients waits for it), counting it as come ``how``;
+        ``method`` None: nothing more (the driver asks for a word once this process is done with what came before)."""
         for rider in riders:
             try:
                 self.ride(rider)
@@ -247,6 +253,8 @@ class StageRunner:
                 exc.add_note(f"{self.describe_rider(rider)} of pipeline '{self.key}' before {method}")
                 raise
         self.averages.settle()
+        if method is None:  # a word asked for: what came before is done
+            return None
         self.calls[f"{method} {how}"] += 1
         return getattr(self.host, method)(*args)
 
@@ -274,12 +282,28 @@ class StageRunner:
         return {"saved": sum(st.saved_count() for st in self.stages.values()), "held": len(self._held),
                 "seeds": len(self._seeds)}
 
+    def quiet(self, run: int, answer: Callable[[], Any]) -> bool:
+        """Leave run ``run``'s share, which went well, unanswered, unless the run failed meanwhile (False: the caller
+        answers); ``answer()`` answers it if the run is aborted later (the driver then reads every process's
+        answer). The last few runs only: the driver aborts none older."""
+        with self._answering:
+            if run in self._failed:
+                return False
+            self._unanswered[run] = answer
+            while len(self._unanswered) > 8:
+                self._unanswered.popitem(last=False)
+            return True
+
     def fail(self, run: int) -> None:
         """Mark ``run`` failed: its queued actions skip and its waits wake up (once: a run is aborted on the
-        plane's channels once per process, whoever asks)."""
-        if run in self._failed:
-            return
-        self._failed.append(run)
+        plane's channels once per process, whoever asks); a share of it that went well unanswered answers now."""
+        with self._answering:
+            if run in self._failed:
+                return
+            self._failed.append(run)
+            answer = self._unanswered.pop(run, None)
+        if answer is not None:
+            answer()
         self._held.pop(run, None)
         MAILBOX.abort(self.key, run)
         if self.plane is not None:

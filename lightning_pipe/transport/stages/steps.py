@@ -28,7 +28,6 @@ with RPC. A slow stage's sign of life comes on the plane ahead of its answer and
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -36,12 +35,12 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from lightning_pipe.engine.loss import MicroLoss
 from lightning_pipe.engine.schedule import Action
 from lightning_pipe.engine.share import Skipped
+from lightning_pipe.transport.stages import answers
+from lightning_pipe.transport.stages.answers import answer_slot, answered, packed
 from lightning_pipe.transport.stages.entries import abort_run, commit_run
 from lightning_pipe.transport.stages.runner import StageRunner
-from lightning_pipe.transport.wire.dataplane import ANSWER
 from lightning_pipe.transport.wire.messages import (
     MAILBOX,
     Failure,
@@ -61,36 +60,28 @@ __all__: list[str] = []
 INLINE = 64 << 10
 
 
-def answer_slot(key: str, run: int, process: int, what: int = 0) -> Slot:
-    """Where process ``process``'s answer to run ``run`` of pipeline ``key`` lands (``what``: 0 its share, 1 its
-    commit, 2 a call of its host, ``run`` then the call's token): apart from the run's data, so that aborting the
-    run (which drops its data) keeps the answer that says why."""
-    return Slot(f"{key}/answers", run, ANSWER, what, process, process)
-
-
 class _Commit:
     """A commit sent to a process's step listener: :meth:`result` waits for its answer, raising its error."""
 
     before_steps = True  # the listener runs it before the next step (see ``settle_commits``)
 
-    def __init__(self, runner: StageRunner, peer: str, process: int, run: int) -> None:
-        self.runner, self.peer, self.process, self.run = runner, peer, process, run
+    def __init__(self, runner: StageRunner, peer: str, process: int, run: int, number: int) -> None:
+        self.runner, self.peer, self.process, self.run, self.number = runner, peer, process, run, number
 
     def result(self) -> None:
         runner, peer = self.runner, self.peer
         located = lambda: f"committing the gradients of pipeline '{runner.key}' in {where(peer)}"  # noqa: E731
-        _answered(runner, peer, answer_slot(runner.key, self.run, self.process, 1), located)
-
-
-_CALLS = itertools.count()  # the tokens of the calls on the plane: where their answers land
+        answered(runner, peer, answer_slot(runner.key, self.run, self.process, 1), located, self.number)
 
 
 class Called:
     """A call of a process's host sent to its step listener (:func:`call`): :meth:`result` waits for its answer,
     raising its error, located."""
 
-    def __init__(self, runner: StageRunner, peer: str, process: int, token: int, located: Callable[[], str]) -> None:
+    def __init__(self, runner: StageRunner, peer: str, process: int, token: int, located: Callable[[], str],
+                 number: int) -> None:
         self.runner, self.peer, self.process, self.token, self.located = runner, peer, process, token, located
+        self.number = number  # the message's to the listener
         self._answer: tuple[bool, Any] | None = None  # (whether it returned, its value or error), once taken
 
     def result(self) -> Any:
@@ -98,7 +89,7 @@ class Called:
         if self._answer is None:
             slot = answer_slot(self.runner.key, self.token, self.process, 2)
             try:
-                self._answer = (True, _answered(self.runner, self.peer, slot, self.located))
+                self._answer = (True, answered(self.runner, self.peer, slot, self.located, self.number))
             except BaseException as exc:
                 self._answer = (False, exc)
         returned, value = self._answer
@@ -107,22 +98,22 @@ class Called:
         return value
 
 
-def call(runner: StageRunner, peer: str, process: int, method: str, args: tuple[Any, ...],
+def call(runner: StageRunner, peer: str, process: int, method: str | None, args: tuple[Any, ...],
          located: Callable[[], str]) -> Called | None:
     """Call ``method(*args)`` of process ``peer``'s host (``process``) through its step listener on the data plane,
     what rides to that process going first: behind its step, if one is running, and answered on the plane (a
     round trip of 0.1-0.2 ms where RPC's takes ~1 ms). None where the plane does not carry it (the caller calls by
-    RPC)."""
+    RPC). ``method`` None: nothing is called (a word from the listener, once what it was sent before is done)."""
     plane = runner.plane
     if plane is None or not plane.carries(peer):
         return None
     settle_commits(runner.key, before_steps=True, peer=peer)  # (none by RPC overtakes it)
     riders = riding(runner.key, peer)
-    token = next(_CALLS)
+    token = answers.next_token()
     if not plane.send_step(peer, token, ("call", token, process, method, args, [c.rider for c in riders])):
         return None
     rode(runner.key, riders)
-    return Called(runner, peer, process, token, located)
+    return Called(runner, peer, process, token, located, answers.sent(runner.key, peer))
 
 
 def commit(runner: StageRunner, peer: str, process: int, run: int, scale: float) -> _Commit | None:
@@ -130,7 +121,7 @@ def commit(runner: StageRunner, peer: str, process: int, run: int, scale: float)
     its next step; None where the plane does not carry it (the caller commits by RPC)."""
     if runner.plane is None or not runner.plane.send_step(peer, run, ("commit", run, scale)):
         return None
-    return _Commit(runner, peer, process, run)
+    return _Commit(runner, peer, process, run, answers.sent(runner.key, peer))
 
 
 class Riding(Rider):
@@ -176,31 +167,30 @@ def riding_commit(runner: StageRunner, peer: str, process: int, run: int, scale:
     return Riding(runner, peer, process, run, scale)
 
 
-def _commits(step: tuple[Any, ...], commits: Sequence[Any]) -> tuple[Any, ...]:
-    """``step`` with what rides with it (commits, calls on the host: their ``rider``)."""
-    return (*step, [c.rider for c in commits])
-
-
 # ---------------------------------------------------------------------- the driver's side
 def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], spec: StepSpec,
-          deliveries: Sequence[tuple[Slot, Any]]) -> list[tuple[Slot, Any]] | None:
+          deliveries: Sequence[tuple[Slot, Any]], quiet: bool = False
+          ) -> tuple[list[tuple[Slot, Any]], int] | None:
     """Send process ``peer`` its ``actions`` of run ``run`` on the data plane, with ``deliveries`` (the last
     stage's targets and output gradients) where they are small (:data:`INLINE`), one message as by RPC. Returns
     the deliveries left to send (:func:`deliver`; the driver sends each target with stage 0's output of its
-    micro-batch), or None where the plane does not carry the step (the caller sends it by RPC)."""
+    micro-batch) and the message's number (:func:`~lightning_pipe.transport.stages.answers.sent`), or None where
+    the plane does not carry the step (the caller sends it by RPC). ``quiet``: the process answers only if its share
+    fails or the run is aborted (:mod:`~lightning_pipe.transport.stages.answers`)."""
     plane = runner.plane
     if plane is None:
         return None
     actions = [tuple(action) for action in actions]  # plain tuples: pickled by pickle's C code alone
     commits = riding(runner.key, peer)  # the last steps' commits go first, in the same message
-    inline = sum(map(_nbytes, deliveries)) <= INLINE
-    if inline and plane.send_step(peer, run, _commits((run, actions, spec, *_joined(deliveries)), commits)):
-        rode(runner.key, commits)
-        return []
-    if not plane.send_step(peer, run, _commits((run, actions, spec, None, []), commits)):
-        return None
+    riders = [c.rider for c in commits]
+    left: list[tuple[Slot, Any]] = []
+    if not (sum(map(_nbytes, deliveries)) <= INLINE and
+            plane.send_step(peer, run, (run, actions, spec, *_joined(deliveries), riders, quiet))):
+        if not plane.send_step(peer, run, (run, actions, spec, None, [], riders, quiet)):
+            return None
+        left = list(deliveries)
     rode(runner.key, commits)
-    return list(deliveries)
+    return left, answers.sent(runner.key, peer)
 
 
 def _joined(deliveries: Sequence[tuple[Slot, Any]]) -> tuple[Any, Any]:
@@ -259,57 +249,13 @@ def deliver(runner: StageRunner, peer: str, run: int, deliveries: Sequence[tuple
     return [sent for sent in sends if sent is not None]
 
 
-def answer(runner: StageRunner, peer: str, process: int, run: int, stages: str) -> Any:
-    """Process ``process``'s answer to run ``run`` (what it held for the driver), once its share is done; its
-    error, located in its ``stages`` (``"1"``, or ``"1, 3"``), if the share failed or the process is gone.
-    Waits the RPC timeout from the process's last sign of life."""
-    located = lambda: f"in stage {stages} of pipeline '{runner.key}' ({where(peer)})"  # noqa: E731
-    try:
-        return _unpacked(_answered(runner, peer, answer_slot(runner.key, run, process), located, renew=True))
-    except TimeoutError:
-        raise TimeoutError(f"no answer within {runner.timeout:.1f} s from stage {stages} ({where(peer)}) of pipeline "
-                           f"'{runner.key}' although the rest of the step is done: its process is stuck "
-                           "(rpc_timeout_sec bounds this wait)") from None
-
-
-#: The first item of an answer holding the last stage's losses as one tensor (:func:`_packed`).
-_LOSSES = "losses, stacked"
-
-
-def _packed(held: dict[int, Any] | None) -> Any:
-    """What the last stage holds for the driver (micro-batch: its loss or output), as it travels: losses that are
-    scalars alone, as ``(_LOSSES, micro-batches, one tensor of them)`` (one tensor to copy and view instead of one
-    per micro-batch, and a plain tuple, which the codec pickles by pickle's C code alone); else as it is."""
-    if not held or any(type(v) is not MicroLoss or v.extras is not None or v.value.dim() for v in held.values()):
-        return held
-    values = [v.value for v in held.values()]
-    if any(v.dtype != values[0].dtype or v.device != values[0].device for v in values):
-        return held
-    return (_LOSSES, tuple(held), torch.stack(values))
-
-
-def _unpacked(value: Any) -> Any:
-    """What :func:`_packed` made of an answer, as it was held."""
-    if type(value) is tuple and value[:1] == (_LOSSES,):
-        _, microbatches, losses = value
-        return {i: MicroLoss(loss, None) for i, loss in zip(microbatches, losses.unbind())}
-    return value
-
-
-def _answered(runner: StageRunner, peer: str, slot: Slot, located: Callable[[], str], renew: bool = False) -> Any:
-    """The answer for ``slot`` from process ``peer`` on the plane; the error it carries, ``located``, raised."""
-    value = runner.plane.take(peer, slot, runner.timeout, located, renew=renew)
-    if isinstance(value, Failure):
-        raise with_location(value.exc, located)
-    return value
-
-
 # ---------------------------------------------------------------------- a stage's process
 def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
     """Run this process's share of a step that came on the plane (or a step's commit) and answer on it; called by
     the listener, which runs it itself (handing it to the stage's worker would wake one more thread before the
     first action, up to milliseconds on an idle virtual CPU) and waits for the next step once this one is
-    answered. Steps never overlap: the driver sends the next one once every process answered this one."""
+    answered. Steps never overlap here: the listener runs its messages one after another. A quiet step that went well
+    is not answered (:mod:`~lightning_pipe.transport.stages.answers`), unless its run is aborted later."""
     if step[0] == "call":
         _, token, process, method, args, riders = step
         try:
@@ -327,7 +273,7 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
             value = Failure(exc)
         runner.send_to(runner.n, answer_slot(runner.key, run, runner.index, 1), value)
         return
-    run, actions, spec, index, payloads, commits = step
+    run, actions, spec, index, payloads, commits, quiet = step
     actions = [Action(*action) for action in actions]
     for slot, payload in _split(index, payloads):
         MAILBOX.put(slot, payload)
@@ -342,12 +288,15 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
         sends, _ = runner.run_actions(run, actions, spec)
         for sent in sends:  # those that went by RPC (the plane's are done once the share is)
             sent.result(timeout=runner.timeout)
-        value = _packed(runner.take_held(run))
+        value = packed(runner.take_held(run))
     except BaseException as exc:  # noqa: BLE001 - it travels to the driver
         if not isinstance(exc, Skipped) and not runner.has_failed(run):
             abort_everywhere(runner, run)
         value = Failure(exc)
-    runner.send_to(runner.n, answer_slot(runner.key, run, runner.index), value)
+    slot = answer_slot(runner.key, run, runner.index)
+    if quiet and value is None and runner.quiet(run, lambda: runner.send_to(runner.n, slot, Failure(Skipped()))):
+        return  # went well: no answer (one if the run is aborted later, the late answer above)
+    runner.send_to(runner.n, slot, value)
 
 
 def abort_everywhere(runner: StageRunner, run: int) -> None:

@@ -27,17 +27,19 @@ def defer_commits(key: str, futures: Sequence[Future[Any]]) -> None:
     _COMMITS.setdefault(key, []).extend(futures)
 
 
-def settle_commits(key: str, before_steps: bool = False, peer: str | None = None) -> None:
+def settle_commits(key: str, before_steps: bool = False, peer: str | None = None, shares: bool = True) -> None:
     """Wait for the commits in flight to pipeline ``key``'s other processes; raise the first one's error. One not
     sent yet (see :func:`riding`) is sent now, alone. ``before_steps``: leave those that the next step cannot
     overtake (sent on the data plane to the process's step listener, which runs them in order, or waiting to go with
     that step), to be settled once that step is done. ``peer``: only the commits to that process (and those whose
-    process is not known)."""
+    process is not known). ``shares=False``: leave the steps a process did not answer (those whose ``shares`` is
+    true), for what must not overtake them."""
     kept: list[Any] = []
     due: list[Any] = []
     for commit in _COMMITS.pop(key, []):
         later = (before_steps and getattr(commit, "before_steps", False)) or \
-            (peer is not None and getattr(commit, "peer", peer) != peer)
+            (peer is not None and getattr(commit, "peer", peer) != peer) or \
+            (not shares and getattr(commit, "shares", False))
         (kept if later else due).append(commit)
     if kept:
         _COMMITS[key] = kept
