@@ -858,27 +858,35 @@ def test_a_process_serving_a_pipeline_its_driver_never_closed_exits_cleanly(data
 
 def _answers_taken(rank: int, world: int):
     """Three processes over the plane: which processes the driver read an answer from, per step, under 1F1B with the
-    loss on the last stage and under GPipe with the loss on the driver (its forward and its backward); and whether
-    the gradients are the plain model's."""
+    loss on the last stage and under GPipe with the loss on the driver (its forward and its backward), then 1F1B
+    again; what the last process's step messages carried of its actions; and whether the gradients are the plain
+    model's."""
     from lightning_pipe.transport.stages import answers
+    from lightning_pipe.transport.wire.dataplane import DataPlane
 
     pipeline = pipeline_over_rpc("quiet", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
     if pipeline is None:
         return None
-    taken = []
-    answer = answers.answer
+    taken, carried = [], []
+    answer, send_step = answers.answer, DataPlane.send_step
 
     def noted(runner, peer, process, run, *args):
         taken.append(process)
         return answer(runner, peer, process, run, *args)
 
-    answers.answer = noted
+    def sent(plane, name, run, step):
+        if name == "worker2" and step[0] not in ("call", "commit"):
+            number, actions = step[1]
+            carried.append((number, None if actions is None else len(actions)))
+        return send_step(plane, name, run, step)
+
+    answers.answer, DataPlane.send_step = noted, sent
     reference = build()
     x = torch.randn(8, 6, requires_grad=True)
     y = torch.randn_like(reference(x))
-    seen = {}
+    seen = []
     try:
-        for schedule in ("1f1b", "gpipe"):
+        for schedule in ("1f1b", "gpipe", "1f1b"):
             taken.clear()
             if schedule == "1f1b":
                 pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True, parameters=iter([]),
@@ -886,14 +894,14 @@ def _answers_taken(rank: int, world: int):
             else:
                 _mse(run_pipeline(pipeline, x, chunks=4, checkpoint="never", training=True, parameters=iter([])),
                      y).backward()
-            seen[schedule] = list(taken)
+            seen.append(list(taken))
         grads = {name: grad.tolist() for name, grad in pipeline.call(2, "named_grads").items()}
     finally:
-        answers.answer = answer
+        answers.answer, DataPlane.send_step = answer, send_step
     _mse(reference(x), y).backward()
     once = {name: p.grad.tolist() for name, p in reference.named_parameters()}
     pipeline.close()
-    return seen, grads, once
+    return seen, carried, grads, once
 
 
 @pytest.mark.timeout(120)
@@ -901,12 +909,17 @@ def test_a_process_holding_nothing_for_the_driver_does_not_answer_a_step_that_we
     """Under 1F1B with the loss on the last stage, the middle process holds nothing for the driver: the driver reads
     the last process's answer (its losses) alone. GPipe with the loss on the driver: both processes answer the
     forward (the last one with the outputs, the middle one because its activations wait for the backward), neither
-    answers the backward. The gradients are the plain model's, two steps' worth."""
-    seen, grads, once = run_processes(_answers_taken, 3, timeout=100)[0]
-    assert seen == {"1f1b": [2], "gpipe": [1, 2]}, seen
+    answers the backward. Each process is sent its actions of a plan once, then their number alone. The gradients
+    are the plain model's, three steps' worth."""
+    seen, carried, grads, once = run_processes(_answers_taken, 3, timeout=100)[0]
+    assert seen == [[2], [1, 2], [2]], seen
+    # The last process: 1F1B's 8 actions, GPipe's 4 forwards and 5 backwards (its last micro-batch's split in two), then
+    # 1F1B's again by their number.
+    assert [actions for _, actions in carried] == [8, 4, 5, None], carried
+    assert len({number for number, _ in carried[:3]}) == 3 and carried[3][0] == carried[0][0], carried
     for name, grad in grads.items():
         layer = int(name.split(".")[0])  # worker2 holds layers 5-6, named as in the whole body
-        expected = 2 * torch.tensor(once[f"{layer}.{name.split('.', 1)[1]}"])
+        expected = 3 * torch.tensor(once[f"{layer}.{name.split('.', 1)[1]}"])
         torch.testing.assert_close(torch.tensor(grad), expected, msg=name)
 
 
@@ -936,13 +949,15 @@ def _late_failure(rank: int, world: int):
     rpc.rpc_sync("worker1", _fail_after_share, args=("late", 2))
     x = torch.randn(8, 6, requires_grad=True)
     y = torch.randn_like(build()(x))
+    done = 0  # steps that returned
     try:
-        for step in range(1, 6):
+        while done < 5:
             pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True, parameters=iter([]),
                           schedule="1f1b").backward()
+            done += 1
         return "no error"
     except RuntimeError as exc:
-        return step, "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+        return done + 1, "\n".join([str(exc), *getattr(exc, "__notes__", [])])
     finally:
         pipeline.close()
 

@@ -79,6 +79,8 @@ class StageRunner:
         # is aborted after all; the lock orders that answer with the share's end.
         self._unanswered: collections.OrderedDict[int, Callable[[], Any]] = collections.OrderedDict()
         self._answering = threading.Lock()
+        self.plans: dict[int, list[Action]] = {}  # the shares of plans the driver sent on the plane, by number
+        self.shared: dict[str, dict[tuple[Action, ...], int]] = {}  # the driver's: which each process keeps
         # The last stage's outputs (or losses) for a driver in another process, per run and micro-batch: they
         # go back in the answer to the step's actions (the driver needs none before the last one), one message
         # instead of one delivery and its acknowledgement per micro-batch.

@@ -28,6 +28,7 @@ with RPC. A slow stage's sign of life comes on the plane ahead of its answer and
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -54,6 +55,11 @@ from lightning_pipe.transport.wire.messages import (
 from lightning_pipe.transport.wire.riders import Rider, riding, rode, settle_commits
 
 __all__: list[str] = []
+
+#: How many shares of plans (a process's actions of a step) a process keeps, by number, most recent first: the driver
+#: sends each share once and then its number alone, and refers to the last ``KEPT // 2`` it sent only.
+KEPT = 64
+_NUMBERS = itertools.count()
 
 #: Deliveries up to this many bytes travel in the step itself: more would hold up its first action (the step is
 #: sent before stage 0 starts; the last stage needs the target of a micro-batch only with its input).
@@ -180,15 +186,22 @@ def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], s
     plane = runner.plane
     if plane is None:
         return None
-    actions = [tuple(action) for action in actions]  # plain tuples: pickled by pickle's C code alone
+    known = runner.shared.setdefault(peer, {})
+    shared = known.get(tuple(actions))  # the number the process keeps these actions under, if it has them
+    # The actions themselves the first time (plain tuples: pickled by pickle's C code alone), then their number.
+    mine = (shared, None) if shared is not None else (next(_NUMBERS), [tuple(action) for action in actions])
     commits = riding(runner.key, peer)  # the last steps' commits go first, in the same message
     riders = [c.rider for c in commits]
     left: list[tuple[Slot, Any]] = []
     if not (sum(map(_nbytes, deliveries)) <= INLINE and
-            plane.send_step(peer, run, (run, actions, spec, *_joined(deliveries), riders, quiet))):
-        if not plane.send_step(peer, run, (run, actions, spec, None, [], riders, quiet)):
+            plane.send_step(peer, run, (run, mine, spec, *_joined(deliveries), riders, quiet))):
+        if not plane.send_step(peer, run, (run, mine, spec, None, [], riders, quiet)):
             return None
         left = list(deliveries)
+    if shared is None:
+        known[tuple(actions)] = mine[0]
+        while len(known) > KEPT // 2:  # forgotten here well before the process forgets them (it keeps KEPT)
+            del known[next(iter(known))]
     rode(runner.key, commits)
     return left, answers.sent(runner.key, peer)
 
@@ -273,8 +286,13 @@ def serve(runner: StageRunner, step: tuple[Any, ...]) -> None:
             value = Failure(exc)
         runner.send_to(runner.n, answer_slot(runner.key, run, runner.index, 1), value)
         return
-    run, actions, spec, index, payloads, commits, quiet = step
-    actions = [Action(*action) for action in actions]
+    run, (number, actions), spec, index, payloads, commits, quiet = step
+    if actions is None:
+        actions = runner.plans[number]
+    else:
+        actions = runner.plans[number] = [Action(*action) for action in actions]
+        while len(runner.plans) > KEPT:
+            del runner.plans[next(iter(runner.plans))]
     for slot, payload in _split(index, payloads):
         MAILBOX.put(slot, payload)
 
