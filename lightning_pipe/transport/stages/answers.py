@@ -142,7 +142,8 @@ class Unanswered:
                 word.result()
         for run in runs:
             found, value = MAILBOX.poll(answer_slot(self.runner.key, run, self.process))
-            if found and isinstance(value, Failure):
+            # (a process that failed late aborted the run everywhere: the others' answers say so, Skipped)
+            if found and isinstance(value, Failure) and not isinstance(value.exc, Skipped):
                 raise with_location(value.exc, partial(self._located, run))
 
     def _located(self, run: int) -> str:
