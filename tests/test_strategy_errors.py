@@ -83,6 +83,32 @@ def test_the_v_shapes_take_two_stages_per_process_and_a_schedule_as_data_its_own
     assert given.schedule.actions == schedule_plan("zbv", 8, 2, 2).actions
 
 
+def test_a_parameter_shared_by_a_layer_outside_the_body_and_a_stage_in_another_process_is_refused():
+    """An input projection outside the body tied to the body's last layer (as an LM ties its embedding and head): on
+    one device one parameter; the driver's copy and the stage's would train apart (silently, before). Refused, naming
+    both and what to change; shared with a layer of stage 0 (the driver's process), or within the body, it is taken."""
+    from torch import nn
+
+    from lightning_pipe.engine.partition import split_module
+    from lightning_pipe.lightning.tied import check_outside_ties
+
+    class Model(nn.Module):
+        def __init__(self, tie_to: int) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, 8, bias=False)
+            self.sequential_module = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False))
+            self.sequential_module[tie_to].weight = self.embed.weight
+
+    model = Model(tie_to=2)
+    parts = split_module(model.sequential_module, [2, 1])
+    with pytest.raises(ValueError, match=r"Model\.embed\.weight is the same parameter as sequential_module\.2\.weight, "
+                                         r"which stage 1 holds in another process.*Keep the layers that share it"):
+        check_outside_ties(model, "sequential_module.", parts, [0, 1])
+    check_outside_ties(model, "sequential_module.", parts, [0, 0])  # a V: the last stage is the driver's too
+    model = Model(tie_to=0)
+    check_outside_ties(model, "sequential_module.", split_module(model.sequential_module, [2, 1]), [0, 1])
+
+
 def test_fork_is_refused_where_a_forked_process_could_not_work(monkeypatch):
     """start_method='fork' is refused before any fork: with CUDA initialised in the launching process, and with
     OMP_NUM_THREADS asking for more than the one thread a forked process computes with."""

@@ -30,7 +30,7 @@ from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
-from lightning_pipe.lightning.tied import TiedSync, find_tied, keep_ties
+from lightning_pipe.lightning.tied import TiedSync, check_outside_ties, find_tied, keep_ties
 from lightning_pipe.transport.parallel import building, dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import host
 from lightning_pipe.transport.stages.driver import RemotePipeline
@@ -118,6 +118,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     timeout = strategy.rpc_timeout_sec
     devices = strategy.parallel_devices
     tied = find_tied(parts, where, ranks, prefix)
+    check_outside_ties(module, prefix, parts, where)
     if tied and p != n:
         raise ValueError(
             f"{type(module).__name__}.{strategy.module_name} has parameters shared by layers of different stages "

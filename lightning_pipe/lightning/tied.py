@@ -37,6 +37,28 @@ def find_tied(parts: Sequence[nn.Sequential], process_of: Sequence[int], ranks: 
             for named in owners.values() if len(named) > 1]
 
 
+def check_outside_ties(module: nn.Module, prefix: str, parts: Sequence[nn.Sequential], process_of: Sequence[int]
+                       ) -> None:
+    """Refuse a parameter that a layer outside the body (on the driver) shares with a layer of a stage in another
+    process: the two copies would train apart (the driver's on its own gradient, the stage's on its), where on one
+    device they are one parameter."""
+    outside: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if not name.startswith(prefix):
+            outside.setdefault(id(p), name)
+    for s, part in enumerate(parts):
+        if process_of[s] == 0:
+            continue
+        for name, p in part.named_parameters():
+            if id(p) in outside:
+                raise ValueError(
+                    f"{type(module).__name__}.{outside[id(p)]} is the same parameter as {prefix}{name}, which stage "
+                    f"{s} holds in another process: outside the body it stays on the driver, and the two copies "
+                    "would train apart. Keep the layers that share it together: both in the body (parameters tied "
+                    "across stages are kept equal), or the body's layer in stage 0 (balance), or both outside the "
+                    "body")
+
+
 def keep_ties(body: nn.Sequential, remote: set[str]) -> Callable[[], None]:
     """Note which parameter slots of the ``remote`` layers of ``body`` (by child name) hold a parameter of a
     local layer; the function returned puts the local layers' parameters back in those slots, once something
