@@ -57,6 +57,9 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
         # ... and a shuffling loader: each epoch's permutation is drawn from the default generator as the program
         # left it (after building the model), not from a generator the strategy reseeded.
         "one-replica-shuffles-as-one-device": {"layers": 5, "balance": [2, 3], "shuffle": True},
+        # optimizer.state_dict() in the loop is the whole model's (it was stage 0's alone: put back, the other
+        # stages' moments went): taken as epoch 1 starts, loaded back as epoch 2 starts.
+        "optimizer-snapshot-restored": {"optimizer": "adamw", "epochs": 3, "optimizer_snapshot": True},
         "optimizer-state-sgd": {"optimizer": "sgd", "balance": [1, 3], "scheduler": "step"},
         "optimizer-state-adamw": {"optimizer": "adamw", "balance": [1, 3], "scheduler": "step"},
         "resume-full": {"optimizer": "adamw", "scheduler": "step", "epochs": 3, "save_every": "epoch",

@@ -22,7 +22,7 @@ TRANSPARENCY = ["2stages-sgd", "3stages-chunks8-always", "chunks1-never-adamw-gr
                 "clip-value-single-backward", "manual-two-optimizers-toggled",
                 "2replicas-x-2stages-onecycle-accumulate", "2replicas-manual-optimization-clip",
                 "plateau-scheduler", "lr-finder", "lr-finder-callback",
-                "modes-frozen-bn-zero-grad-float64"]
+                "modes-frozen-bn-zero-grad-float64", "optimizer-snapshot-restored"]
 
 
 def plain_weights(config: dict, out: Path) -> dict[str, torch.Tensor]:
@@ -473,6 +473,24 @@ def test_grad_norm_refuses_a_norm_that_is_not_positive(norm_type):
 
     with pytest.raises(ValueError, match=r"`norm_type` must be a positive number or 'inf'.*Got"):
         lightning_pipe.grad_norm(torch.nn.Linear(2, 2), norm_type)
+
+
+def test_a_layer_of_another_stage_called_on_the_driver_is_refused_saying_to_call_the_body_whole():
+    """A forward that loops over the body's layers (or calls a slice of it) would run a remote stage's layer on its
+    placeholders: torch said only "Tensor on device meta is not on the expected device cpu!". Refused, naming the
+    layer, its stage and what to call instead; stage 0's own layers still run here."""
+    from torch import nn
+
+    from lightning_pipe.lightning.body import PipelinedSequential
+
+    body = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    module = PipelinedSequential(body, {"0": 0, "1": 0, "2": 1}, None, chunks=1, checkpoint="never")
+    x = module[:2](torch.randn(4, 3))  # stage 0's layers
+    for call in (lambda: module[2](x), lambda: module[1:](x), lambda: [layer(x) for layer in list(module)[2:]]):
+        with pytest.raises(RuntimeError, match=r"sequential_module\.2 \(Linear\) is a layer of pipeline stage 1, which "
+                                               r"lives in another process.*Call the body as a whole, "
+                                               r"sequential_module\(x\)"):
+            call()
 
 
 def test_placeholders_refuse_the_functions_that_would_see_stage_0_alone():

@@ -13,6 +13,7 @@ reach its stage, so the next forward or ``state_dict`` raises.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 from lightning_pipe.engine.autograd import pipeline_loss, run_pipeline
 from lightning_pipe.engine.loss import LossFn, check_sendable
 from lightning_pipe.engine.microbatch import Batch, TensorOrTensors
-from lightning_pipe.lightning.placeholders import BODIES, listed, version, wrap_placeholders
+from lightning_pipe.lightning.placeholders import BODIES, listed, refuse_remote_call, version, wrap_placeholders
 from lightning_pipe.transport.parallel import fsdp
 from lightning_pipe.transport.parallel.dtensors import check_same_inputs
 
@@ -63,6 +64,8 @@ class PipelinedSequential(nn.Module):
             if owner[child] != 0:
                 _to_meta(layer, keep=local)
                 wrap_placeholders(layer, f"{name}.{child}.", stage_of[child], owner[child], made)
+                layer.register_forward_pre_hook(functools.partial(refuse_remote_call, f"{name}.{child}",
+                                                                  stage_of[child]))
             self.add_module(child, layer)
         self.tied: list[Any] = []  # the parameters tied across processes (TiedParameter), set by the build
         self.tied_sync: Any = None  # sums their copies' gradients (lightning/tied.py), where there are any

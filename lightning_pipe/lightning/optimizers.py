@@ -81,6 +81,17 @@ class _MirroredOptimizer:
         ``state_dict`` in a Fabric loop, gives it): each stage's part reaches its stage."""
         self._lp_owner.load(self, state_dict)  # type: ignore[arg-type]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The plain model's optimizer's state, every stage's part fetched (as one device's optimizer holds it): a
+        snapshot that :meth:`load_state_dict` puts back in every stage. Refused where no process can hold it whole
+        (stages split over tensor ranks or sharded over their replicas)."""
+        return self._lp_owner.whole_state(self)  # type: ignore[arg-type]
+
+    def held_state_dict(self) -> dict[str, Any]:
+        """This process's part of the state alone (what its stages' parameters hold), as a plain optimizer's
+        ``state_dict`` is laid out."""
+        return super().state_dict()  # type: ignore[misc]
+
 
 def load_held(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """Load ``state``, in the form this process's part of ``optimizer`` holds it (:func:`optim.as_held`), into
@@ -138,9 +149,10 @@ class StageOptimizers:
     ``stage_of(name)`` gives the stage holding LightningModule parameter ``name``.
     """
 
-    def __init__(self, hosts: HostGroup, stage_of: Callable[[str], int], processes: int, tied: TiedSync | None = None
-                 ) -> None:
+    def __init__(self, hosts: HostGroup, stage_of: Callable[[str], int], processes: int, tied: TiedSync | None = None,
+                 sharded: Callable[[], bool] = lambda: False) -> None:
         self.hosts = hosts
+        self.sharded = sharded  # whether the stages are split or sharded (no process holds a whole state)
         self.stage_of = stage_of
         self.processes = processes
         self.tied = tied  # the parameters tied across processes: every copy in its process's part
@@ -192,9 +204,22 @@ class StageOptimizers:
             future.result()
         return True
 
+    def whole_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()`` called by the user: :meth:`state`, once the stages' step is over; refused
+        where the stages are split or sharded (no process holds the whole state)."""
+        if self.sharded():
+            raise RuntimeError(
+                f"optimizer.state_dict() cannot put {type(optimizer).__name__}'s whole state together in one process "
+                "when the stages are split over tensor ranks (tensor_parallel_size) or sharded over their replicas "
+                "(sharding_strategy): every process holds a part. Save it with the checkpoint "
+                "(trainer.save_checkpoint, or fabric.save in every process), which gathers the parts into the plain "
+                "model's optimizer's state")
+        self.step_remote(optimizer)  # (a step of its own still under way in the stages)
+        return self.state(optimizer)
+
     def state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer``'s ``state_dict`` with every stage's state in, as the plain model's optimizer has it."""
-        state = optimizer.state_dict()
+        state = optim.held_state(optimizer)
         if not hasattr(optimizer, "_lp_index"):
             return state
         remote: dict[str, Any] = {}

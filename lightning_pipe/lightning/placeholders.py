@@ -169,6 +169,17 @@ def wrap_placeholders(layer: nn.Module, prefix: str, stage: int, process: int,
             module._parameters[name] = made[id(p)][1]
 
 
+def refuse_remote_call(name: str, stage: int, module: nn.Module, args: Any) -> None:
+    """A forward pre-hook of a remote stage's layer on the driver (``name``, in stage ``stage``): called on its own
+    (a loop over the body's layers, a slice of the body), it would run on placeholders; refused, saying what to do."""
+    body = name.rsplit(".", 1)[0]
+    raise RuntimeError(
+        f"{name} ({type(module).__name__}) is a layer of pipeline stage {stage}, which lives in another process: "
+        f"this process holds a placeholder of it on the meta device. Call the body as a whole, {body}(x), which runs "
+        f"every stage through the pipeline; calling its layers one by one (for layer in {body}: ...) or a slice of "
+        f"it ({body}[:k](x)) would run them here")
+
+
 def listed(names: list[str], limit: int = 6) -> str:
     """``names`` for an error message: the first ``limit``, then how many more."""
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -11,6 +11,7 @@ the processes Lightning starts) the same script runs against ``lightning.pytorch
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -51,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "dump_replica_state": False, "sharding": "NO_SHARD", "hybrid_shard_size": None, "count_collectives": False,
     "data_plane": "auto", "lane": None, "start_method": "popen", "mark_processes": False,
     "init_scale": 2.0**20, "replica_batches": False, "body": "blocks",
-    "tensor_parallel_size": 1, "tensor_parallel_plan": None, "record_dtypes": False,
+    "tensor_parallel_size": 1, "tensor_parallel_plan": None, "record_dtypes": False, "optimizer_snapshot": False,
 }
 
 #: ``"body": "scenario"``: the body of the tensor-parallel scenarios (input width 8), and a plan splitting it.
@@ -347,6 +348,14 @@ class Model(pl.LightningModule):
             self.sequential_module[i].eval()
         for i in self.config["freeze_bn_layers"]:  # frozen weights, and BatchNorm statistics no longer tracked
             BaseFinetuning.freeze(self.sequential_module[i], train_bn=False)
+
+    def on_train_epoch_start(self) -> None:
+        if self.config["optimizer_snapshot"]:  # the optimizer's state taken as the second epoch starts, put back
+            optimizer = self.optimizers().optimizer  # as the third does (a rollback of its moments)
+            if self.current_epoch == 1:
+                self._snapshot = copy.deepcopy(optimizer.state_dict())
+            elif self.current_epoch == 2:
+                optimizer.load_state_dict(self._snapshot)
 
     def on_after_backward(self) -> None:
         self._log_grad_norms("after_backward/")

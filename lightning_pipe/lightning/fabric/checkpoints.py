@@ -78,7 +78,7 @@ def fabric_save(path: str, state: Mapping[str, Any], body: PipelinedSequential, 
         if obj is root or obj is body or obj is _unwrapped(model):
             value: Any = _module_state(table, body, root, obj)
         elif isinstance(obj, torch.optim.Optimizer) and hasattr(obj, "_lp_index"):
-            own = optim.whole(obj.state_dict())  # (shards gathered whole: a collective of their replicas)
+            own = optim.whole(optim.held_state(obj))  # (shards gathered whole: a collective of their replicas)
             value = optimizer_placeholders(table, obj, own) if table is not None else own
         elif hasattr(obj, "state_dict") and callable(obj.state_dict):
             value = obj.state_dict()
@@ -168,7 +168,7 @@ def fabric_save_sharded(path: str, state: Mapping[str, Any], body: PipelinedSequ
     and, where the stages are sharded over the replicas (``together``), by every driver at once."""
     module_key, prefix, optimizers, rest = _split(state, body, root, model, count)
     checkpoint = {**rest, "state_dict": module_state_dict(root, body, False),  # type: ignore[arg-type]
-                  "optimizer_states": [o.state_dict() for o in optimizers.values()],
+                  "optimizer_states": [optim.held_state(o) for o in optimizers.values()],
                   sharded.FABRIC: {"module": module_key, "prefix": prefix, "optimizers": list(optimizers)}}
     sharded.save_directory(checkpoint, path, body.hosts, list(optimizers.values()), together, main, broadcast)
 

@@ -283,7 +283,8 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         body.loss_scale = lambda: float(self.precision.scaler.get_scale()) if getattr(  # type: ignore[attr-defined]
             self.precision, "scaler", None) is not None and self.precision.scaler.is_enabled() else 1.0
         self._replicas.hosts, self._replicas.count = body.hosts, self.replicas
-        self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes, body.tied_sync)
+        self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes, body.tied_sync,
+                                                 lambda: body.sharded)
         self._stage_optimizers.before_update = body.pipeline.runner.averages.before_update
         observe.record_timeline(body, self.timeline is not None)
 
@@ -326,16 +327,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         optimizer = raw(optimizer)
         if self._stage_optimizers is None or not hasattr(optimizer, "_lp_index"):
             return super().get_optimizer_state(optimizer)
-        assert self._body is not None
-        if self._body.sharded:
-            raise RuntimeError(
-                f"optimizer.state_dict() cannot put {type(optimizer).__name__}'s whole state together in one process "
-                "when the stages are split over tensor ranks (tensor_parallel_size) or sharded over their replicas "
-                "(sharding_strategy): every process holds a part. Save with fabric.save(path, {'model': model, "
-                "'optimizer': optimizer, ...}), called in every process, which gathers the parts into one file of "
-                "the plain model's optimizer's state (fabric.load reads it back)")
-        self._stage_optimizers.step_remote(optimizer)  # (a step of its own still under way in the stages)
-        return self._stage_optimizers.state(optimizer)
+        return self._stage_optimizers.whole_state(optimizer)
 
     @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | int,

@@ -87,7 +87,7 @@ class PipelineCheckpoints(PipelineProcesses):
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        state = raw(optimizer).state_dict()  # this process's part: save_checkpoint adds the others'
+        state = optim.held_state(raw(optimizer))  # this process's part: save_checkpoint adds the others'
         return state if self.state_dict_type == "sharded" else optim.whole(state)
 
     def _remote(self) -> PipelinedSequential | None:

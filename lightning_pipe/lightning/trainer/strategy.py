@@ -252,7 +252,8 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
         body.on_backward = on_backward
         body.loss_scale = lambda: loss_gradient(self.lightning_module, self.precision_plugin)
         self._replicas.hosts, self._replicas.count = body.hosts, self.replicas
-        self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes, body.tied_sync)
+        self._stage_optimizers = StageOptimizers(body.hosts, body.stage_of, self.pipeline_processes, body.tied_sync,
+                                                 lambda: body.sharded)
         self._stage_optimizers.before_update = body.pipeline.runner.averages.before_update
         self.record_timeline(self.timeline is not None)
 

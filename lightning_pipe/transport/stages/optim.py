@@ -149,9 +149,15 @@ def whole(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return {**state_dict, "state": state}
 
 
+def held_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The state this process holds of ``optimizer``: its ``state_dict``, or a driver's part alone where its
+    ``state_dict`` gives the whole model's (``held_state_dict``)."""
+    return getattr(optimizer, "held_state_dict", optimizer.state_dict)()
+
+
 def state_by_name(optimizer: torch.optim.Optimizer, names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The per-parameter state of ``optimizer``, keyed by parameter name (``names`` in index order)."""
-    state = optimizer.state_dict()["state"]
+    state = held_state(optimizer)["state"]
     return {names[i]: _to_cpu(s) for i, s in state.items()}
 
 
