@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["REDUCTIONS", "MicroLoss", "check_extras", "check_sendable", "combine", "compute", "weights"]
+__all__ = ["REDUCTIONS", "CastOutput", "MicroLoss", "check_extras", "check_sendable", "combine", "compute", "weights"]
 
 #: The accepted values of ``reduction``.
 REDUCTIONS = ("mean", "sum")
@@ -46,6 +46,27 @@ class MicroLoss(NamedTuple):
 
     value: Tensor
     extras: dict[str, Tensor] | None
+
+
+class CastOutput:
+    """``loss_fn`` given the output with its floating-point tensors cast as ``casts`` says (dtype -> dtype; a
+    module's output as a precision plugin converts it where the module's forward returns it, before the caller's
+    loss): picklable where ``loss_fn`` is, for a last stage in another process."""
+
+    def __init__(self, loss_fn: LossFn, casts: Mapping[torch.dtype, torch.dtype]) -> None:
+        self.loss_fn, self.casts = loss_fn, dict(casts)
+
+    def _cast(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value.to(self.casts[value.dtype]) if value.dtype in self.casts else value
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._cast(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._cast(v) for k, v in value.items()}
+        return value
+
+    def __call__(self, output: Any, target: Any) -> Any:
+        return self.loss_fn(self._cast(output), target)
 
 
 def check_reduction(reduction: object) -> None:

@@ -155,3 +155,11 @@ def loss_gradient(module: pl.LightningModule, plugin: Any) -> float:
     if scaler is not None and scaler.is_enabled():
         scale *= float(scaler.get_scale())
     return scale
+
+
+def output_casts(precision: Any) -> dict[torch.dtype, torch.dtype]:
+    """What ``precision.convert_output`` (a Fabric precision plugin's) makes of each floating-point dtype, where it
+    changes it."""
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    made = {dtype: precision.convert_output(torch.zeros((), dtype=dtype)).dtype for dtype in dtypes}
+    return {dtype: to for dtype, to in made.items() if to != dtype}

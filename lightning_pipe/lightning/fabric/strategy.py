@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_pipe.engine.deferred import deferred_init
+from lightning_pipe.engine.loss import CastOutput
 from lightning_pipe.lightning import checks, ddp, observe, planned, settings
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.build import build
@@ -44,6 +45,7 @@ from lightning_pipe.lightning.precision import (
     PipePrecision,
     clip_by_global_norm,
     clip_by_value,
+    output_casts,
     sum_tied,
     unscale_remote,
 )
@@ -230,11 +232,18 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         self._attach(root, body)
         root.to(self.root_device)  # the driver's part (the remote layers' placeholders stay on meta)
         pipelined = body.pipeline_loss
+        casts = output_casts(self.precision) if bare else {}
 
-        def pipeline_loss(*args: Any, **kwargs: Any) -> Any:
-            """``loss_on_last_stage`` called outside the module's forward: in the precision's autocast all the same."""
+        def pipeline_loss(input: Any, target: Any, loss_fn: Any, **kwargs: Any) -> Any:
+            """``loss_on_last_stage`` called outside the module's forward: in the precision's autocast all the same;
+            of the bare ``nn.Sequential`` given to ``fabric.setup`` (``loss_on_last_stage(model, ...)``), what Fabric's
+            module does around a forward, the input converted and the output cast (on the last stage, before the
+            loss): the loss of one device's ``loss_fn(model(x), y)``."""
+            if bare:
+                input = self.precision.convert_input(input)
+                loss_fn = CastOutput(loss_fn, casts) if casts else loss_fn
             with self.precision.forward_context():
-                return pipelined(*args, **kwargs)
+                return pipelined(input, target, loss_fn, **kwargs)
 
         body.pipeline_loss = pipeline_loss  # type: ignore[method-assign]
         if bare:  # loss_on_last_stage(model, ...) finds the pipeline through the module Fabric was given, and
