@@ -4,6 +4,7 @@ Trainer (chosen before the processes start, trained to one device's weights)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ from strategy_utils import REPO, run_script
 from torch import nn
 
 from lightning_pipe import plan_layout
-from lightning_pipe.engine.planning import Costs, Layout, measure_body, parse_bytes
+from lightning_pipe.engine.planning import Costs, Layout, check_precision, format_bytes, measure_body, parse_bytes
 from lightning_pipe.engine.planning.layouts import predict
 from lightning_pipe.engine.planning.memory import OptimizerModel, optimizer_model
 
@@ -145,10 +146,50 @@ def test_the_fastest_layout_that_fits_is_chosen_and_what_is_fixed_stays():
     assert {(p.layout.balance, p.layout.schedule, p.layout.replicas) for p in fixed.ranked} == {((2, 4), "1f1b", 1)}
 
 
-def test_a_budget_no_layout_meets_is_refused_naming_the_largest_term():
+def test_a_budget_no_layout_meets_is_refused_naming_the_largest_term_and_the_budget_it_names_fits():
+    """The budget the refusal names is rounded up: given back, it fits (rounded to the nearest, 7.3 MiB for a
+    7.34 MiB peak, it was refused again)."""
+    module, x = body(), torch.randn(32, 64)
     with pytest.raises(ValueError, match=r"no layout fits memory_per_device=1.0 MiB on 2 devices.*largest term is "
-                                         r"\w+ .*fits with memory_per_device >="):
-        plan_layout(body(), torch.randn(32, 64), devices=2, memory_per_device="1MiB", optimizer=torch.optim.AdamW)
+                                         r"\w+ .*fits with memory_per_device >=") as refused:
+        plan_layout(module, x, devices=2, memory_per_device="1MiB", optimizer=torch.optim.AdamW)
+    named = re.search(r"memory_per_device >= ([0-9.]+ [GM]iB)", str(refused.value)).group(1)
+    profile = measure_body(module, x)  # the same body, measured once for both plans below
+    smallest = min(p.peak for p in plan_layout(module, x, devices=2, memory_per_device="1GiB", profile=profile,
+                                               optimizer=torch.optim.AdamW).ranked)
+    assert parse_bytes(named) >= smallest
+    plan_layout(module, x, devices=2, memory_per_device=format_bytes(smallest, up=True), profile=profile,
+                optimizer=torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("given,named", [("64", "64-true"), (64, "64-true"), ("bf16", "bf16-mixed"),
+                                         ("16-true", "16-true")])
+def test_a_precision_is_read_with_lightnings_aliases(given, named):
+    assert check_precision(given) == named
+
+
+def test_a_precision_the_planner_does_not_model_is_refused():
+    """Any string was planned as 32-true before ("64" at half the parameters' bytes)."""
+    with pytest.raises(ValueError, match=r"precision must be one of .*got: '17-weird'"):
+        plan_layout(body(), torch.randn(32, 64), devices=2, memory_per_device="1GiB", precision="17-weird")
+
+
+def test_a_process_over_the_budget_the_plan_was_made_for_is_warned_of():
+    """Within 10% of its predicted peak but over the budget (a small budget: the 64 MiB floor hid it): warned."""
+    import warnings
+    from types import SimpleNamespace
+
+    from lightning_pipe.lightning.planned import check_peaks
+
+    mib = 2**20
+    strategy = SimpleNamespace(_predicted=[200 * mib, 200 * mib], _budget=215 * mib, root_device=torch.device("cpu"))
+    with pytest.warns(UserWarning, match=r"process 1 of the pipeline holds 218.0 MiB at its peak, 9% above the planned "
+                                         r"200.0 MiB, over memory_per_device \(215.0 MiB\)"):
+        check_peaks(strategy, [{"peak": 201 * mib, "base": mib}, {"peak": 219 * mib, "base": mib}])
+    strategy._budget = 230 * mib
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_peaks(strategy, [{"peak": 201 * mib, "base": mib}, {"peak": 219 * mib, "base": mib}])
 
 
 @pytest.mark.parametrize("value,expected", [("8GiB", 8 * 2**30), ("512 MiB", 512 * 2**20), ("16GB", 16 * 10**9),

@@ -23,6 +23,8 @@ from lightning_pipe import PipeStrategy
     ({"rpc_timeout_sec": 0}, r"rpc_timeout_sec must be a positive number of seconds \(got: 0\)"),
     ({"module_name": "not a name"}, r"module_name must be the name of an attribute \(got: 'not a name'\)"),
     ({"start_method": "spawn"}, r"start_method='popen'.*got start_method='spawn'"),
+    ({"memory_per_device": "1KiB"}, r"memory_per_device='1KiB' is the budget of the planner, which chooses the "
+                                    r"arguments left to 'auto' \(balance, .*\), and none is"),
 ])
 def test_bad_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -135,6 +135,7 @@ def apply(strategy: Any, arguments: dict[str, Any]) -> None:
     if getattr(strategy, "_given_virtual_stages", None) is None:
         strategy.virtual_stages = arguments["virtual_stages"]
     strategy._predicted = arguments.get("_peaks")
+    strategy._budget = arguments.get("_budget")
 
 
 def resolve(strategy: Any, module: Any, trainer: Any) -> None:
@@ -167,7 +168,7 @@ def _chosen(strategy: Any, module: Any, found: LayoutPlan) -> dict[str, Any]:
     rank_zero_info(f"PipeStrategy: the layout planned for {type(module).__name__} "
                    f"({', '.join(strategy._auto)} chosen):\n{found.table(5)}")
     return {**found.layout.arguments(), "_peaks": [m.total for m in found.chosen.memory],
-            "_for": type(module).__qualname__}
+            "_budget": found.budget, "_for": type(module).__qualname__}
 
 
 def refuse_after_launch(auto: Sequence[str], started: str, when: str) -> None:
@@ -238,9 +239,9 @@ def check_after_steps(strategy: Any, memory: Callable[[], list[dict[str, int]]])
 
 
 def check_peaks(strategy: Any, measured: list[dict[str, int]]) -> None:
-    """Warn where a process of the driver's pipeline holds more than :data:`TOLERANCE` above its predicted peak
-    (``measured``: ``memory_per_process()``'s, each process's peak above what it held as its session started; on GPUs,
-    what it allocated there)."""
+    """Warn where a process of the driver's pipeline holds more than :data:`TOLERANCE` above its predicted peak, or
+    more than the budget the plan was made for (``measured``: ``memory_per_process()``'s, each process's peak above
+    what it held as its session started; on GPUs, what it allocated there)."""
     predicted = getattr(strategy, "_predicted", None)
     if not predicted:
         return
@@ -250,7 +251,10 @@ def check_peaks(strategy: Any, measured: list[dict[str, int]]) -> None:
         peak, base = ("device_peak", "device_base") if on_gpu else ("peak", "base")
         held = report.get(peak, 0) - report.get(base, 0)
         want = predicted[min(k // ranks, len(predicted) - 1)]
-        if (on_gpu or report.get("base")) and held > (1 + TOLERANCE) * want and held - want > FLOOR:
+        budget = getattr(strategy, "_budget", None)
+        over = budget is not None and held > budget
+        if (on_gpu or report.get("base")) and (over or held > (1 + TOLERANCE) * want and held - want > FLOOR):
             warnings.warn(f"PipeStrategy: process {k} of the pipeline holds {format_bytes(held)} at its peak, "
-                          f"{held / want - 1:.0%} above the planned {format_bytes(want)} (docs/planning.md says what "
-                          "the plan cannot see)", stacklevel=2)
+                          f"{held / want - 1:.0%} above the planned {format_bytes(want)}"
+                          + (f", over memory_per_device ({format_bytes(budget)})" if over else "")
+                          + " (docs/planning.md says what the plan cannot see)", stacklevel=2)

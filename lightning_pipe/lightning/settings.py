@@ -42,6 +42,11 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
     values.update({name: AUTO[name] for name in auto})
     if values["memory_per_device"] is not None:
         values["memory_per_device"] = parse_bytes(values["memory_per_device"])
+        if not auto:
+            raise ValueError(
+                f"memory_per_device={given['memory_per_device']!r} is the budget of the planner, which chooses the "
+                f"arguments left to 'auto' ({', '.join(AUTO)}), and none is: set those it should choose to 'auto', or "
+                "leave memory_per_device out")
     values["schedule"] = schedule_from(values["schedule"], values["microbatches"])
     checks.check_pipelined_backward(values["pipelined_backward"], "auto" if "schedule" in auto else values["schedule"])
     if values["virtual_stages"] is None:

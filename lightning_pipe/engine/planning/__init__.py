@@ -4,6 +4,7 @@ measured once on one process, and the fastest that fits chosen (docs/planning.md
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -30,7 +31,7 @@ from lightning_pipe.engine.planning.tensor import split_bytes, split_modules, te
 from lightning_pipe.engine.schedule import SCHEDULES
 
 __all__ = ["BodyProfile", "Costs", "Layout", "LayoutPlan", "Memory", "Prediction", "format_bytes", "measure_body",
-           "body_and_input", "optimizer_time", "parse_bytes",
+           "body_and_input", "check_precision", "optimizer_time", "parse_bytes",
            "plan_layout", "tensor_probes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -48,9 +49,27 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes in GiB or MiB, for tables and messages."""
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+def format_bytes(n: float, up: bool = False) -> str:
+    """``n`` bytes in GiB or MiB, for tables and messages; ``up``: rounded up (a budget that holds ``n``)."""
+    unit, scale, digits = ("GiB", 2**30, 100) if abs(n) >= 2**30 else ("MiB", 2**20, 10)
+    shown = math.ceil(n / scale * digits) / digits if up else round(n / scale * digits) / digits
+    return f"{shown:.{len(str(digits)) - 1}f} {unit}"
+
+
+#: The precisions the planner models, and Lightning's other names for them.
+PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+PRECISION_ALIASES = {"32": "32-true", 32: "32-true", "64": "64-true", 64: "64-true", "16": "16-mixed",
+                     16: "16-mixed", "bf16": "bf16-mixed"}
+
+
+def check_precision(precision: Any) -> str:
+    """``precision`` as the planner names it (Lightning's aliases taken: ``"64"`` is ``"64-true"``); a value it does
+    not model is refused."""
+    named = PRECISION_ALIASES.get(precision, precision)
+    if named not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)} (or Lightning's aliases "
+                         f"{[k for k in PRECISION_ALIASES if isinstance(k, str)]}; got: {precision!r})")
+    return named
 
 
 @dataclass(frozen=True)
@@ -174,6 +193,7 @@ def plan_layout(module: nn.Module, example_input: Any, *, devices: int, memory_p
     layouts it is true of (the arguments a caller fixed). Raises ``ValueError`` where no layout fits, naming
     the smallest peak found, its largest term, and what would make it fit."""
     budget = parse_bytes(memory_per_device)
+    precision = check_precision(precision)
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive number of processes (got: {devices!r})")
     device = torch.device(device)
@@ -216,6 +236,7 @@ def plan_layout(module: nn.Module, example_input: Any, *, devices: int, memory_p
         raise ValueError(
             f"no layout fits memory_per_device={format_bytes(budget)} on {devices} devices: of {len(found)} layouts "
             f"the smallest predicted peak is {format_bytes(smallest.peak)} ({smallest.layout}), whose largest term is "
-            f"{term} ({format_bytes(value)}). It fits with memory_per_device >= {format_bytes(smallest.peak)}; or "
-            f"with more devices, fewer rows per batch, or an optimizer that keeps less state")
+            f"{term} ({format_bytes(value)}). It fits with memory_per_device >= "
+            f"{format_bytes(smallest.peak, up=True)}; or with more devices, fewer rows per batch, or an optimizer that "
+            "keeps less state")
     return LayoutPlan(ranked[0], tuple(ranked), len(found), budget, profile, global_batch is None)
