@@ -523,3 +523,32 @@ def test_the_loss_on_the_last_stage_adds_its_gradient_to_the_backward():
     rows = 16 / 4
     assert there.memory[1].transient - elsewhere.memory[1].transient == pytest.approx(profile.boundary(6) * rows)
     assert there.memory[0].transient == elsewhere.memory[0].transient
+
+
+def test_a_later_trainer_asking_for_another_plan_than_the_one_its_processes_run_is_refused(monkeypatch):
+    """The launching process keeps the first Trainer's plan for the processes it starts (they run the program again);
+    a later Trainer of the same model class took that plan whatever it asked (a budget of 1 KiB was accepted with the
+    first plan's layout). Asking for the same, it takes it; asking for another, refused, naming the layout to pass."""
+    from types import SimpleNamespace
+
+    from lightning_pipe.lightning.planned import LAYOUT_ENV, resolve
+
+    class Net(nn.Module):
+        pass
+
+    handed = {"balance": [3, 3], "microbatches": 1, "virtual_stages": 1, "_peaks": [1, 1], "_budget": 2**30,
+              "_for": Net.__qualname__, "_given": {"auto": ["balance", "microbatches"], "memory_per_device": 2**30}}
+    monkeypatch.setenv(LAYOUT_ENV, json.dumps(handed))
+
+    def strategy(budget):
+        return SimpleNamespace(_auto=("microbatches", "balance"), memory_per_device=budget, balance=None,
+                               microbatches=8, virtual_stages=None, _given_virtual_stages=None,
+                               cluster_environment=None)
+
+    same = strategy(2**30)
+    resolve(same, Net(), None)
+    assert (same.balance, same.microbatches, same._planned) == ([3, 3], 1, True)
+    with pytest.raises(ValueError, match=r"planned the layout of Net for a first Trainer .*a later Trainer of the same "
+                                         r"program .* asks for another .*memory_per_device': 1024.*"
+                                         r"\{'balance': \[3, 3\], 'microbatches': 1\}"):
+        resolve(strategy(1024), Net(), None)

@@ -147,6 +147,13 @@ def resolve(strategy: Any, module: Any, trainer: Any) -> None:
         return
     handed = json.loads(os.environ.get(LAYOUT_ENV, "{}"))
     if handed.get("_for") == type(module).__qualname__:  # the launching process's plan of this model
+        if handed.get("_given") != _given(strategy):
+            chosen = {name: handed[name] for name in handed.get("_given", {}).get("auto", []) if name in handed}
+            raise ValueError(
+                f"this program planned the layout of {type(module).__name__} for a first Trainer (arguments left to "
+                f"'auto' and budget: {handed.get('_given')}); a later Trainer of the same program runs in the same "
+                f"processes, with that layout, and asks for another ({_given(strategy)}): give it the same 'auto' "
+                f"arguments and memory_per_device, or the layout chosen then as its arguments ({chosen})")
         apply(strategy, handed)
     elif strategy.cluster_environment is not None and strategy.cluster_environment.creates_processes_externally:
         refuse_after_launch(strategy._auto, "these processes were started by another launcher (torchrun, SLURM)",
@@ -168,7 +175,12 @@ def _chosen(strategy: Any, module: Any, found: LayoutPlan) -> dict[str, Any]:
     rank_zero_info(f"PipeStrategy: the layout planned for {type(module).__name__} "
                    f"({', '.join(strategy._auto)} chosen):\n{found.table(5)}")
     return {**found.layout.arguments(), "_peaks": [m.total for m in found.chosen.memory],
-            "_budget": found.budget, "_for": type(module).__qualname__}
+            "_budget": found.budget, "_for": type(module).__qualname__, "_given": _given(strategy)}
+
+
+def _given(strategy: Any) -> dict[str, Any]:
+    """What a plan was asked for: the arguments ``strategy`` left to ``"auto"`` and its budget."""
+    return {"auto": sorted(strategy._auto), "memory_per_device": strategy.memory_per_device}
 
 
 def refuse_after_launch(auto: Sequence[str], started: str, when: str) -> None:
