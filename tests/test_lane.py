@@ -169,6 +169,7 @@ def _through_lanes(rank: int, world: int, schedule: str):
                                  parameters=iter([]), schedule=schedule)
             expected = _mse(reference(x), y)
         check_step(pipeline, reference, loss, expected, 2, "6.weight")
+    pipeline.settle()
     counts = [_lane_counts(key)] + [rpc.rpc_sync(f"worker{r}", _lane_counts, args=(key,)) for r in range(1, world)]
     pipeline.close()
     return counts

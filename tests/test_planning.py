@@ -552,3 +552,15 @@ def test_a_later_trainer_asking_for_another_plan_than_the_one_its_processes_run_
                                          r"program .* asks for another .*memory_per_device': 1024.*"
                                          r"\{'balance': \[3, 3\], 'microbatches': 1\}"):
         resolve(strategy(1024), Net(), None)
+
+
+def test_where_the_loss_is_computed_is_read_from_the_calls_not_the_words():
+    """schedule='auto' considers the schedules that need the loss on the last stage where training_step calls
+    loss_on_last_stage (or pipeline_loss): a comment or a string naming it is not a call (it let the planner choose
+    1F1B for a loss computed on the driver, refused once the processes had started)."""
+    from lightning_pipe.lightning.planned import calls_loss_on_last_stage
+
+    assert calls_loss_on_last_stage("def step(self, b):\n    return loss_on_last_stage(self.body, *b, mse)\n")
+    assert calls_loss_on_last_stage("    def step(self, b):\n        return self.body.pipeline_loss(*b, mse)\n")
+    assert not calls_loss_on_last_stage("def step(self, b):\n    # not loss_on_last_stage here\n"
+                                        "    return mse(self(b[0]), b[1])  # 'pipeline_loss'\n")

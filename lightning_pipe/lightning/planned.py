@@ -4,10 +4,12 @@ has taken its steps."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import os
 import sys
+import textwrap
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -70,7 +72,20 @@ def _loss_on_last_stage(module: Any) -> bool:
         source = inspect.getsource(type(module).training_step)
     except (OSError, TypeError):
         return False
-    return "loss_on_last_stage" in source or "pipeline_loss" in source
+    return calls_loss_on_last_stage(source)
+
+
+def calls_loss_on_last_stage(source: str) -> bool:
+    """Whether the code ``source`` calls ``loss_on_last_stage`` or ``pipeline_loss`` (a call, not the name in a
+    comment or a string); where it does not parse, whether it names them."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return "loss_on_last_stage" in source or "pipeline_loss" in source
+    names = ("loss_on_last_stage", "pipeline_loss")
+    return any(isinstance(node, ast.Call) and (isinstance(node.func, ast.Name) and node.func.id in names or
+                                               isinstance(node.func, ast.Attribute) and node.func.attr in names)
+               for node in ast.walk(tree))
 
 
 def constraints(strategy: Any) -> Any:
@@ -237,7 +252,7 @@ def _loss_in_script(module: Any) -> bool:
             source = inspect.getsource(where)  # type: ignore[arg-type]
         except (OSError, TypeError):
             continue
-        if "loss_on_last_stage" in source or "pipeline_loss" in source:
+        if calls_loss_on_last_stage(source):
             return True
     return False
 

@@ -29,7 +29,6 @@ from lightning_pipe.engine.stage import Grads, Stage, move_to
 from lightning_pipe.engine.worker import Inline
 from lightning_pipe.transport.stages import answers, steps
 from lightning_pipe.transport.stages.entries import (
-    abort_run,
     call_runner,
     register,
     run_share,
@@ -363,17 +362,19 @@ class RemotePipeline:
         return collected, [None] + [f.result() for f in futures[1:]]
 
     def abort_run(self, run: Run) -> None:
+        """Fail ``run`` here and in every other process of the pipeline."""
         run.failed = True
-        self.runner.fail(run.id)
-        for peer in self.peers[1:]:
-            try:
-                rpc.rpc_async(peer, abort_run, args=(self.key, run.id), timeout=self.runner.timeout)
-            except Exception:  # noqa: BLE001 - an unreachable stage is what the error already reports
-                pass
+        steps.abort_everywhere(self.runner, run.id)
+
+    def settle(self) -> None:
+        """Wait until every process is done with what it was sent (the steps it did not answer, commits in flight),
+        raising their errors: a step returns once the driver has what it needs, so a process may still be finishing
+        its share (its parameters' gradients). Before reaching a process by an RPC of one's own, settle."""
+        settle_commits(self.key)
 
     def call(self, process: int, method: str, *args: Any) -> Any:
-        """Call ``method`` of process ``process``'s runner (here for process 0, by RPC otherwise)."""
-        settle_commits(self.key)
+        """Call ``method`` of process ``process``'s runner (here for process 0, by RPC otherwise), once settled."""
+        self.settle()
         if process == 0:
             return getattr(self.runner, method)(*args)
         return rpc.rpc_sync(self.peers[process], call_runner, args=(self.key, method, *args),
