@@ -126,7 +126,22 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if ":" not in args.model:
         raise SystemExit(f"MODEL must be package.module:Class (got: {args.model!r})")
     module, name = args.model.split(":", 1)
-    model = getattr(importlib.import_module(module), name)(**json.loads(args.init_args))
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"MODEL {args.model!r} cannot be found ({type(exc).__name__}: {exc}): give it as "
+                         "package.module:Class, importable from here") from None
+    try:
+        init = json.loads(args.init_args)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--init-args must be a JSON object of {name}'s arguments (got {args.init_args!r}: "
+                         f"{exc})") from None
+    if not isinstance(init, dict):
+        raise SystemExit(f"--init-args must be a JSON object of {name}'s arguments (got {args.init_args!r})")
+    try:
+        model = cls(**init)
+    except TypeError as exc:  # its arguments: the one line that says which
+        raise SystemExit(f"{name}(**{init!r}) cannot be made: {exc}") from None
     example = getattr(model, "example_input_array", None)
     if example is None:
         raise SystemExit(f"{args.model} has no example_input_array: set one batch of inputs in its __init__")

@@ -973,8 +973,9 @@ def _late_failure(rank: int, world: int, failing: int):
 def test_a_quiet_process_whose_share_fails_after_its_hand_offs_fails_the_driver_by_the_next_step(world, failing):
     """The middle processes leave the steps that went well unanswered; one whose share fails once its hand-offs are done
     (the driver may be past that step already) reaches the driver at the end of a later step, once its abort has
-    reached it (an RPC: the step after, or under load the one after that), naming its stage; the other middle process, told of
-    the abort after its share went well, answers that it was skipped, which is not the error raised."""
+    reached it (an RPC: the step after, or under load the one after that), naming its stage; the other middle
+    process, told of the abort after its share went well, answers that it was skipped, which is not the error
+    raised."""
     result = run_processes(_late_failure, world, failing, timeout=130)[0]
     assert result != "no error"
     step, error = result

@@ -299,6 +299,22 @@ def test_the_command_prints_the_table_and_refuses_a_budget_too_small(tmp_path):
     assert refused.returncode == 1 and "no layout fits" in refused.stderr
 
 
+@pytest.mark.parametrize("model,init,says", [
+    ("no_such_package.models:Model", "{}", r"MODEL 'no_such_package.models:Model' cannot be found \(ModuleNotFound"),
+    ("torch.nn:NoSuchClass", "{}", r"MODEL 'torch.nn:NoSuchClass' cannot be found \(AttributeError"),
+    ("torch.nn:Linear", "{in_features: 3}", r"--init-args must be a JSON object of Linear's arguments"),
+    ("torch.nn:Linear", '{"in_featres": 3}', r"Linear\(\*\*\{'in_featres': 3\}\) cannot be made: .*in_featres"),
+])
+def test_the_command_says_in_one_line_what_is_wrong_with_the_model_it_is_given(model, init, says):
+    """A class path that does not import or name a class, arguments that are not JSON or not the class's: one line
+    that says which, where a traceback came out."""
+    done = subprocess.run([sys.executable, "-m", "lightning_pipe", "plan", model, "--init-args", init, "--devices",
+                           "2", "--memory-per-device", "1GiB"], env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert re.search(says, done.stderr), done.stderr
+
+
 def test_the_command_plans_a_hugging_face_config():
     """``--hf`` with a config as JSON: the model's body built from it and planned, its blocks a layer each."""
     pytest.importorskip("transformers")
