@@ -580,3 +580,16 @@ def test_where_the_loss_is_computed_is_read_from_the_calls_not_the_words():
     assert calls_loss_on_last_stage("    def step(self, b):\n        return self.body.pipeline_loss(*b, mse)\n")
     assert not calls_loss_on_last_stage("def step(self, b):\n    # not loss_on_last_stage here\n"
                                         "    return mse(self(b[0]), b[1])  # 'pipeline_loss'\n")
+
+
+def test_arguments_given_beside_auto_are_checked_against_what_the_plan_may_choose_not_a_placeholder():
+    """schedule='auto' with virtual_stages=2 was refused as "schedule='gpipe' runs one stage per process", a value
+    never given: taken (the plan chooses among the schedules of 2 stages per process). hybrid_shard_size with
+    sharding_strategy='auto' named 'NO_SHARD': refused, saying why (the plan may choose another sharding)."""
+    from lightning_pipe import PipeStrategy
+
+    strategy = PipeStrategy(schedule="auto", virtual_stages=2, memory_per_device="1GiB")
+    assert strategy.virtual_stages == 2 and strategy._auto == ("schedule",)
+    with pytest.raises(ValueError, match=r"hybrid_shard_size=2 sets HYBRID_SHARD's shard groups, and "
+                                         r"sharding_strategy='auto' may choose another"):
+        PipeStrategy(sharding_strategy="auto", hybrid_shard_size=2, memory_per_device="1GiB")

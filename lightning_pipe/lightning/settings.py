@@ -40,6 +40,12 @@ def pipeline_settings(base: type, cls: type, given: dict[str, Any], kwargs: dict
     values = {**DEFAULTS, **given}
     auto = tuple(name for name in AUTO if isinstance(values[name], str) and values[name] == "auto")
     values.update({name: AUTO[name] for name in auto})
+    if "schedule" in auto and (values["virtual_stages"] or 1) > 1:  # checked meanwhile as a schedule that takes them
+        values["schedule"] = "interleaved-1f1b"
+    if "sharding_strategy" in auto and values["hybrid_shard_size"] is not None:
+        raise ValueError(f"hybrid_shard_size={values['hybrid_shard_size']!r} sets HYBRID_SHARD's shard groups, and "
+                         "sharding_strategy='auto' may choose another sharding: give sharding_strategy='HYBRID_SHARD' "
+                         "with it, or leave hybrid_shard_size out")
     if values["memory_per_device"] is not None:
         values["memory_per_device"] = parse_bytes(values["memory_per_device"])
         if not auto:
