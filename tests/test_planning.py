@@ -593,3 +593,21 @@ def test_arguments_given_beside_auto_are_checked_against_what_the_plan_may_choos
     with pytest.raises(ValueError, match=r"hybrid_shard_size=2 sets HYBRID_SHARD's shard groups, and "
                                          r"sharding_strategy='auto' may choose another"):
         PipeStrategy(sharding_strategy="auto", hybrid_shard_size=2, memory_per_device="1GiB")
+
+
+def test_a_fixed_sharding_with_the_layout_left_to_auto_on_one_node_says_why_it_cannot_be():
+    """'auto' keeps one pipeline per node: on one node no stage has a replica to shard over. Said before anything is
+    measured (the refusal was "no layout ...: give fewer devices, more layers or rows", which could not help)."""
+    from types import SimpleNamespace
+
+    from lightning_pipe.lightning.planned import plan
+
+    class Net(nn.Module):
+        example_input_array = torch.randn(8, 16)
+
+    strategy = SimpleNamespace(_auto=("balance",), sharding_strategy="FULL_SHARD", num_nodes=1, num_processes=4,
+                               module_name="sequential_module")
+    with pytest.raises(ValueError, match=r"sharding_strategy='FULL_SHARD'\) shards each stage over its replicas, and "
+                                         r"the layout left to 'auto' \(balance\) has one pipeline per node.*no stage "
+                                         r"has a replica to shard over"):
+        plan(strategy, Net(), "32-true", None, False)

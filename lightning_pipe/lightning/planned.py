@@ -125,6 +125,14 @@ def plan(strategy: Any, module: Any, precision: str, optimizer: Any, last: bool)
                          f"{type(module).__name__}.example_input_array (one batch as a replica's loader gives it), "
                          "which is not set: set it in __init__, or pass those arguments")
     devices = strategy.num_processes * strategy.num_nodes
+    if "sharding_strategy" not in strategy._auto and strategy.sharding_strategy != "NO_SHARD" and \
+            strategy.num_nodes == 1:
+        raise ValueError(
+            f"PipeStrategy(sharding_strategy={strategy.sharding_strategy!r}) shards each stage over its replicas, and "
+            f"the layout left to 'auto' ({', '.join(strategy._auto)}) has one pipeline per node (a step trains the "
+            "samples one device would): on one node no stage has a replica to shard over. Leave sharding_strategy to "
+            "'auto' or 'NO_SHARD', or give the layout without 'auto' (a balance on more devices than stages "
+            "replicates the stages)")
     device = strategy.root_device
     budget = strategy.memory_per_device
     if budget is None:
