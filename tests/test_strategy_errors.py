@@ -302,6 +302,28 @@ def test_weight_averaging_callbacks_are_refused():
         PipeStrategy().check_settings(SimpleNamespace(callbacks=[EMAWeightAveraging()]))
 
 
+def test_a_finetuning_callback_adding_a_parameter_group_is_refused_saying_why():
+    """A BaseFinetuning of the user's whose finetune_function calls unfreeze_and_add_param_group failed inside
+    Lightning with torch's words about meta tensors: refused with what to do instead; its other functions stay."""
+    from types import SimpleNamespace
+
+    from pytorch_lightning.callbacks import BaseFinetuning
+
+    class Unfreeze(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            pass
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            self.unfreeze_and_add_param_group(pl_module.head, optimizer)
+
+    callback = Unfreeze()
+    PipeStrategy().check_settings(SimpleNamespace(callbacks=[callback]))
+    with pytest.raises(ValueError, match=r"Unfreeze\.unfreeze_and_add_param_group adds a parameter group .*"
+                                         r"\(BaseFinetuning\.make_trainable\)"):
+        callback.finetune_function(SimpleNamespace(head=torch.nn.Linear(2, 2)), 1, None)
+    assert callback.make_trainable is BaseFinetuning.make_trainable
+
+
 class _TwoEvaluations(torch.optim.SGD):
     """Evaluates its closure twice per step, as sharpness-aware minimisation (SAM) does."""
 

@@ -6,6 +6,7 @@ settings and model before any process starts (Lightning's launcher), or on every
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -188,7 +189,7 @@ def check_settings(trainer: pl.Trainer | None, sync_batchnorm: bool) -> None:
             "statistics of its whole batch (with broadcast_buffers, the default, every replica's buffers follow "
             "replica 0's at each step), and leave sync_batchnorm off")
     from pytorch_lightning import callbacks as pl_callbacks
-    from pytorch_lightning.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
+    from pytorch_lightning.callbacks import BackboneFinetuning, BaseFinetuning, ModelPruning, StochasticWeightAveraging
 
     # WeightAveraging (EMAWeightAveraging) exists from Lightning 2.6 on.
     weight_averaging = getattr(pl_callbacks, "WeightAveraging", StochasticWeightAveraging)
@@ -200,6 +201,8 @@ def check_settings(trainer: pl.Trainer | None, sync_batchnorm: bool) -> None:
                 "every parameter in the optimizer from the start and freeze or unfreeze layers by "
                 "requires_grad (BaseFinetuning.freeze and make_trainable in your own callback), which reaches "
                 "every stage")
+        if isinstance(callback, BaseFinetuning):  # its own finetune_function may add a group: said, if it does
+            callback.unfreeze_and_add_param_group = functools.partial(_no_group_added, type(callback).__name__)
         if isinstance(callback, (StochasticWeightAveraging, weight_averaging, ModelPruning)):
             averaging = isinstance(callback, (StochasticWeightAveraging, weight_averaging))
             instead = " and average saved checkpoints' weights instead" if averaging else ""
@@ -208,6 +211,15 @@ def check_settings(trainer: pl.Trainer | None, sync_batchnorm: bool) -> None:
                 "weights of the driver's copy of the model, where only stage 0's layers are (the other "
                 "stages' live in their own processes), so it would fail or leave them unchanged. Remove it "
                 "from Trainer(callbacks=...)" + instead)
+
+
+def _no_group_added(name: str, *args: Any, **kwargs: Any) -> None:
+    """A finetuning callback's ``unfreeze_and_add_param_group`` under PipeStrategy (it failed inside Lightning, on the
+    placeholders of the other stages' parameters, with torch's words about meta tensors)."""
+    raise ValueError(
+        f"{name}.unfreeze_and_add_param_group adds a parameter group to the optimizer during training, which the "
+        "stages in other processes cannot follow. Put every parameter in the optimizer from the start and unfreeze "
+        "layers by requires_grad (BaseFinetuning.make_trainable), which reaches every stage")
 
 
 def body_of(module: pl.LightningModule, module_name: str) -> Any:
