@@ -56,17 +56,11 @@ class CastOutput:
     def __init__(self, loss_fn: LossFn, casts: Mapping[torch.dtype, torch.dtype]) -> None:
         self.loss_fn, self.casts = loss_fn, dict(casts)
 
-    def _cast(self, value: Any) -> Any:
-        if isinstance(value, Tensor):
-            return value.to(self.casts[value.dtype]) if value.dtype in self.casts else value
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._cast(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self._cast(v) for k, v in value.items()}
-        return value
+    def _cast(self, t: Tensor) -> Tensor:
+        return t.to(self.casts[t.dtype]) if t.dtype in self.casts else t
 
     def __call__(self, output: Any, target: Any) -> Any:
-        return self.loss_fn(self._cast(output), target)
+        return self.loss_fn(each_tensor(output, self._cast), target)
 
 
 def check_reduction(reduction: object) -> None:
@@ -194,15 +188,20 @@ def detach(value: Tensor, extras: Mapping[str, Tensor] | None) -> MicroLoss:
     return MicroLoss(value.detach(), None if extras is None else {k: v.detach() for k, v in extras.items()})
 
 
+def each_tensor(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``value`` (a tensor, or tuples, lists and mappings of them) with ``fn`` applied to each of its tensors."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(each_tensor(v, fn) for v in value)
+    if isinstance(value, Mapping):
+        return {k: each_tensor(v, fn) for k, v in value.items()}
+    return value
+
+
 def to_device(value: Any, device: torch.device) -> Any:
     """``value`` (a target: a tensor, or tuples, lists and mappings of them) with its tensors on ``device``."""
-    if isinstance(value, Tensor):
-        return value.to(device, non_blocking=device.type == "cuda")
-    if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device) for v in value)
-    if isinstance(value, Mapping):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
+    return each_tensor(value, lambda t: t.to(device, non_blocking=device.type == "cuda"))
 
 
 def scatter_target(target: Any, sizes: Sequence[int]) -> list[Any]:

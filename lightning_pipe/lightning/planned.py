@@ -282,11 +282,11 @@ def check_peaks(strategy: Any, measured: list[dict[str, int]]) -> None:
         return
     ranks = max(1, len(measured) // len(predicted))
     on_gpu = strategy.root_device.type == "cuda"  # what the plan predicts: the GPU's memory there, else the host's
+    budget = getattr(strategy, "_budget", None)
     for k, report in enumerate(measured):
         peak, base = ("device_peak", "device_base") if on_gpu else ("peak", "base")
         held = report.get(peak, 0) - report.get(base, 0)
         want = predicted[min(k // ranks, len(predicted) - 1)]
-        budget = getattr(strategy, "_budget", None)
         over = budget is not None and held > budget
         if (on_gpu or report.get("base")) and (over or held > (1 + TOLERANCE) * want and held - want > FLOOR):
             warnings.warn(f"PipeStrategy: process {k} of the pipeline holds {format_bytes(held)} at its peak, "

@@ -330,15 +330,6 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         return output
 
     @override
-    def get_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``optimizer.state_dict()`` in the loop: the plain model's optimizer's state, every stage's part fetched
-        (as under Fabric's DDP); refused where the stages are split or sharded (no process holds the whole)."""
-        optimizer = raw(optimizer)
-        if self._stage_optimizers is None or not hasattr(optimizer, "_lp_index"):
-            return super().get_optimizer_state(optimizer)
-        return self._stage_optimizers.whole_state(optimizer)
-
-    @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Tensor:
         optimizer = raw(optimizer)

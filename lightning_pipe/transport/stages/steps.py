@@ -186,10 +186,10 @@ def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], s
     plane = runner.plane
     if plane is None:
         return None
-    known = runner.shared.setdefault(peer, {})
-    shared = known.get(tuple(actions))  # the number the process keeps these actions under, if it has them
+    known, share = runner.shared.setdefault(peer, {}), tuple(actions)
+    shared = known.get(share)  # the number the process keeps these actions under, if it has them
     # The actions themselves the first time (plain tuples: pickled by pickle's C code alone), then their number.
-    mine = (shared, None) if shared is not None else (next(_NUMBERS), [tuple(action) for action in actions])
+    mine = (shared, None) if shared is not None else (next(_NUMBERS), [tuple(action) for action in share])
     commits = riding(runner.key, peer)  # the last steps' commits go first, in the same message
     riders = [c.rider for c in commits]
     left: list[tuple[Slot, Any]] = []
@@ -199,7 +199,7 @@ def start(runner: StageRunner, peer: str, run: int, actions: Sequence[Action], s
             return None
         left = list(deliveries)
     if shared is None:
-        known[tuple(actions)] = mine[0]
+        known[share] = mine[0]
         while len(known) > KEPT // 2:  # forgotten here well before the process forgets them (it keeps KEPT)
             del known[next(iter(known))]
     rode(runner.key, commits)
