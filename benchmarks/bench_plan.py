@@ -16,7 +16,10 @@ machine falls on one run of several layouts, not on every run of one); every rep
 memory (``VmHWM``) of each process of its pipeline, above what the process held as it
 joined its session (``memory_per_process()``'s ``base``: torch and Lightning imported, no stage yet). The prediction
 is made here, in this process, from the body
-measured once per number of processes (each process computes on ``cores / processes`` threads), before any job runs.
+measured once per number of processes (each process computes on ``cores / processes`` threads), before any job runs,
+and for the 2 processes again before each later round: each timed run is compared with the step predicted from the
+measurement made minutes before it (the ratio of the two, its median over the runs), not with one made at the start
+of a run of half an hour, during which the machine's speed moved by a fifth.
 
 The machine's speed: on a shared VM the same kernel runs 20% faster or slower from one second to the next, and a
 job's step moved by 25-40% between runs of the same layout. The body's measurement takes the fastest of its passes
@@ -371,13 +374,20 @@ def main() -> None:
         speeds[devices] = min(before, fastest_speed(args, min(devices, cores)))
         return profile
 
-    def at_prediction_speed(run: dict[str, Any], devices: int) -> list[float]:
+    def at_prediction_speed(run: dict[str, Any], speed: float) -> list[float]:
         """A run's steps after the warm-up, each as long as it would have been at the speed the prediction was made
-        at: times the kernel's fastest time then over its fastest in the run (the fastest of one statistic on either
-        side: a step scaled by the kernel's time right around it took each sample's noise, most of it slowness, for
-        the machine's, and moved one layout's error from 2% to 27% between two runs)."""
-        scale = speeds[devices] / min(run["speeds"])
+        at (``speed``): times the kernel's fastest time then over its fastest in the run (the fastest of one statistic
+        on either side: a step scaled by the kernel's time right around it took each sample's noise, most of it
+        slowness, for the machine's, and moved one layout's error from 2% to 27% between two runs)."""
+        scale = speed / min(run["speeds"])
         return [step * scale for step in run["steps"]][args.warmup:]
+
+    def timed(index: int, layout: tuple, record: dict[str, Any]) -> None:
+        """One timed run of layout ``index``, beside the step predicted from the body's latest measurement."""
+        devices, t = record["devices"], layout[2]
+        predicted = planned(devices, lambda lay, mine=record["mine"]: lay == mine, record["balance"], t > 1).chosen
+        record["runs"].append({"jobs": measure(args, index, layout, record["balance"], memory=False),
+                               "predicted": predicted.step, "speed": speeds[devices]})
 
     planned_runs: dict[int, dict[str, Any]] = {}  # per grid index: its layout, prediction, memory and step runs
     for index, layout in zip(indices, grid):
@@ -393,17 +403,18 @@ def main() -> None:
         balance = balance_of(args, layout, profiles[devices])
         mine = Layout(p, v, tuple(balance), t, d, sharding, m, schedule, checkpoint)
         start = time.perf_counter()
-        planned_runs[index] = {
+        planned_runs[index] = record = {
             "mine": mine, "balance": balance, "devices": devices,
             "predicted": planned(devices, lambda lay, mine=mine: lay == mine, balance, t > 1).chosen,
-            "reports": measure(args, index, layout, balance, memory=True),
-            "runs": [measure(args, index, layout, balance, memory=False)]}
+            "reports": measure(args, index, layout, balance, memory=True), "runs": []}
+        timed(index, layout, record)
         print(f"[{index:2}] {mine}: memory and a first step measured ({time.perf_counter() - start:.0f} s)", flush=True)
-    for round_ in range(1, args.repeats):  # the 2-process layouts again, in rounds
-        for index, layout in zip(indices, grid):
-            if planned_runs[index]["devices"] == 2:
-                planned_runs[index]["runs"].append(measure(args, index, layout, planned_runs[index]["balance"],
-                                                           memory=False))
+    twos = [(index, layout) for index, layout in zip(indices, grid) if planned_runs[index]["devices"] == 2]
+    for round_ in range(1, args.repeats if twos else 1):  # the 2-process layouts again, in rounds
+        # The body measured again first: each run beside a prediction made minutes before it, not an hour.
+        profiles[2] = measured_body(2)
+        for index, layout in twos:
+            timed(index, layout, planned_runs[index])
         print(f"round {round_ + 1} of {args.repeats} measured", flush=True)
     print()
     for index, layout in zip(indices, grid):
@@ -421,24 +432,27 @@ def main() -> None:
             for k, h in enumerate(held):
                 want = per_process[min(k // ranks, p - 1)]
                 errors.append(abs(want - h) / h)
-        # Each run's median step (every replica's), raw and at the prediction's speed; the median over the runs.
-        raw = statistics.median(statistics.median(s for r in timed for s in r["steps"][args.warmup:])
-                                for timed in runs)
-        per_run = [statistics.median(s for r in timed for s in at_prediction_speed(r, devices)) for timed in runs]
-        step = statistics.median(per_run)
+        # Each run's median step (every replica's), raw and at its prediction's speed, over the step predicted
+        # beside it; the median of those ratios over the runs.
+        raw_steps = [statistics.median(s for r in run["jobs"] for s in r["steps"][args.warmup:]) for run in runs]
+        steps = [statistics.median(s for r in run["jobs"] for s in at_prediction_speed(r, run["speed"]))
+                 for run in runs]
+        predictions = [run["predicted"] for run in runs]
+        error = abs(statistics.median(w / s for w, s in zip(predictions, steps)) - 1)
+        error_raw = abs(statistics.median(w / s for w, s in zip(predictions, raw_steps)) - 1)
         errors_memory.append(max(errors))
         if devices == 2:
-            errors_step.append(abs(predicted.step - step) / step)
-            errors_raw.append(abs(predicted.step - raw) / raw)
+            errors_step.append(error)
+            errors_raw.append(error_raw)
             if d == 1:  # the choice among layouts of the same work per step (a replica more trains twice the rows)
-                measured_two[mine] = step
-        each = ", ".join(f"{s * 1e3:.1f}" for s in per_run)
+                measured_two[mine] = statistics.median(steps)
         print(f"[{index:2}] {mine}\n     peak predicted "
               f"{' '.join(format_bytes(x) for x in per_process)}; measured "
               f"{' '.join(format_bytes(x) for x in measured)}"
-              f"; largest error {max(errors):.1%}\n     step predicted {predicted.step * 1e3:.1f} ms, measured "
-              f"{step * 1e3:.1f} ms at the prediction's speed ({abs(predicted.step - step) / step:.1%}; as timed "
-              f"{raw * 1e3:.1f} ms, {abs(predicted.step - raw) / raw:.1%}; each run {each} ms)", flush=True)
+              f"; largest error {max(errors):.1%}\n     step predicted "
+              f"{', '.join(f'{w * 1e3:.1f}' for w in predictions)} ms, measured at the prediction's speed "
+              f"{', '.join(f'{s * 1e3:.1f}' for s in steps)} ms ({error:.1%}; as timed "
+              f"{', '.join(f'{s * 1e3:.1f}' for s in raw_steps)} ms, {error_raw:.1%})", flush=True)
     print(f"\nRESULT plan_memory_error_max={max(errors_memory):.3f}")
     if errors_step:
         print(f"RESULT plan_step_error_max={max(errors_step):.3f}")
