@@ -148,10 +148,11 @@ def encode(kind: int, slot: Slot, payload: Any = None, plain: int = 0) -> Tensor
     return encode_beside(kind, slot, payload, None, plain)[0]
 
 
-def encode_beside(kind: int, slot: Slot, payload: Any, lane: torch.device | None, plain: int = 0
-                  ) -> tuple[Tensor, list[Tensor]]:
+def encode_beside(kind: int, slot: Slot, payload: Any, lane: torch.device | None, plain: int = 0,
+                  unwritten: bool = False) -> tuple[Tensor | Unwritten, list[Tensor]]:
     """As :func:`encode`, the payload's tensors on device ``lane`` left out of the message: they are returned to
-    be sent after it on the lane, in order (the receiver's :func:`decode` takes them as it meets their places)."""
+    be sent after it on the lane, in order (the receiver's :func:`decode` takes them as it meets their places).
+    ``unwritten``: the message as an :class:`Unwritten`, for a transport that writes it where it goes."""
     tensors: list[Tensor] = []
     try:
         hollow = (*payload[:plain], *_hollow(payload[plain:], tensors, lane)) if plain \
@@ -170,7 +171,8 @@ def encode_beside(kind: int, slot: Slot, payload: Any, lane: torch.device | None
         inside.append((tensor, data))
         data += (tensor.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     skeleton = pickle.dumps((tuple(slot), hollow, places, plain), protocol=pickle.HIGHEST_PROTOCOL)
-    return _message(kind, BESIDE if beside else _HOLLOW, data, skeleton, inside), beside
+    message = Unwritten(kind, BESIDE if beside else _HOLLOW, data, skeleton, inside)
+    return (message if unwritten else message.tensor()), beside
 
 
 def _encode_pickled(kind: int, slot: Slot, payload: Any) -> Tensor:
@@ -190,14 +192,35 @@ def _numpy(tensor: Tensor) -> numpy.ndarray:
         return tensor.resolve_conj().resolve_neg().numpy()
 
 
+class Unwritten:
+    """A message not written yet: its length (``len``), and :meth:`write` to write it into memory of that length. A
+    ring in shared memory has it written where the receiver reads it: one copy of its tensors' bytes, not two."""
+
+    __slots__ = ("kind", "value", "data", "skeleton", "tensors")
+
+    def __init__(self, kind: int, value: int, data: int, skeleton: Any, tensors: Any) -> None:
+        self.kind, self.value, self.data, self.skeleton, self.tensors = kind, value, data, skeleton, tensors
+
+    def __len__(self) -> int:
+        return self.data + len(self.skeleton)
+
+    def write(self, raw: numpy.ndarray) -> None:
+        """Write the message into ``raw`` (uint8, as long as the message)."""
+        _HEAD.pack_into(raw, 0, self.kind, len(raw), self.data, self.value)
+        for tensor, offset in self.tensors:
+            source = _numpy(tensor)
+            numpy.copyto(raw[offset:offset + source.nbytes].view(source.dtype).reshape(source.shape), source)
+        raw[self.data:] = numpy.frombuffer(self.skeleton, dtype=numpy.uint8)
+
+    def tensor(self) -> Tensor:
+        """The message written into memory of its own, as a uint8 tensor."""
+        raw = numpy.empty(len(self), dtype=numpy.uint8)
+        self.write(raw)
+        return torch.from_numpy(raw)
+
+
 def _message(kind: int, value: int, data: int, skeleton: Any, tensors: Any) -> Tensor:
-    raw = numpy.empty(data + len(skeleton), dtype=numpy.uint8)
-    _HEAD.pack_into(raw, 0, kind, len(raw), data, value)
-    for tensor, offset in tensors:
-        source = _numpy(tensor)
-        numpy.copyto(raw[offset:offset + source.nbytes].view(source.dtype).reshape(source.shape), source)
-    raw[data:] = numpy.frombuffer(skeleton, dtype=numpy.uint8)
-    return torch.from_numpy(raw)
+    return Unwritten(kind, value, data, skeleton, tensors).tensor()
 
 
 def control(kind: int, value: int) -> Tensor:

@@ -96,6 +96,7 @@ class DataPlane:
         self.closed = False
         self.sent = self.received = 0  # hand-offs (data messages but the answers to steps), for tests and benchmarks
         self.links = "shared memory" if isinstance(self.group, SharedMemoryLinks) else "gloo"  # what carries them
+        self._in_place = isinstance(self.group, SharedMemoryLinks)  # messages written into the ring (codec.Unwritten)
         # Where tensors on the stage's device go (beside their message), if anywhere; that device.
         self.lane, self._beside = lane, (lane.device if lane is not None else None)
         self.links += f", tensors over {lane.backend}" if lane is not None else ""
@@ -130,7 +131,7 @@ class DataPlane:
         if not self.carries(name):
             return None
         try:
-            message, beside = encode_beside(DATA, slot, payload, self._beside)
+            message, beside = encode_beside(DATA, slot, payload, self._beside, unwritten=self._in_place)
         except Unsuitable:
             return None
         if self.max_bytes is not None and len(message) > self.max_bytes:
@@ -148,7 +149,8 @@ class DataPlane:
         if not self.carries(name):
             return False
         try:
-            message, beside = encode_beside(STEP, Slot(self.key, run, "S", 0, 0, "step"), step, self._beside, 4)
+            message, beside = encode_beside(STEP, Slot(self.key, run, "S", 0, 0, "step"), step, self._beside, 4,
+                                            self._in_place)
         except Exception:  # noqa: BLE001 - what RPC carries, or refuses with its own error
             return False
         if self.max_bytes is not None and len(message) > self.max_bytes:

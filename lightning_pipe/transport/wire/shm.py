@@ -68,8 +68,7 @@ def _host() -> str:
 
 
 class _Ring:
-    """A ring of ``capacity`` bytes at ``path`` (created here, or opened) and the FIFO ``path + '.fifo'`` that wakes
-    its reader."""
+    """A ring of ``capacity`` bytes at ``path`` (created, or opened); its FIFO ``path + '.fifo'`` wakes the reader."""
 
     def __init__(self, path: str, capacity: int, create: bool) -> None:
         self.path = path
@@ -110,8 +109,7 @@ class _Ring:
         self._poller.register(self.writer, select.POLLIN)
 
     def put(self, message: numpy.ndarray) -> bool:
-        """Write ``message`` as the next record and wake the reader; False (nothing written) where it does not
-        fit now."""
+        """Write ``message`` as the next record and wake the reader; False (nothing written) where it does not fit."""
         n = len(message)
         need = 8 + (n + 7) // 8 * 8
         tail = int(self.counters[_TAIL])
@@ -210,7 +208,11 @@ class _Ring:
                 pass
 
 
-def _copy_in(data: numpy.ndarray, start: int, message: numpy.ndarray) -> None:
+def _copy_in(data: numpy.ndarray, start: int, message: Any) -> None:
+    if not isinstance(message, numpy.ndarray):  # unwritten: written where it goes, unless it wraps round
+        if start + len(message) <= len(data):
+            return message.write(data[start:start + len(message)])
+        message = message.tensor().numpy()
     first = min(len(message), len(data) - start)
     data[start:start + first] = message[:first]
     if first < len(message):
@@ -281,9 +283,9 @@ class SharedMemoryLinks:
         weakref.finalize(self, _close_all, fds)
 
     def send(self, tensors: Sequence[Tensor], peer: int, tag: int = 0) -> Any:
-        """Put the message ``tensors[0]`` in the ring to ``peer`` (``tag`` is always 0 here); a message that does not
-        fit now goes as soon as it does, after any before it."""
-        message = tensors[0].numpy()
+        """Put the message ``tensors[0]`` (a tensor, or the codec's ``Unwritten``, written in the ring) in the ring to
+        ``peer`` (``tag`` is 0); one that does not fit now goes as soon as it does, after any before it."""
+        message = tensors[0].numpy() if isinstance(tensors[0], Tensor) else tensors[0]
         ring = self._out[peer]
         if 8 + len(message) > ring.capacity:
             raise ValueError(f"a message of {len(message)} bytes does not fit in a ring of {ring.capacity}")
@@ -291,7 +293,7 @@ class SharedMemoryLinks:
             queue = self._queued[peer]
             if not queue and ring.put(message):
                 return _DONE
-            queued = _Queued(message.copy())
+            queued = _Queued(message.copy() if isinstance(message, numpy.ndarray) else message.tensor().numpy())
             queue.append(queued)
             if self._drainer is None:
                 self._drainer = threading.Thread(target=self._drain, name="lightning_pipe.shm.send", daemon=True)
@@ -303,8 +305,7 @@ class SharedMemoryLinks:
         return _Receive(self._in[peer], tensors[0])
 
     def _drain(self) -> None:
-        """Put the messages that waited for room in their rings as room comes, in order; give up on one whose
-        receiver made no room within the timeout."""
+        """Put the messages waiting for room in their rings as it comes, in order; give up where none comes in time."""
         since, pause = time.monotonic(), 1e-4
         while True:
             with self._lock:
@@ -392,8 +393,7 @@ def shared_memory_links(store: Any, token: str, rank: int, size: int, timeout: f
 
 
 def _agreed(store: Any, prefix: str, size: int, wait: datetime.timedelta) -> list[str] | None:
-    """What every process set as ``prefix/<rank>``'s first line, once all have; None where any set an error (what
-    follows its first line)."""
+    """What every process set as ``prefix/<rank>``'s first line, once all have; None where any set an error after it."""
     keys = [f"{prefix}/{r}" for r in range(size)]
     store.wait(keys, wait)
     found = [store.get(key).decode().split("\n", 1) for key in keys]
