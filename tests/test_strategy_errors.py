@@ -111,6 +111,26 @@ def test_a_parameter_shared_by_a_layer_outside_the_body_and_a_stage_in_another_p
     check_outside_ties(model, "sequential_module.", split_module(model.sequential_module, [2, 1]), [0, 1])
 
 
+def test_a_parameter_shared_by_two_stages_is_found_in_one_process_too():
+    """Under a V schedule the first and the last stage share a process: an embedding tied to the head there is no tie
+    across processes, and trained as one (each stage setting its gradient aside) the tied weight was 2e-2 from one
+    device's after two steps (step 2's gradient held step 1's). ``stage_ties`` finds it by stage, whatever the process,
+    and the build refuses it under virtual stages, as it did ties across processes."""
+    from torch import nn
+
+    from lightning_pipe.engine.partition import split_module
+    from lightning_pipe.lightning.tied import find_tied, stage_ties
+
+    embed = nn.Linear(4, 8, bias=False)
+    head = nn.Linear(8, 4, bias=False)
+    head.weight = embed.weight
+    body = nn.Sequential(embed, nn.Tanh(), nn.Linear(8, 8), head)
+    parts = split_module(body, [1, 1, 1, 1])
+    assert find_tied(parts, [0, 1, 1, 0], [0, 1], "m.") == []  # a V: both users in the driver's process
+    assert stage_ties(parts, "m.") == [("m.0.weight", "m.3.weight")]
+    assert stage_ties(split_module(body, [4]), "m.") == []  # one stage: one parameter
+
+
 def test_fork_is_refused_where_a_forked_process_could_not_work(monkeypatch):
     """start_method='fork' is refused before any fork: with CUDA initialised in the launching process, and with
     OMP_NUM_THREADS asking for more than the one thread a forked process computes with."""

@@ -30,7 +30,7 @@ from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
 from lightning_pipe.lightning.checks import body_of
-from lightning_pipe.lightning.tied import TiedSync, check_outside_ties, find_tied, keep_ties
+from lightning_pipe.lightning.tied import TiedSync, check_outside_ties, find_tied, keep_ties, stage_ties
 from lightning_pipe.transport.parallel import building, dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import host
 from lightning_pipe.transport.stages.driver import RemotePipeline
@@ -119,11 +119,14 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
     devices = strategy.parallel_devices
     tied = find_tied(parts, where, ranks, prefix)
     check_outside_ties(module, prefix, parts, where)
-    if tied and p != n:
+    # Two stages of one process holding one parameter (a V's first and last) would each set its gradient aside.
+    shared = stage_ties(parts, prefix) if p != n else []
+    if shared:
         raise ValueError(
             f"{type(module).__name__}.{strategy.module_name} has parameters shared by layers of different stages "
-            f"({', '.join(tied[0].names)}), which an interleaved schedule (virtual_stages={n // p}) cannot split: "
-            "use one stage per process (virtual_stages=1), or keep the layers that share them in one stage")
+            f"({', '.join(shared[0])}), which a schedule of several stages per process (virtual_stages={n // p}) "
+            "cannot split: use one stage per process (virtual_stages=1), or keep the layers that share them in "
+            "one stage")
     split = tensor_split(strategy, module, body, parts)
     programs = {s: recording.program(named_tensors(parts[s])) for s in range(n) if where[s]} if recording else {}
     setup_timeout = timeout + (strategy.setup_timeout() if strategy.world_size > 1 or recording else 0)

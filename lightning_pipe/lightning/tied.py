@@ -37,6 +37,17 @@ def find_tied(parts: Sequence[nn.Sequential], process_of: Sequence[int], ranks: 
             for named in owners.values() if len(named) > 1]
 
 
+def stage_ties(parts: Sequence[nn.Sequential], prefix: str) -> list[tuple[str, ...]]:
+    """The parameters held by layers of more than one stage, each as its names (``prefix`` + its name in the body)
+    in the stages that hold it, the first stage's first: in one process or not."""
+    owners: dict[int, dict[int, str]] = {}  # parameter id -> stage -> its first name there
+    for s, part in enumerate(parts):
+        for name, layer in part.named_children():
+            for pname, p in layer.named_parameters():
+                owners.setdefault(id(p), {}).setdefault(s, f"{prefix}{name}.{pname}")
+    return [tuple(named.values()) for named in owners.values() if len(named) > 1]
+
+
 def check_outside_ties(module: nn.Module, prefix: str, parts: Sequence[nn.Sequential], process_of: Sequence[int]
                        ) -> None:
     """Refuse a parameter that a layer outside the body (on the driver) shares with a layer of a stage in another
