@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe import Pipe
+from lightning_pipe import Pipe, loss_on_last_stage
 
 
 def model(n: int = 4) -> nn.Sequential:
@@ -383,3 +383,18 @@ def test_an_input_that_some_micro_batches_leave_unused_gets_zeros_there_not_none
     y_unused = y.clone().requires_grad_()
     loss_on_last_stage(piped, (x, y_unused), torch.zeros(6, 2), nn.functional.mse_loss).backward()
     assert y_unused.grad is None
+
+
+def test_a_batch_too_short_for_the_schedules_micro_batches_names_the_batch():
+    """DualPipeV needs a micro-batch per stage: a last batch of 3 samples where chunks=4 splits into 3 micro-batches,
+    which it cannot run. The error says so, naming the batch and what to do, where it said "use microbatches=4 or
+    more" to a user who had (found by training with a short last batch); a batch of 4 runs."""
+    torch.manual_seed(0)
+    pipe = Pipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), balance=[1, 1, 1, 1], devices=["cpu", "cpu"],
+                chunks=4, schedule="dualpipev", virtual_stages=2)
+    x = torch.randn(4, 4)
+    with pytest.raises(ValueError, match=r"a batch of 3 samples splits into 3 micro-batches, fewer than chunks=4: "
+                                         r"dualpipev needs at least as many micro-batches as stages .*batches of at "
+                                         r"least 4 samples \(a short last batch: DataLoader\(drop_last=True\)\)"):
+        loss_on_last_stage(pipe, x[:3], x[:3], nn.functional.mse_loss)
+    loss_on_last_stage(pipe, x, x, nn.functional.mse_loss).backward()

@@ -192,7 +192,14 @@ def pipeline_loss(pipeline: Any, input: TensorOrTensors, target: Any, loss_fn: L
         step = pipeline.execute(run, forward_only(m, p, v, pipeline.placement), inputs=microbatches, save=False)
         total = combine(step.losses, run.weights, sizes, extras)
         return total.value if total.extras is None else {"loss": total.value, **total.extras}
-    plan = gpipe(m, p, pipelined=pipeline.pipelined) if schedule == "gpipe" else schedule_plan(schedule, m, p, v)
+    try:
+        plan = gpipe(m, p, pipelined=pipeline.pipelined) if schedule == "gpipe" else schedule_plan(schedule, m, p, v)
+    except ValueError as exc:
+        if m >= chunks:
+            raise
+        raise ValueError(f"a batch of {sum(sizes)} samples splits into {m} micro-batches, fewer than chunks={chunks}: "
+                         f"{exc}. Feed batches of at least {chunks} samples (a short last batch: "
+                         "DataLoader(drop_last=True))") from None
     phony = torch.empty(0, requires_grad=True)
     value = _LossFunction.apply(pipeline, run, plan, microbatches, phony, *batch.tensors)
     return value if run.extras is None else {"loss": value, **run.extras}
