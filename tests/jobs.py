@@ -446,7 +446,7 @@ _HEADS = {**_TP, "body": "heads",
           "tensor_parallel_plan": {"0": "colwise", "1": "replicated_with_grad_allreduce", "2": "rowwise",
                                    "4": "colwise_rep"}}
 GROUPS["4 processes tensor parallel"] = {
-    "tp-adamw-clip": {**_HEADS, "devices": 4, "optimizer": "adamw", "clip": 0.05},
+    "tp-adamw-clip": {**_HEADS, "devices": 4, "optimizer": "adamw", "clip": 0.05, "log_metric": True},
     "tp-1f1b-last-stage-loss": {**_TP, "devices": 4, "schedule": "1f1b", "last_stage_loss": True, "balance": [3, 3]},
     # Built on the meta device (each process materialising its own stage, then splitting it); a run saving the one
     # file each epoch, and another resuming from its first epoch's (loaded into the split stages).
@@ -494,7 +494,7 @@ GROUPS["4 processes tensor parallel"] = {
 GROUPS["8 processes tensor parallel"] = {
     # Built on meta: each layer takes replica 0's weights, then is split, before the next is made.
     "tp-2replicas-clip": {**_HEADS, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw", "clip": 0.05,
-                          "build": "init_module"},
+                          "build": "init_module", "log_metric": True},
     "tp-2replicas-full-shard-clip": {**_HEADS, "devices": 8, "batch_size": 4, "samples": 32, "optimizer": "adamw",
                                      "clip": 0.05, "sharding": "FULL_SHARD"},
     "tp-2replicas-full-shard-from-dcp": {**_TP, "devices": 8, "batch_size": 4, "optimizer": "adamw",

@@ -122,7 +122,8 @@ JOBS: dict[str, dict[str, Any]] = {
     # Each stage split over 2 tensor ranks (2 stages x 2 tensor ranks) by the scenarios' plan, in Fabric's loop.
     "4 processes, tensor parallel": {"devices": 4, "start_method": "fork", "cases": {
         "tensor-parallel-1f1b-adamw-clip": {"tensor_parallel_size": 2, "optimizer": "adamw", "schedule": "1f1b",
-                                            "last_stage_loss": True, "clip": 0.1, "own_state": True},
+                                            "last_stage_loss": True, "clip": 0.1, "own_state": True,
+                                            "collectives": True},
         # The 2-process job's own files loaded by load_state_dict into split stages.
         "tensor-parallel-load-own": {"tensor_parallel_size": 2, "clip": 0.05,
                                      "load_own": "../2-processes/sgd-clip-scheduler"},
@@ -240,8 +241,10 @@ def test_a_fabric_loop_trains_one_devices_weights(job, case, fabric_jobs, tmp_pa
     assert result["strategy"] == f"{tree}.fabric.strategy.PipeStrategy"
     assert result["world_size"] == replicas * tensor and result["global_rank"] == 0  # Fabric sees the drivers alone
     if config.get("collectives"):  # among the drivers: one value per replica
-        assert result["all_reduce"] == sum(range(1, replicas + 1))
+        assert result["all_reduce"] == sum(range(1, replicas * tensor + 1, tensor))
         assert result["broadcast"] == "from 0"
+        # Over the replicas, not the tensor ranks (which hold the same values): a sum counts each replica once.
+        assert result["all_reduce_ones"] == result["all_gathered"] == replicas
     plain_model = fabric_loop.model({**fabric_loop.DEFAULTS, **config})
     plain_model.load_state_dict(saved["model"], strict=not config.get("save_filter"))  # no strategy at all
     if config.get("own_state"):

@@ -396,6 +396,15 @@ def test_stages_split_over_tensor_ranks_train_the_plain_models_weights(name, job
             assert all(part["optimizer"] == 2 * part["parameters"] for part in parts), parts
     result = jobs.result(name)
     assert result["world_size"] == pipelines  # Lightning's world: every pipeline's driver
+    if config.get("log_metric"):
+        # Sums over the replicas count each sample once, as one device does: self.log(sync_dist=True, reduce_fx="sum")
+        # and a torchmetrics SumMetric (over every driver, as under Lightning's ModelParallelStrategy, each sample
+        # counted once per tensor rank: 2x), and self.all_gather gives one entry per replica, not per tensor rank.
+        plain = json.loads((tmp_path / "plain" / "result.json").read_text())["metrics"]
+        for key in ("train_loss", "train_samples", "train_samples_metric"):
+            assert result["metrics"][key] == pytest.approx(plain[key], rel=1e-5), key
+        assert plain["train_samples"] == config.get("samples", 64)
+        assert result["gathered"] == pipelines // config["tensor_parallel_size"]
 
 
 @pytest.mark.timeout(900)

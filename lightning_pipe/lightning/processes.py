@@ -82,6 +82,7 @@ class PipelineLayout:
     _topology: Topology | None = None
     _checked_topology: Topology | None = None  # the layout the sharding settings were last checked against
     _rank = -1
+    _replica_group: Any = None
     _requeue: requeue.DeferredRequeue | None = None
 
     @property
@@ -164,6 +165,43 @@ class PipelineLayout:
             # Known as the loop is made, before any process starts: the sharding settings against the replicas.
             checks.check_replicas(self.sharding_strategy, self.hybrid_shard_size, topology)
             self._checked_topology = topology
+
+    def replica_group(self) -> Any:
+        """Where a sum or a gathering over the replicas' batches runs: the drivers of this process's tensor rank, one
+        per replica (a group of the drivers' default group, made by its members at its first use); None (the default
+        group) with one tensor rank. The tensor ranks of a replica drive the same batch: over every driver, a sum
+        counts each sample ``tensor_parallel_size`` times, as under Lightning's ``ModelParallelStrategy``."""
+        topology = self.topology
+        if topology.tensor == 1:
+            return None
+        if self._replica_group is None:
+            k = topology.tensor_of(self._rank)
+            self._replica_group = torch.distributed.new_group(
+                [r * topology.tensor + k for r in range(topology.replicas)], use_local_synchronization=True)
+        return self._replica_group
+
+    def over_replicas(self, group: Any) -> Any:
+        """The group a loop's sum or gathering asked over ``group`` runs over: :meth:`replica_group` for the default
+        group (None, or ``WORLD``, which ``self.all_gather`` and Fabric's collectives pass for None), else ``group``."""
+        default = group is None or (torch.distributed.is_available() and group is torch.distributed.group.WORLD)
+        return self.replica_group() if default else group
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """``decision`` agreed by every driver, each tensor rank's too (over the default group, not
+        :meth:`replica_group`): True where all (``all``) or any decided so, as Lightning's strategies agree."""
+        agreed = torch.tensor(int(decision), device=self.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.SUM)
+        return bool(agreed == self.world_size) if all else bool(agreed)
+
+    def group_metrics(self, module: torch.nn.Module) -> None:
+        """Each torchmetrics ``Metric`` of ``module`` left to sync over the default group syncs over
+        :meth:`replica_group` instead (its samples counted once, not once per tensor rank)."""
+        group = self.replica_group() if self.is_driver else None
+        for metric in module.modules() if group is not None else ():
+            if hasattr(metric, "_sync_dist") and getattr(metric, "process_group", 0) is None:
+                metric.process_group = group
 
     def memory_per_process(self) -> list[dict[str, int]]:
         """Per process of this driver's pipeline: its memory (resident now, at its peak and as it joined its session;

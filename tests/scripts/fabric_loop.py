@@ -231,6 +231,8 @@ def run(fabric: Any, config: dict[str, Any], out: str) -> dict[str, Any]:
                               "own_state_error": own_error}
     if config["collectives"]:  # among the drivers, as under any strategy: one per replica
         result["all_reduce"] = float(fabric.all_reduce(torch.tensor(float(fabric.global_rank + 1)), reduce_op="sum"))
+        result["all_reduce_ones"] = float(fabric.all_reduce(torch.tensor(1.0), reduce_op="sum"))
+        result["all_gathered"] = len(fabric.all_gather(torch.tensor(1.0)).reshape(-1))
         result["broadcast"] = fabric.broadcast(f"from {fabric.global_rank}", src=0)
         fabric.barrier()
     return result

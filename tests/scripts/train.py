@@ -265,6 +265,8 @@ class Model(pl.LightningModule):
             self.head = nn.Linear(out, 1)  # outside the body: stays on the driver
         self.automatic_optimization = not self.config["manual"]
         self.metric = torchmetrics.MeanSquaredError()
+        self.samples = torchmetrics.SumMetric()  # each sample once (a replica's tensor ranks see the same batch)
+        self.gathered: int | None = None  # what self.all_gather gives of one number: one per replica
         # ModelSummary runs it as it is (Lightning converts batches, not this) under the precision's dtype.
         dtype = torch.float64 if self.config["precision"] == "64-true" else torch.float32
         self.example_input_array = torch.zeros(4, self.config["width"], dtype=dtype)
@@ -296,6 +298,11 @@ class Model(pl.LightningModule):
                 self.log("train_mse", self.metric, on_step=False, on_epoch=True)
         if self.config["log_metric"]:
             self.log("train_loss", loss, sync_dist=True)
+            self.log("train_samples", float(len(x)), sync_dist=True, reduce_fx="sum", on_step=False, on_epoch=True)
+            self.samples.update(float(len(x)))
+            self.log("train_samples_metric", self.samples, on_step=False, on_epoch=True)
+            if self.gathered is None:
+                self.gathered = len(self.all_gather(torch.tensor(1.0)).reshape(-1))
         if not self.automatic_optimization and self.config["optimizer"] == "two":
             self._alternate(loss, x, y)
         elif not self.automatic_optimization and self.config["manual_accumulate"] > 1:
@@ -703,7 +710,8 @@ def main(config: dict[str, Any], out: str, plain: bool = False) -> pl.LightningM
             json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "lr": model.lr,
                        "route": route, "stages": stats, "trainer": type(trainer).__module__,
                        "strategy": type(trainer.strategy).__module__,
-                       "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
+                       "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                       "gathered": model.gathered}, f)
     if (config["sharding"] != "NO_SHARD" or config["tensor_parallel_size"] > 1) and not plain:
         # How much of its stage every process holds, per pipeline (a replica's, with tensor parallel).
         from lightning_pipe.transport.parallel.fsdp import held

@@ -230,6 +230,7 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         planned.resolve_in_fabric(self, root, optimizers or [])  # what was left to "auto", as the model is here
         body = build(self, root)
         self._attach(root, body)
+        self.group_metrics(root)
         root.to(self.root_device)  # the driver's part (the remote layers' placeholders stay on meta)
         pipelined = body.pipeline_loss
         casts = output_casts(self.precision) if bare else {}
@@ -346,6 +347,16 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         self.unscale(optimizer)
         clip_by_value(optimizer, float(clip_val))
         return None
+
+    @override
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Over the replicas (:meth:`replica_group`: a replica's tensor ranks hold the same values), as given else."""
+        return super().all_reduce(tensor, self.over_replicas(group), reduce_op)
+
+    @override
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """One entry per replica (:meth:`replica_group`), not per tensor rank; over ``group`` where given."""
+        return super().all_gather(tensor, self.over_replicas(group), sync_grads)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

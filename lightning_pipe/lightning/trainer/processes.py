@@ -52,6 +52,16 @@ class PipelineProcesses(PipelineLayout, DDPStrategy):
             planned.check_peaks(self, observe.memory(self._body))
 
     @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # ``self.log(sync_dist=True)``: over the replicas (a replica's tensor ranks logged the same batch).
+        return super().reduce(tensor, self.over_replicas(group), reduce_op)
+
+    @override
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        # One entry per replica, not per tensor rank (the tensor ranks of a replica hold the same values).
+        return super().all_gather(tensor, self.over_replicas(group), sync_grads)
+
+    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         if self._requeue is not None:

@@ -208,6 +208,7 @@ class PipeStrategy(ReplicatedStages, PipelineCheckpoints):
             self.precision_plugin.convert_module(self.model)
         planned.resolve_in_setup(self, self.lightning_module, trainer)  # torchrun, SLURM: now the processes have met
         self._attach(build(self, self.lightning_module))
+        self.group_metrics(self.lightning_module)
         mix_in(self.precision_plugin, PipePrecision)
         self.precision_plugin._lp_unscale_shards()
         self.model_to_device()
