@@ -117,7 +117,9 @@ def test_what_the_config_adds_is_in_the_body():
 
 def test_litgpts_lora_model_takes_the_same_adapter():
     """``litgpt.lora.GPT`` subclasses ``litgpt.model.GPT`` with the same forward: its body gives its output, and
-    its LoRA matrices, which train, are the body's."""
+    its LoRA matrices, which train, are the body's. The body travels to stages' processes: at LitGPT's default
+    ``lora_dropout=0.0`` each LoRA layer held a lambda, which no pickle takes (a stage could not be sent); an
+    ``nn.Identity`` now, the same output."""
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
 
     torch.manual_seed(0)
@@ -131,6 +133,7 @@ def test_litgpts_lora_model_takes_the_same_adapter():
     ids, _ = batches(4)
     with torch.no_grad():
         assert_close(body(ids), model(ids))
+        assert_close(pickle.loads(pickle.dumps(body))(ids), model(ids))  # as a stage's process receives it
     trainable = [k for k, p in body.named_parameters() if p.requires_grad]
     assert len(trainable) == 2 * BLOCKS and all(".attn.qkv.lora_" in k for k in trainable)  # A and B, fused qkv
     assert set(hf_state_dict(body)) == set(model.state_dict())

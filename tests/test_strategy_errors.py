@@ -131,6 +131,33 @@ def test_a_parameter_shared_by_two_stages_is_found_in_one_process_too():
     assert stage_ties(split_module(body, [4]), "m.") == []  # one stage: one parameter
 
 
+def test_a_layer_holding_a_lambda_is_named_where_it_cannot_reach_its_stage(monkeypatch):
+    """A stage's layers go to its process by pickle: a layer holding a lambda failed with pickle's words alone (from
+    inside RPC, naming no layer). Now the stage, the process, the attribute and what to hold instead are said."""
+    import pickle
+    import types
+
+    from torch import nn
+
+    from lightning_pipe.transport.stages import host
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = lambda x: x
+
+        def forward(self, x):
+            return self.act(x)
+
+    monkeypatch.setattr(host.rpc, "rpc_async", lambda peer, fn, timeout, args: pickle.dumps(args))  # as RPC pickles
+    setup = types.SimpleNamespace(setup_timeout=1.0, timeout=1.0)
+    with pytest.raises(TypeError, match=r"stage 1 cannot be sent to process 'worker1': .*\(stage 1's 1\.act: "
+                                        r".*<lambda>\)\. A stage's layers travel to its process by pickle.*"
+                                        r"nn\.Identity\(\)"):
+        host.configure_async("worker1", "key", {1: (nn.Sequential(nn.Linear(2, 2), Holder()), 1)}, setup)
+    assert host.configure_async("worker1", "key", {1: (nn.Sequential(nn.Linear(2, 2)), 1)}, setup)
+
+
 def test_fork_is_refused_where_a_forked_process_could_not_work(monkeypatch):
     """start_method='fork' is refused before any fork: with CUDA initialised in the launching process, and with
     OMP_NUM_THREADS asking for more than the one thread a forked process computes with."""

@@ -119,6 +119,10 @@ def litgpt_layers(model: nn.Module) -> list[nn.Module]:
         raise ValueError(f"{type(model).__name__} has a key/value cache set (set_kv_cache; blocks: {cached[:5]}), "
                          "which the body never uses but every stage would hold: call model.clear_kv_cache() before "
                          "to_sequential")
+    for module in model.modules():  # LoRA's dropout at 0 (LitGPT's default) is a lambda: no stage's process takes it
+        dropout = getattr(module, "lora_dropout", None)
+        if callable(dropout) and not isinstance(dropout, nn.Module):
+            module.lora_dropout = nn.Identity()
     config = model.config
     return [LitGPTEmbeddings(model.transformer.wte, config, model.max_seq_length),
             *[LitGPTBlock(block, config, i) for i, block in enumerate(model.transformer.h)],

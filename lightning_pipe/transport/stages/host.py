@@ -10,6 +10,7 @@ replicas, state for checkpoints).
 from __future__ import annotations
 
 import pickle
+import types
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -30,6 +31,7 @@ from lightning_pipe.transport.stages.runner import StageRunner
 from lightning_pipe.transport.stages.setup import StageSetup
 from lightning_pipe.transport.stages.stagestate import StageState, broadcast_from_replica0
 from lightning_pipe.transport.stages.tied import TiedCopies
+from lightning_pipe.transport.wire.messages import where
 from lightning_pipe.transport.wire.session import SESSION
 
 __all__: list[str] = []
@@ -313,8 +315,26 @@ def configure_async(peer: str, key: str, parts: Mapping[int, tuple[nn.Sequential
     """Have process ``peer`` host stages ``parts`` of pipeline ``key`` as ``setup`` says (see :func:`configure`);
     ``programs``: how to materialise partitions built on the meta device. The call may take ``setup.setup_timeout``
     (default ``setup.timeout``)."""
-    sent: Any = pickle.dumps((dict(parts), dict(programs))) if programs else parts
-    return rpc.rpc_async(peer, configure, timeout=setup.setup_timeout or setup.timeout, args=(key, sent, setup))
+    try:
+        sent: Any = pickle.dumps((dict(parts), dict(programs))) if programs else parts
+        return rpc.rpc_async(peer, configure, timeout=setup.setup_timeout or setup.timeout, args=(key, sent, setup))
+    except (AttributeError, TypeError, pickle.PicklingError) as exc:
+        if "pickle" not in str(exc):
+            raise
+        raise TypeError(
+            f"stage {', '.join(map(str, parts))} cannot be sent to {where(peer)}: {exc}{_unpicklable(parts)}. A "
+            "stage's layers travel to its process by pickle, with everything they hold: hold a module (nn.Identity()) "
+            "or a function defined at a module's top level instead of a lambda or a local function") from exc
+
+
+def _unpicklable(parts: Mapping[int, tuple[nn.Sequential, int]]) -> str:
+    """The first lambda or local function a layer of ``parts`` holds as an attribute, as `` (where: what)``."""
+    for s, (part, _) in parts.items():
+        for name, module in part.named_modules():
+            for attr, value in vars(module).items():
+                if isinstance(value, types.FunctionType) and "<" in value.__qualname__:
+                    return f" (stage {s}'s {name}.{attr}: {value.__qualname__})"
+    return ""
 
 
 def drop(key: str) -> None:
