@@ -181,7 +181,8 @@ def wrap(strategy: Any, module: nn.Module, device_ids: list[int] | None, process
 _RUNTIME = ("_accelerator", "_checkpoint_io", "_precision_plugin", "precision_plugin", "_lightning_module", "_model",
             "_launcher", "_optimizers", "_lightning_optimizers", "lr_scheduler_configs", "cluster_environment",
             "_layer_sync", "_forward_redirection", "_model_averager", "_body", "_stage_optimizers", "_replicas",
-            "_arguments", "_lp_layers", "_precision", "_backward_sync_control", "_module", "model", "_mirrored")
+            "_arguments", "_lp_layers", "_precision", "_backward_sync_control", "_module", "model", "_mirrored",
+            "_replica_group")
 
 
 def stage_copy(strategy: Any) -> Any:
