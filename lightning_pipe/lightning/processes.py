@@ -171,8 +171,8 @@ class PipelineLayout:
         per replica (a group of the drivers' default group, made by its members at its first use); None (the default
         group) with one tensor rank. The tensor ranks of a replica drive the same batch: over every driver, a sum
         counts each sample ``tensor_parallel_size`` times, as under Lightning's ``ModelParallelStrategy``."""
-        topology = self.topology
-        if topology.tensor == 1:
+        topology = self._topology
+        if topology is None or topology.tensor == 1:
             return None
         if self._replica_group is None:
             k = topology.tensor_of(self._rank)
