@@ -611,3 +611,26 @@ def test_a_fixed_sharding_with_the_layout_left_to_auto_on_one_node_says_why_it_c
                                          r"the layout left to 'auto' \(balance\) has one pipeline per node.*no stage "
                                          r"has a replica to shard over"):
         plan(strategy, Net(), "32-true", None, False)
+
+
+def test_the_example_is_taken_in_the_models_dtype_as_a_precision_converts_a_batch():
+    """``balance=None`` under ``precision="64-true"``: Lightning converts the model to float64 and each batch with it,
+    but the float32 ``example_input_array`` reached the model's forward as it was and the inferred balance failed
+    with torch's "mat1 and mat2 must have the same dtype". The body's input is now taken in the model's dtype, through
+    the model's forward or without one; integer inputs (token ids) stay as they are."""
+    from lightning_pipe.engine.planning import body_and_input
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sequential_module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            return self.sequential_module(x + ids.unsqueeze(1))
+
+    model = Model().double()
+    body, sample = body_and_input(model, (torch.randn(3, 4), torch.arange(3)), "sequential_module")
+    assert body is model.sequential_module and sample.dtype == torch.float64
+    bare = nn.Sequential(nn.Linear(4, 4)).double()
+    _, (x, ids) = body_and_input(bare, (torch.randn(3, 4), torch.arange(3)), "sequential_module")
+    assert x.dtype == torch.float64 and ids.dtype == torch.int64

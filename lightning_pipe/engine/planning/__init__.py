@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.engine.loss import each_tensor
 from lightning_pipe.engine.planning.layouts import (
     CHECKPOINTS,
     SHARDINGS,
@@ -117,7 +118,11 @@ class LayoutPlan:
 def body_and_input(module: nn.Module, example: Any, module_name: str) -> tuple[nn.Sequential, Any]:
     """The ``nn.Sequential`` body and its input: ``module`` and ``example`` themselves, or a model's body
     ``module_name`` and what the model's forward of ``example`` gives it (``example`` itself for a model without a
-    forward of its own)."""
+    forward of its own). ``example``'s floating tensors are taken in the dtype of ``module``'s parameters, as a
+    precision converts a batch for the model it converted (``"64-true"``: float64)."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if dtype is not None:
+        example = each_tensor(example, lambda t: t.to(dtype) if t.is_floating_point() else t)
     if isinstance(module, nn.Sequential):
         return module, example
     body = getattr(module, module_name, None)
