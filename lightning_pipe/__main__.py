@@ -172,6 +172,10 @@ def plan(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {exc}") from None
     print(found.table(args.top))
     print(f"\nPipeStrategy(**{found.layout.arguments()})")
+    if found.layout.replicas > 1:  # what the strategy's "auto" would not choose on one node: say why they differ
+        print(f"(these arguments train {found.layout.replicas} replicas, each on its share of a batch; "
+              "PipeStrategy(..., 'auto') keeps one pipeline per node, a step training the samples one device would, "
+              "and chooses among those layouts alone)")
 
 
 def parser() -> argparse.ArgumentParser:

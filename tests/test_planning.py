@@ -294,6 +294,8 @@ def test_the_command_prints_the_table_and_refuses_a_budget_too_small(tmp_path):
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "PipeStrategy(**{'balance'" in ok.stdout and "chosen: the fastest" in ok.stdout
+    # A choice of replicas says why PipeStrategy(..., "auto") would choose otherwise (one pipeline per node).
+    assert ("replicas 2" in ok.stdout.splitlines()[1]) == ("keeps one pipeline per node" in ok.stdout), ok.stdout
     refused = subprocess.run([*command, "--memory-per-device", "1KiB"], env=env, capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 1 and "no layout fits" in refused.stderr
