@@ -3,7 +3,9 @@
     python examples/cnn_digits.py fit --config configs/cnn_digits/cpu.yaml
 
 BatchNorm with deferred statistics (``deferred_batch_norm``), dropout, and a balance inferred from the
-model's ``example_input_array`` (``balance: null``). Validation accuracy is logged with torchmetrics.
+model's ``example_input_array`` (``balance: null``). Validation accuracy is logged with torchmetrics. BatchNorm
+normalises each of the 4 micro-batches alone in training (the strategy warns of it): the weights are those of a
+micro-batched BatchNorm, not one device's; ``--trainer.strategy.init_args.microbatches=1`` gives one device's.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from lightning_pipe.engine.planning import body_and_input
 from lightning_pipe.engine.skip.layout import inspect_skip_layout
 from lightning_pipe.engine.stage import Stage
 from lightning_pipe.lightning.body import PipelinedSequential
-from lightning_pipe.lightning.checks import body_of
+from lightning_pipe.lightning.checks import body_of, warn_batch_norm
 from lightning_pipe.lightning.tied import TiedSync, check_outside_ties, find_tied, keep_ties, stage_ties
 from lightning_pipe.transport.parallel import building, dtensors, fsdp, tensor
 from lightning_pipe.transport.stages import host
@@ -92,6 +92,7 @@ def build(strategy: PipeStrategy, module: pl.LightningModule) -> PipelinedSequen
         return _adopt(strategy, module, body)
     strategy.check_model(module)
     recording = deferred_recording(module)  # built on the meta device: each process materialises its own
+    warn_batch_norm(body, strategy.microbatches, strategy.module_name)
     if strategy.deferred_batch_norm:
         with recording.resume() if recording is not None else contextlib.nullcontext():
             DeferredBatchNorm.convert(body)

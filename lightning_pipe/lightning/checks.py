@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
@@ -272,3 +273,16 @@ def check_balance_sum(body: Any, balance: list[int], where: str) -> None:
     count, whom = ("a layer", "a stage") if difference == 1 else (f"{difference} layers", "the stages")
     change = f"add {count} to {whom}" if total < layers else f"remove {count} from {whom}"
     raise ValueError(f"balance must sum to the {layers} layers of {where} {given}: {change}, e.g. balance={even}")
+
+
+def warn_batch_norm(body: Any, microbatches: int, name: str) -> None:
+    """Warn where ``body`` has BatchNorm layers and batches are split into ``microbatches`` > 1: in training each
+    micro-batch is normalised with its own mean and variance, so the weights are not one device's."""
+    norms = [n for n, m in body.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if norms and isinstance(microbatches, int) and microbatches > 1:
+        rank_zero_warn(
+            f"PipeStrategy(microbatches={microbatches}): {name}.{norms[0]} (and {len(norms) - 1} more BatchNorm "
+            "layers) normalises each micro-batch with its own mean and variance in training, where one device "
+            "normalises the whole batch: the weights are not one device's (deferred_batch_norm=True makes the running "
+            "statistics the whole batch's, not the normalisation). microbatches=1 gives one device's; GroupNorm or "
+            "LayerNorm do not depend on the batch")
