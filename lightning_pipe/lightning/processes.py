@@ -187,6 +187,11 @@ class PipelineLayout:
         return self.replica_group() if default else group
 
     @override
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """One entry per replica (:meth:`over_replicas`), not per tensor rank: ``self.all_gather`` and Fabric's."""
+        return super().all_gather(tensor, self.over_replicas(group), sync_grads)  # type: ignore[misc]
+
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """``decision`` agreed by every driver, each tensor rank's too (over the default group, not
         :meth:`replica_group`): True where all (``all``) or any decided so, as Lightning's strategies agree."""

@@ -354,11 +354,6 @@ class PipeStrategy(PipelineLayout, DDPStrategy):
         return super().all_reduce(tensor, self.over_replicas(group), reduce_op)
 
     @override
-    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        """One entry per replica (:meth:`replica_group`), not per tensor rank; over ``group`` where given."""
-        return super().all_gather(tensor, self.over_replicas(group), sync_grads)
-
-    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         """Every process of the job meets: each driver has its stages meet theirs, then the drivers meet."""
         body = self._body

@@ -57,11 +57,6 @@ class PipelineProcesses(PipelineLayout, DDPStrategy):
         return super().reduce(tensor, self.over_replicas(group), reduce_op)
 
     @override
-    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        # One entry per replica, not per tensor rank (the tensor ranks of a replica hold the same values).
-        return super().all_gather(tensor, self.over_replicas(group), sync_grads)
-
-    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         if self._requeue is not None:
