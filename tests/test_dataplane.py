@@ -981,3 +981,50 @@ def test_a_quiet_process_whose_share_fails_after_its_hand_offs_fails_the_driver_
     step, error = result
     assert 2 <= step <= 5, result
     assert "failed after its hand-offs" in error and f"stage {failing} of pipeline 'late'" in error, error
+
+
+def _drop_held(key: str, on_run: int) -> None:
+    """Have this process (the last stage's) find its ``on_run``-th step's losses gone when it answers, as an abort of
+    that run arriving between its share's end and its answer leaves it (``StageRunner.fail`` drops them)."""
+    from lightning_pipe.transport.stages.entries import RUNNERS
+
+    runner = RUNNERS[key]
+    take_held = runner.take_held
+    count = [0]
+
+    def dropping(run: int):
+        count[0] += 1
+        held = take_held(run)
+        return None if count[0] == on_run else held
+
+    runner.take_held = dropping
+
+
+def _dropped(rank: int, world: int):
+    pipeline = pipeline_over_rpc("dropped", build(), [2, 3, 2], [f"worker{r}" for r in range(world)], timeout=20)
+    if pipeline is None:
+        return None
+    rpc.rpc_sync("worker2", _drop_held, args=("dropped", 2))
+    x = torch.randn(8, 6, requires_grad=True)
+    y = torch.randn_like(build()(x))
+    step = 0
+    try:
+        while step < 3:
+            step += 1
+            pipeline_loss(pipeline, x, y, _mse, chunks=4, checkpoint="never", training=True, parameters=iter([]),
+                          schedule="1f1b").backward()
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - what the driver raised, for the test to read
+        return step, f"{type(exc).__name__}: {exc}"
+    finally:
+        pipeline.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_last_stage_answering_without_its_outputs_fails_the_step_saying_so():
+    """A run aborted between the last stage's share and its answer (a quiet process failing late aborts it) leaves the
+    answer without the losses: the driver indexed it and raised a TypeError ('NoneType' object is not subscriptable),
+    seen once under a loaded CI. It now raises the late failure where one is pending, else says the outputs were
+    dropped as the run was aborted."""
+    result = run_processes(_dropped, 3, timeout=100)[0]
+    assert result[0] == 2 and result[1].startswith("RuntimeError: the last stage's outputs of run"), result

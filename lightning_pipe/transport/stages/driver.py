@@ -186,11 +186,9 @@ class RemotePipeline:
         on a GPU is called on autograd's thread for that device, which stage 0's own autograd call needs: on the
         stage's worker, that call would wait for the very thread that waits for it.
 
-        Nothing waits unboundedly: a failure aborts the others, who then get at most the RPC timeout to stop;
-        once the driver has what it needs (stage 0 done, the last stage's outputs here), processes still busy
-        get the RPC timeout from their last sign of progress (a share finished, or a slow stage's word that it
-        finished another micro-batch) before they are reported as not answering.
-        """
+        Nothing waits unboundedly: a failure aborts the others, who then get at most the RPC timeout to stop; once
+        the driver has what it needs (stage 0 done, the last stage's outputs here), processes still busy get the RPC
+        timeout from their last sign of progress (a share or a micro-batch finished) before they are reported."""
         m, n, p, key = plan.microbatches, self.n, self.processes, self.key
         check_placement(plan, self.placement, p)
         spec = StepSpec(m, save, run.checkpoint_stop, run.training, run.autocast, run.anomaly, run.dtype,
@@ -238,9 +236,12 @@ class RemotePipeline:
                                           {last: deliveries} if last != 0 else {}, inline, targets, quiet)
         if not save or (not spec.eager and any(a.kind != "F" for a in plan.actions[0])):
             self._settled.add(run.id, p - 1)  # nothing saved, or a backward done: nothing left behind elsewhere
-        results = None
-        if forwards:
-            results = collected if last == 0 else [answers[last][i] for i in range(m)]
+        results = collected if forwards and last == 0 else None
+        if forwards and last != 0:
+            if answers[last] is None:  # its outputs dropped as the run was aborted: by a share failing late, whose
+                self.settle()  # error this raises (a quiet process's late answer), or:
+                raise RuntimeError(f"the last stage's outputs of run {run.id} were dropped: the run was aborted")
+            results = [answers[last][i] for i in range(m)]
         losses = outputs = None
         if results is not None and run.loss is not None:
             losses = results
