@@ -384,12 +384,14 @@ def main() -> None:
         scale = speed / min(run["speeds"])
         return [step * scale for step in run["steps"]][args.warmup:]
 
-    def timed(index: int, layout: tuple, record: dict[str, Any]) -> None:
-        """One timed run of layout ``index``, beside the step predicted from the body's latest measurement."""
+    def timed(index: int, layout: tuple, record: dict[str, Any]) -> Any:
+        """One timed run of layout ``index``, beside the step predicted from the body's latest measurement; that
+        prediction."""
         devices, t = record["devices"], layout[2]
         predicted = planned(devices, lambda lay, mine=record["mine"]: lay == mine, record["balance"], t > 1).chosen
         record["runs"].append({"jobs": measure(args, index, layout, record["balance"], memory=False),
                                "predicted": predicted.step, "speed": speeds[devices]})
+        return predicted
 
     planned_runs: dict[int, dict[str, Any]] = {}  # per grid index: its layout, prediction, memory and step runs
     for index, layout in zip(indices, grid):
@@ -405,11 +407,9 @@ def main() -> None:
         balance = balance_of(args, layout, profiles[devices])
         mine = Layout(p, v, tuple(balance), t, d, sharding, m, schedule, checkpoint)
         start = time.perf_counter()
-        planned_runs[index] = record = {
-            "mine": mine, "balance": balance, "devices": devices,
-            "predicted": planned(devices, lambda lay, mine=mine: lay == mine, balance, t > 1).chosen,
-            "reports": measure(args, index, layout, balance, memory=True), "runs": []}
-        timed(index, layout, record)
+        planned_runs[index] = record = {"mine": mine, "balance": balance, "devices": devices,
+                                        "reports": measure(args, index, layout, balance, memory=True), "runs": []}
+        record["predicted"] = timed(index, layout, record)  # (its memory, compared below)
         print(f"[{index:2}] {mine}: memory and a first step measured ({time.perf_counter() - start:.0f} s)", flush=True)
     twos = [(index, layout) for index, layout in zip(indices, grid) if planned_runs[index]["devices"] == 2]
     for round_ in range(1, args.repeats if twos else 1):  # the 2-process layouts again, in rounds
@@ -440,12 +440,12 @@ def main() -> None:
         steps = [statistics.median(s for r in run["jobs"] for s in at_prediction_speed(r, run["speed"]))
                  for run in runs]
         predictions = [run["predicted"] for run in runs]
-        error = abs(statistics.median(w / s for w, s in zip(predictions, steps)) - 1)
-        error_raw = abs(statistics.median(w / s for w, s in zip(predictions, raw_steps)) - 1)
+        error_scaled = abs(statistics.median(w / s for w, s in zip(predictions, steps)) - 1)
+        error = abs(statistics.median(w / s for w, s in zip(predictions, raw_steps)) - 1)
         errors_memory.append(max(errors))
         if devices == 2:
-            errors_scaled.append(error)
-            errors_step.append(error_raw)
+            errors_scaled.append(error_scaled)
+            errors_step.append(error)
             if d == 1:  # the choice among layouts of the same work per step (a replica more trains twice the rows)
                 measured_two[mine] = statistics.median(raw_steps)
         print(f"[{index:2}] {mine}\n     peak predicted "
@@ -453,10 +453,10 @@ def main() -> None:
               f"{' '.join(format_bytes(x) for x in measured)}"
               f"; largest error {max(errors):.1%}\n     step predicted "
               f"{', '.join(f'{w * 1e3:.1f}' for w in predictions)} ms, measured at the prediction's speed "
-              f"{', '.join(f'{s * 1e3:.1f}' for s in steps)} ms ({error:.1%}; as timed "
-              f"{', '.join(f'{s * 1e3:.1f}' for s in raw_steps)} ms, {error_raw:.1%})", flush=True)
+              f"{', '.join(f'{s * 1e3:.1f}' for s in steps)} ms ({error_scaled:.1%}; as timed "
+              f"{', '.join(f'{s * 1e3:.1f}' for s in raw_steps)} ms, {error:.1%})", flush=True)
     print(f"\nRESULT plan_memory_error_max={max(errors_memory):.3f}")
-    if errors_scaled:
+    if errors_step:
         print(f"RESULT plan_step_error_max={max(errors_step):.3f}")
         print(f"RESULT plan_step_error_max_at_prediction_speed={max(errors_scaled):.3f}")
     if measured_two:

@@ -23,29 +23,30 @@ from lightning_pipe.transport.stages.tied import TiedCopies, TiedParameter
 __all__: list[str] = []
 
 
+def _held_apart(parts: Sequence[nn.Sequential], prefix: str, holder: Callable[[int], int]) -> list[dict[int, str]]:
+    """The parameters held by layers of more than one holder (``holder(s)``: stage ``s``'s), each as its first name
+    under each holder (``prefix`` + its name in the body), in the order of the stages."""
+    owners: dict[int, dict[int, str]] = {}  # parameter id -> holder -> its first name there
+    for s, part in enumerate(parts):
+        for name, layer in part.named_children():
+            for pname, p in layer.named_parameters():
+                owners.setdefault(id(p), {}).setdefault(holder(s), f"{prefix}{name}.{pname}")
+    return [named for named in owners.values() if len(named) > 1]
+
+
 def find_tied(parts: Sequence[nn.Sequential], process_of: Sequence[int], ranks: Sequence[int], prefix: str
               ) -> list[TiedParameter]:
     """The parameters held by layers of more than one process (stage ``s`` in process ``process_of[s]``, global
     rank ``ranks[process_of[s]]``), each named in every owning process as that process's ``named_parameters``
     names it (``prefix`` + its name in the body), the first owner (lowest stage) first."""
-    owners: dict[int, dict[int, str]] = {}  # parameter id -> process -> its first name there
-    for s, part in enumerate(parts):
-        for name, layer in part.named_children():
-            for pname, p in layer.named_parameters():
-                owners.setdefault(id(p), {}).setdefault(process_of[s], f"{prefix}{name}.{pname}")
     return [TiedParameter(tuple(named.values()), tuple(ranks[j] for j in named), tuple(named))
-            for named in owners.values() if len(named) > 1]
+            for named in _held_apart(parts, prefix, process_of.__getitem__)]
 
 
 def stage_ties(parts: Sequence[nn.Sequential], prefix: str) -> list[tuple[str, ...]]:
     """The parameters held by layers of more than one stage, each as its names (``prefix`` + its name in the body)
     in the stages that hold it, the first stage's first: in one process or not."""
-    owners: dict[int, dict[int, str]] = {}  # parameter id -> stage -> its first name there
-    for s, part in enumerate(parts):
-        for name, layer in part.named_children():
-            for pname, p in layer.named_parameters():
-                owners.setdefault(id(p), {}).setdefault(s, f"{prefix}{name}.{pname}")
-    return [tuple(named.values()) for named in owners.values() if len(named) > 1]
+    return [tuple(named.values()) for named in _held_apart(parts, prefix, lambda s: s)]
 
 
 def check_outside_ties(module: nn.Module, prefix: str, parts: Sequence[nn.Sequential], process_of: Sequence[int]
